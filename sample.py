@@ -1,0 +1,91 @@
+"""Sample from a Qwen3 checkpoint with a full or an evicting KV cache.
+
+    python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25
+"""
+import sys
+import time
+
+import torch
+
+from kvpop import KVCache, Qwen3, Tokenizer, budget_size, checkpoint_dir, configure, policy_kind
+
+# --- model
+model = "Qwen/Qwen3-0.6B"  # checkpoint folder or Hugging Face repo id
+device = "cuda" if torch.cuda.is_available() else "cpu"  # where the model runs
+dtype = "auto"  # float32 / bfloat16 / float16; auto = the checkpoint's on cuda, float32 on cpu
+# --- prompt
+prompt = "The capital of France is"  # the text, or FILE:path to read it from a file
+chat = False  # wrap the prompt in Qwen3's chat template
+think = False  # with --chat: let the model think first (<think> ... </think>)
+# --- sampling
+num_samples = 1  # samples drawn one after another
+max_new_tokens = 2048  # tokens generated per sample (fewer if the model stops)
+temperature = 0.7  # 0 = greedy; Qwen3 suggests 0.6 thinking, 0.7 otherwise
+top_k = 20  # keep the k most likely tokens (0 = off)
+top_p = 0.8  # nucleus sampling (1 = off); Qwen3 suggests 0.95 thinking, 0.8 otherwise
+seed = 1337  # random seed
+# --- KV budget (SPEC.md section 1)
+budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer B; 1 = full cache
+policy = "streaming"  # who stays in the pool: streaming, knorm, random, h2o, tova (full = no eviction)
+sinks = 4  # first tokens never evicted
+window = 256  # most recent tokens never evicted
+show = False  # print the text again, each token shaded by the share of (layer, head) caches holding it
+configure(globals())
+
+
+def fail(msg):
+    sys.exit(f"sample.py: {msg}")
+
+
+def shade(tok, ids, kept):  # grey (evicted everywhere) to white (kept everywhere), 256-colour ANSI
+    dec, out = tok.decode_stream(), []
+    for i, f in zip(ids, kept.tolist()):
+        out.append(f"\x1b[38;5;{238 + round(17 * f)}m{dec(i)}")
+    return "".join(out) + "\x1b[0m"
+
+
+try:
+    folder = checkpoint_dir(model)
+    if dtype == "auto":
+        dtype = None if device.startswith("cuda") else "float32"
+    net = Qwen3.from_pretrained(folder, device=device, dtype=dtype)
+    tok = Tokenizer.from_pretrained(folder)
+    text = open(prompt[5:], encoding="utf-8").read() if prompt.startswith("FILE:") else prompt
+    ids = tok.encode(tok.chat(text, think) if chat else text)
+    total, limit = len(ids) + max_new_tokens, net.config.max_position_embeddings
+    if not ids or max_new_tokens < 1 or num_samples < 1:
+        fail("need a non-empty prompt, --max_new_tokens >= 1 and --num_samples >= 1")
+    if total > limit:
+        fail(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+             f"{limit} positions; shorten the prompt or lower --max_new_tokens")
+    S, _ = budget_size(budget, total, sinks, window)
+    kind = policy_kind(policy)
+    if kind == "full" and S < total:
+        fail("policy full never evicts; use --budget 1 or an evicting --policy")
+except (OSError, ValueError) as e:
+    fail(e)
+
+torch.manual_seed(seed)
+c = net.config
+full_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * total * c.head_dim * net.lm_head.weight.element_size()
+x = torch.tensor([ids], device=device)
+for n in range(num_samples):
+    cache = KVCache(net, 1, S, policy if S < total else "full", sinks, window)
+    dec, out, t0 = tok.decode_stream(), [], time.time()
+    print(text if not chat else tok.decode(ids), end="", flush=True)
+    for nxt in net.generate(x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache):
+        out.append(int(nxt[0]))
+        if out[-1] in tok.stop:
+            break
+        print(dec(out[-1]), end="", flush=True)
+    dt = time.time() - t0
+    print(f"\n---\n{len(out)} tokens in {dt:.2f} s ({len(out) / dt:.1f} tokens/s, prompt {len(ids)} tokens)")
+    print(f"KV cache: {min(cache.t, S)} entries kept per head of {cache.t} tokens; "
+          f"{cache.nbytes() / 2**20:.2f} MiB "
+          f"vs {full_bytes / 2**20:.2f} MiB full ({100 * cache.nbytes() / full_bytes:.1f}%), policy {cache.policy}")
+    if show:
+        seq = ids + out[:cache.t - len(ids)]
+        held = torch.zeros(cache.t)
+        held.index_add_(0, cache.pos[:, 0].flatten().clamp(min=0), (cache.pos[:, 0].flatten() >= 0).float())
+        print(shade(tok, seq, held / (c.num_hidden_layers * c.num_key_value_heads)))
+    print("=" * 80)
