@@ -71,15 +71,16 @@ full_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * total * c.head_di
 x = torch.tensor([ids], device=device)
 for n in range(num_samples):
     cache = KVCache(net, 1, S, policy if S < total else "full", sinks, window)
-    dec, out, t0 = tok.decode_stream(), [], time.time()
+    dec, out, t = tok.decode_stream(), [], [time.time()]
     print(text if not chat else tok.decode(ids), end="", flush=True)
     for nxt in net.generate(x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache):
         out.append(int(nxt[0]))
+        t.append(time.time())  # t[1]: the prompt is in the cache and the first token sampled
         if out[-1] in tok.stop:
             break
         print(dec(out[-1]), end="", flush=True)
-    dt = time.time() - t0
-    print(f"\n---\n{len(out)} tokens in {dt:.2f} s ({len(out) / dt:.1f} tokens/s, prompt {len(ids)} tokens)")
+    rate = (len(out) - 1) / (t[-1] - t[1]) if len(out) > 1 else 0.0
+    print(f"\n---\nprefill {len(ids)} tokens in {t[1] - t[0]:.2f} s; decode {len(out)} tokens at {rate:.1f} tokens/s")
     print(f"KV cache: {min(cache.t, S)} entries kept per head of {cache.t} tokens; "
           f"{cache.nbytes() / 2**20:.2f} MiB "
           f"vs {full_bytes / 2**20:.2f} MiB full ({100 * cache.nbytes() / full_bytes:.1f}%), policy {cache.policy}")

