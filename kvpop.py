@@ -647,7 +647,7 @@ def configure(g, argv=None):
             if line.startswith("# ---"):
                 print(f"\n{line.strip('# -').strip()}:")
             elif name in keys and "#" in line:
-                print(f"  --{name} {g[name]!r:<14} {line.split('#', 1)[1].strip()}")
+                print(f"  --{name} {g[name]!r}".ljust(36), line.split("#", 1)[1].strip())
         sys.exit(0)
     i = 0
     while i < len(argv):

@@ -2,12 +2,13 @@
 
     python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25
 """
+import os
 import sys
 import time
 
 import torch
 
-from kvpop import KVCache, Qwen3, Tokenizer, budget_size, checkpoint_dir, configure, policy_kind
+from kvpop import KVCache, Qwen3, Qwen3Config, Tokenizer, budget_size, checkpoint_dir, configure, policy_kind
 
 # --- model
 model = "Qwen/Qwen3-0.6B"  # checkpoint folder or Hugging Face repo id
@@ -44,24 +45,24 @@ def shade(tok, ids, kept):  # grey (evicted everywhere) to white (kept everywher
     return "".join(out) + "\x1b[0m"
 
 
-try:
+try:  # every check before the (slow) weights load
     folder = checkpoint_dir(model)
-    if dtype == "auto":
-        dtype = None if device.startswith("cuda") else "float32"
-    net = Qwen3.from_pretrained(folder, device=device, dtype=dtype)
+    limit = Qwen3Config.from_json(os.path.join(folder, "config.json")).max_position_embeddings
     tok = Tokenizer.from_pretrained(folder)
     text = open(prompt[5:], encoding="utf-8").read() if prompt.startswith("FILE:") else prompt
     ids = tok.encode(tok.chat(text, think) if chat else text)
-    total, limit = len(ids) + max_new_tokens, net.config.max_position_embeddings
+    total = len(ids) + max_new_tokens
     if not ids or max_new_tokens < 1 or num_samples < 1:
         fail("need a non-empty prompt, --max_new_tokens >= 1 and --num_samples >= 1")
     if total > limit:
         fail(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
              f"{limit} positions; shorten the prompt or lower --max_new_tokens")
-    S, _ = budget_size(budget, total, sinks, window)
-    kind = policy_kind(policy)
-    if kind == "full" and S < total:
+    if policy_kind(policy) == "full" and budget != 1:
         fail("policy full never evicts; use --budget 1 or an evicting --policy")
+    S, _ = budget_size(budget, total, sinks, window)
+    if dtype == "auto":
+        dtype = None if device.startswith("cuda") else "float32"
+    net = Qwen3.from_pretrained(folder, device=device, dtype=dtype)
 except (OSError, ValueError) as e:
     fail(e)
 

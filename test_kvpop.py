@@ -12,10 +12,8 @@ import subprocess
 import sys
 import threading
 import unicodedata
-import weakref
 
 from tokenizers import Tokenizer as HFTokenizer
-from torch.utils._python_dispatch import TorchDispatchMode
 import bench
 import jinja2
 import pytest
@@ -129,13 +127,13 @@ def test_bad_checkpoints_give_one_clear_line(tmp_path):
     st = tmp_path / "ck" / "model.safetensors"
     data = st.read_bytes()
     st.write_bytes(data[: len(data) // 2])
-    one_line_error(run("sample.py", "--model", str(tmp_path / "ck")), "model.safetensors")
+    one_line_error(run("sample.py", "--model", str(tmp_path / "ck"), "--max_new_tokens", "8"), "model.safetensors")
     st.write_bytes(b"\xff" * 64)
-    one_line_error(run("sample.py", "--model", str(tmp_path / "ck")), "model.safetensors")
+    one_line_error(run("sample.py", "--model", str(tmp_path / "ck"), "--max_new_tokens", "8"), "model.safetensors")
     hf_checkpoint(tmp_path / "ck2")  # a config that disagrees with the tensors: a wrong shape
     cfg = tmp_path / "ck2" / "config.json"
     cfg.write_text(cfg.read_text().replace('"intermediate_size": 112', '"intermediate_size": 100'))
-    one_line_error(run("sample.py", "--model", str(tmp_path / "ck2")), "mlp", "shape")
+    one_line_error(run("sample.py", "--model", str(tmp_path / "ck2"), "--max_new_tokens", "8"), "mlp", "shape")
 
 
 def test_sample_cli_bad_values(tmp_path):
@@ -393,34 +391,8 @@ def test_kernels_dispatch():
     assert kernels._use_triton(torch.zeros(1)) == (os.environ.get("TRITON_INTERPRET") == "1")
 
 
-class _KLiveBytes(TorchDispatchMode):
-    """Bytes of the storages that ops create while active, each dropped from the count when it is freed
-    (storages keep their Python object while alive, so a weakref finalizer fires exactly at the free)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.now, self.peak = set(), 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}  # views, in-place
-        for x in out if isinstance(out, (tuple, list)) else [out]:
-            s = x.untyped_storage() if isinstance(x, torch.Tensor) else None
-            if s is None or s.nbytes() == 0 or s.data_ptr() in ins or s.data_ptr() in self.live:
-                continue
-            self.live.add(s.data_ptr())
-            self.now += s.nbytes()
-            self.peak = max(self.peak, self.now)
-            weakref.finalize(s, self._free, s.data_ptr(), s.nbytes())
-        return out
-
-    def _free(self, ptr, n):
-        self.live.discard(ptr)
-        self.now -= n
-
-
 def _k_peak_bytes(fn):
-    with _KLiveBytes() as meter:
+    with bench.LiveBytes() as meter:  # counts live tensor storages (CPU has no max_memory_allocated)
         fn()
     return meter.peak
 
