@@ -286,6 +286,7 @@ class Tokenizer:
         t = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
         return t if think else t + "<think>\n\n</think>\n\n"  # thinking off: an empty think block
 
+
 # ----------------------------------------------------------------------------------------------------------
 # model: Hugging Face's module names, so a checkpoint is a 1:1 copy
 
