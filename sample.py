@@ -67,8 +67,6 @@ except (OSError, ValueError) as e:
     fail(e)
 
 torch.manual_seed(seed)
-c = net.config
-full_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * total * c.head_dim * net.lm_head.weight.element_size()
 x = torch.tensor([ids], device=device)
 for n in range(num_samples):
     cache = KVCache(net, 1, S, policy if S < total else "full", sinks, window)
@@ -82,12 +80,12 @@ for n in range(num_samples):
         print(dec(out[-1]), end="", flush=True)
     rate = (len(out) - 1) / (t[-1] - t[1]) if len(out) > 1 else 0.0
     print(f"\n---\nprefill {len(ids)} tokens in {t[1] - t[0]:.2f} s; decode {len(out)} tokens at {rate:.1f} tokens/s")
+    full = cache.nbytes() * total / S  # a full cache holds every one of the `total` positions
     print(f"KV cache: {min(cache.t, S)} entries kept per head of {cache.t} tokens; "
           f"{cache.nbytes() / 2**20:.2f} MiB "
-          f"vs {full_bytes / 2**20:.2f} MiB full ({100 * cache.nbytes() / full_bytes:.1f}%), policy {cache.policy}")
+          f"vs {full / 2**20:.2f} MiB full ({100 * S / total:.1f}%), policy {cache.policy}")
     if show:
         seq = ids + out[:cache.t - len(ids)]
-        held = torch.zeros(cache.t)
-        held.index_add_(0, cache.pos[:, 0].flatten().clamp(min=0), (cache.pos[:, 0].flatten() >= 0).float())
-        print(shade(tok, seq, held / (c.num_hidden_layers * c.num_key_value_heads)))
+        p = cache.pos[:, 0]  # (L, Hkv, S) positions held, -1 = empty
+        print(shade(tok, seq, torch.bincount(p[p >= 0], minlength=cache.t) / (p.shape[0] * p.shape[1])))
     print("=" * 80)
