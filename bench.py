@@ -104,18 +104,26 @@ def cmd_kernels(argv):
     """Time and peak memory of each kernels.py op vs its naive dense version (and SDPA on CUDA)."""
     cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(prog="bench.py kernels", description=cmd_kernels.__doc__)
+    ap.error = lambda msg: sys.exit(f"bench.py kernels: {msg}")  # one line, exit status 1
     ap.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--T", help="comma-separated lengths (default 4096,16384,32768 on CUDA, 1024,2048,4096 on CPU)")
     ap.add_argument("--D", type=int, default=128, help="head dim")
     ap.add_argument("--group", type=int, default=2, help="query heads of the one KV head timed")
     a = ap.parse_args(argv)
+    a.T = ("4096,16384,32768" if a.device == "cuda" else "1024,2048,4096") if a.T is None else a.T
     if a.device == "cuda" and not cuda:
-        raise SystemExit("--device cuda: no CUDA GPU is visible; use --device cpu")
+        ap.error("--device cuda: no CUDA GPU is visible; use --device cpu")
+    if not all(x.strip().isdecimal() and int(x) >= 1 for x in a.T.split(",")):
+        ap.error(f"--T {a.T!r}: use comma-separated lengths >= 1, e.g. 1024,2048")
+    if a.D < 1 or a.device == "cuda" and a.D > 256:
+        ap.error(f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)")
+    if a.group < 1:
+        ap.error(f"--group {a.group}: use 1 or more query heads")
     dev, dt, sinks, window = a.device, torch.bfloat16 if a.device == "cuda" else torch.float32, 4, 256
     print(f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads, sinks {sinks}, window {window}, pool T/4\n")
     print("| op | T | ours ms | naive ms | naive/ours | SDPA ms | ours MiB | naive MiB | naive/ours |")
     print("|---" * 9 + "|")
-    for T in [int(x) for x in (a.T or ("4096,16384,32768" if dev == "cuda" else "1024,2048,4096")).split(",")]:
+    for T in map(int, a.T.split(",")):
         q = torch.randn(1, a.group, T, a.D, device=dev, dtype=dt)
         k, v = (torch.randn(1, 1, T, a.D, device=dev, dtype=dt) for _ in range(2))
         pri = torch.randn(1, 1, T, device=dev)
@@ -147,6 +155,7 @@ VALUES = ("new true false null good best free real high long last first open mai
           "order head action report build check count start find show help read").split()
 FILLERS = ("the of and to in is for on with that it as at by or be we you are was not but from have he his "
            "they their has been were would").split()
+TASK_RANKS = 1974  # Qwen3 ranks a cut vocabulary must keep so that every word above is one token (" order": 1973)
 
 
 def task_ids(tok):
@@ -203,6 +212,7 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
     accuracy on all queries, on far ones, relative to full, and mean KL(full || policy) past position B."""
     size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]  # noqa: E731
     far = dist >= max(map(size, budgets)) - sinks  # out of reach of a plain window at every budget
+    name = lambda p: p if isinstance(p, str) else p.kind  # noqa: E731 (a learned scorer is named by its kind)
     runs = [("full", 1)] + [(p, b) for p in policies if p != "full" for b in budgets]
     hit, kl = {r: [] for r in runs}, {r: [] for r in runs}
     for c in range(0, len(idx), chunk):  # full-vocabulary log-probs of a chunk, then every run on it
@@ -210,7 +220,7 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
         full = kvpop.evaluate(net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
         for p, b in runs:
             lp = full if p == "full" else kvpop.evaluate(
-                net, x, p, b, sinks, window, online=p in kvpop.DYNAMIC).float().log_softmax(-1)
+                net, x, p, b, sinks, window, online=name(p) in kvpop.DYNAMIC).float().log_softmax(-1)
             hit[p, b].append(lp.argmax(-1)[m] == tgt[c:c + chunk][m])
             kl[p, b].append((full.exp() * (full - lp)).sum(-1)[:, size(b):].flatten())  # (chunk * (T - B),)
     far, rows = torch.cat([far[c:c + chunk][tgt[c:c + chunk] >= 0] for c in range(0, len(idx), chunk)]), []
@@ -218,9 +228,15 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
         h, k = torch.cat(hit[p, b]).float(), torch.cat(kl[p, b])
         acc = h.mean().item()
         rel = acc / (rows[0]["accuracy"] if rows else acc)
-        rows.append(dict(policy=p, budget=b, accuracy=round(acc, 4), far_accuracy=round(h[far].mean().item(), 4),
+        rows.append(dict(policy=name(p), budget=b, accuracy=round(acc, 4), far_accuracy=round(h[far].mean().item(), 4),
                          relative=round(rel, 4), kl=round(k.mean().item(), 4) if len(k) else 0.0))
     return rows, far.float().mean().item(), len(far)
+
+
+def quality_table(rows):
+    return "| policy | budget | accuracy | far accuracy | relative | KL |\n|---|---|---|---|---|---|\n" + "\n".join(
+        f"| {r['policy']} | {r['budget']:g} | {r['accuracy']:.1%} | {r['far_accuracy']:.1%} | {r['relative']:.3f} | "
+        f"{r['kl']:.3f} |" for r in rows)
 
 
 def cmd_quality(argv):
@@ -228,7 +244,8 @@ def cmd_quality(argv):
     ap = argparse.ArgumentParser(prog="bench.py quality", description=cmd_quality.__doc__)
     ap.error = lambda msg: sys.exit(f"bench.py quality: {msg}")  # one line, exit status 1
     ap.add_argument("--model", default="baby", help="checkpoint folder (default: the shipped baby)")
-    ap.add_argument("--scorer", help="a learned scorer's folder (issue [5/6])")
+    ap.add_argument("--scorer", default="baby/kvpop,baby/kvpop-mlp",
+                    help="comma-separated learned scorer folders, a row each, named by kind ('' for none)")
     ap.add_argument("--policies", default="full,oracle,streaming,h2o,tova,knorm,random", help="comma-separated")
     ap.add_argument("--budgets", default="0.25,0.125", help="comma-separated fractions of T (or integers B)")
     ap.add_argument("--seed", type=int, default=0, help="held-out task seed (training draws other streams)")
@@ -239,20 +256,27 @@ def cmd_quality(argv):
     ap.add_argument("--window", type=int, default=32, help="recent tokens never evicted")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (tiny ops: a second one mostly waits)")
     a = ap.parse_args(argv)
-    if a.scorer:
-        ap.error("--scorer: learned scorers arrive with issue [5/6]")
     policies = a.policies.split(",")
     for p in policies:
         if p not in kvpop.POLICIES:
             ap.error(f"--policies: unknown policy {p!r}; choose from {','.join(kvpop.POLICIES)}")
+    budgets = [kvpop.parse_value(ap.prog, "budgets", b, float) for b in a.budgets.split(",")]  # not inf, nan, ''
+    for flag, least in [("n", 1), ("T", 64), ("sinks", 0), ("window", 1), ("threads", 1)]:
+        if getattr(a, flag) < least:
+            ap.error(f"--{flag} {getattr(a, flag)}: use {least} or more")
+    folder = os.path.dirname(a.json or "") or "."
+    if a.json and (os.path.isdir(a.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+        ap.error(f"--json {a.json}: give a file name in an existing, writable folder")
     try:
-        for b in a.budgets.split(","):  # a bad budget raises here, with what is allowed
-            kvpop.budget_size(b, a.T, a.sinks, a.window)
-        budgets = [float(b) for b in a.budgets.split(",")]
-        if a.n < 1 or a.T < 64:
-            raise ValueError("need --n >= 1 and --T >= 64")
-        if a.json and not os.path.isdir(os.path.dirname(a.json) or "."):
-            raise ValueError(f"--json {a.json}: its folder does not exist")
+        limit = kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json"))
+        scorers = [kvpop.Scorer.from_pretrained(d) for d in a.scorer.split(",") if d]
+        for s in [None] + scorers:  # a bad budget, or a scorer for another model or window, raises here
+            if s is not None:
+                s.check(limit, a.window)
+            for b in budgets:
+                kvpop.budget_size(b, a.T, a.sinks, a.window, getattr(s, "charge", 0))
+        if a.T > limit.max_position_embeddings:  # checked before the weights load
+            raise ValueError(f"--T {a.T}: the model has {limit.max_position_embeddings} positions; lower --T")
         torch.set_num_threads(a.threads)
         net = kvpop.Qwen3.from_pretrained(a.model, dtype=torch.float32)
         tok = kvpop.Tokenizer.from_pretrained(kvpop.checkpoint_dir(a.model))
@@ -260,13 +284,10 @@ def cmd_quality(argv):
     except (OSError, ValueError) as e:
         ap.error(str(e))
     t0 = time.time()
-    rows, far, n = quality_runs(net, idx, tgt, dist, policies, budgets, a.sinks, a.window)
+    rows, far, n = quality_runs(net, idx, tgt, dist, policies + scorers, budgets, a.sinks, a.window)
     print(f"{a.model}: {a.n} held-out sequences of {a.T} tokens (seed {a.seed}), {n} queries ({far:.0%} far), "
           f"sinks {a.sinks}, window {a.window}\n")
-    print("| policy | budget | accuracy | far accuracy | relative | KL |\n|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['policy']} | {r['budget']:g} | {r['accuracy']:.1%} | {r['far_accuracy']:.1%} | "
-              f"{r['relative']:.3f} | {r['kl']:.3f} |")
+    print(quality_table(rows))
     print(f"\n{time.time() - t0:.0f}s")
     if a.json:
         with open(a.json + ".tmp", "w") as f:

