@@ -38,6 +38,12 @@ def read_json(f):  # config, shard index and tokenizer files: a bad one is a one
         raise ValueError(f"cannot read {f}: {e}") from None
 
 
+def write_json(d, f):  # to a temporary name, then renamed: never half-written
+    with open(f + ".tmp", "w") as fh:
+        json.dump(d, fh, indent=1)
+    os.replace(f + ".tmp", f)
+
+
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # a checkpoint's torch_dtype, sample.py's --dtype
 KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "text"}  # in error messages
 CONFIG_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -460,10 +466,7 @@ class Qwen3(nn.Module):
             sd.pop("lm_head.weight")
         save_safetensors(sd, os.path.join(folder, "model.safetensors"))
         dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
-        d = dict(self.config.to_dict(), torch_dtype=dtype)
-        with open(os.path.join(folder, "config.json.tmp"), "w") as f:
-            json.dump(d, f, indent=2)
-        os.replace(os.path.join(folder, "config.json.tmp"), os.path.join(folder, "config.json"))
+        write_json(dict(self.config.to_dict(), torch_dtype=dtype), os.path.join(folder, "config.json"))
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop=(), cache=None):
@@ -590,21 +593,14 @@ SCORERS = ("kvpop", "kvpop-mlp")
 
 
 class Scorer(nn.Module):
-    """Learned static priorities pi[t] = r[t] + gamma_h * t, gamma_h = softplus(theta_h), with separate
-    weights per layer and KV head, from x[t] = the cached key and value, detached and RMS-normalised.
-    kind "kvpop-mlp": r[t] = MLP(x[t]) when t enters the cache. kind "kvpop" (delayed): an mLSTM matrix memory
-    reads every token; t is scored when it leaves the window, at q = t + window, by reading the memory with
-    u = W_r x[t], so the score has seen the `window` tokens after t. Its state (C, n, m) per head is charged
-    to the budget as `charge` cache entries."""
+    """Learned static priorities pi[t] = r[t] + softplus(theta_h) * t per layer and KV head, from the cached key
+    and value (README, Method: scorers). kvpop-mlp scores t on arrival; kvpop (delayed) when t leaves the window,
+    from an mLSTM memory that has read the tokens after it. Its state is charged as `charge` cache entries."""
 
     def __init__(self, config, kind="kvpop", window=256, d_mem=128, d_hidden=128, gamma=0.002):
         super().__init__()
-        if kind not in SCORERS:
-            raise ValueError(f"unknown scorer kind {kind!r}; choose from {', '.join(SCORERS)}")
-        if not (type(window) is int and window >= 1 and type(d_mem) is int and d_mem >= 1
-                and type(d_hidden) is int and d_hidden >= 1 and 0 < gamma < 1):
-            raise ValueError(f"scorer needs integers window, d_mem, d_hidden >= 1 and 0 < gamma < 1, got "
-                             f"{window!r}, {d_mem!r}, {d_hidden!r}, {gamma!r}")
+        if kind not in SCORERS or not all(type(n) is int and n >= 1 for n in (window, d_mem, d_hidden)):
+            raise ValueError(f"scorer kind {kind!r} (use {' or '.join(SCORERS)}), window, d_mem, d_hidden >= 1")
         L, H, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.kind, self.window, self.d_mem, self.d_hidden, self.meta = kind, window, d_mem, d_hidden, {}
         self.shape = dict(num_hidden_layers=L, num_key_value_heads=H, head_dim=D)
@@ -635,9 +631,8 @@ class Scorer(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
     def forward(self, i, k, v, pos, memory=None):
-        """Priorities (B, H, T) of layer i's tokens (k, v) at positions pos. kvpop-mlp: any tokens. kvpop: a
-        whole sequence from position 0 (parallel form); tokens t + window > T - 1 are read at T - 1 (not
-        scored yet online; never eligible in the mask). `memory`, a list, receives the final state (C, n, m)."""
+        """Priorities (B, H, T) of layer i's tokens at positions pos; kvpop: a whole sequence from 0 (parallel
+        form; t > T - 1 - window, never eligible yet, read at T - 1). `memory` (a list) gets the final state."""
         x = self.features(k, v)
         if self.kind == "kvpop-mlp":
             h = F.silu(x @ self.w1[i] + self.b1[i][:, None])  # (B, H, T, d_hidden)
@@ -673,8 +668,7 @@ class Scorer(nn.Module):
                                        m[..., -1, 0])
 
     def update(self, i, state, k, v):
-        """Recurrent form, in place: the memory state (C (B, H, M, M), n (B, H, M), m (B, H)) reads one
-        token (k, v (B, H, 1, D)): C = f C + i v' k'^T, n = f n + i k', kept as C exp(-m) for stability."""
+        """Recurrent form, in place: (C (B, H, M, M), n (B, H, M), m (B, H)) reads one token (k, v (B, H, 1, D))."""
         C, n, m = state
         kp, vp, li, lf = self.project(i, self.features(k, v))
         m_new = torch.maximum(lf[..., 0] + m, li[..., 0])
@@ -695,11 +689,8 @@ class Scorer(nn.Module):
         """scorer.safetensors + scorer.json (every setting needed to rebuild it, and what it was trained for)."""
         os.makedirs(folder, exist_ok=True)
         save_safetensors(self.state_dict(), os.path.join(folder, "scorer.safetensors"))
-        d = dict(kind=self.kind, window=self.window, d_mem=self.d_mem, d_hidden=self.d_hidden, **self.shape,
-                 charge=self.charge, trained=self.meta)
-        with open(os.path.join(folder, "scorer.json.tmp"), "w") as f:
-            json.dump(d, f, indent=1)
-        os.replace(os.path.join(folder, "scorer.json.tmp"), os.path.join(folder, "scorer.json"))
+        write_json(dict(kind=self.kind, window=self.window, d_mem=self.d_mem, d_hidden=self.d_hidden, **self.shape,
+                        charge=self.charge, trained=self.meta), os.path.join(folder, "scorer.json"))
 
     @classmethod
     def from_pretrained(cls, folder):
@@ -707,18 +698,14 @@ class Scorer(nn.Module):
         if not os.path.isfile(f):
             raise FileNotFoundError(f"{folder} is not a scorer folder (no scorer.json); pass the --out_dir of "
                                     "a train.py run")
-        d = read_json(f)
+        d, sd = read_json(f), read_safetensors(os.path.join(folder, "scorer.safetensors"))
         try:
             shape = {k: d[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")}
-            if not all(type(x) is int and x > 0 for x in shape.values()):
-                raise TypeError(f"model shape {shape}")
             s = cls(Qwen3Config(**shape), d["kind"], d["window"], d["d_mem"], d["d_hidden"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{f}: missing or bad field ({e})") from None
-        sd = read_safetensors(os.path.join(folder, "scorer.safetensors"))
-        want = {k: v.shape for k, v in s.state_dict().items()}
-        if {k: v.shape for k, v in sd.items()} != want:
-            raise ValueError(f"{folder}/scorer.safetensors does not hold the tensors scorer.json describes")
+        if {k: v.shape for k, v in sd.items()} != {k: v.shape for k, v in s.state_dict().items()}:
+            raise ValueError(f"{folder}: scorer.safetensors does not hold the tensors scorer.json describes")
         s.load_state_dict({k: v.float() for k, v in sd.items()})
         s.meta = d.get("trained", {})
         return s.eval().requires_grad_(False)
@@ -729,11 +716,9 @@ class Scorer(nn.Module):
 
 
 class KVCache:
-    """At most `size` KV entries per layer and KV head in dense (L, B, Hkv, size, D) buffers, so the memory
-    saving is real (a delayed scorer's state sits beside them; budget_size charges it to the budget). Slots
-    fill from 0 and an evicted slot is reused by the newcomer, so the filled slots are always
-    [0, min(t, size)). pos[slot] is the token's position (keys keep their RoPE), score[slot] its static
-    priority (0 until a delayed scorer has read it) or, for h2o/tova, its attention score."""
+    """At most `size` KV entries per layer and KV head in dense (L, B, Hkv, size, D) buffers (a delayed scorer's
+    state beside them). Filled slots are always [0, min(t, size)): an evicted slot goes to the newcomer.
+    pos[slot]: the token's position; score[slot]: its priority (0 until a delayed scorer reads it), or h2o/tova's."""
 
     def __init__(self, model, batch, size, policy="full", sinks=4, window=256):
         c, p = model.config, next(model.parameters())

@@ -1214,8 +1214,8 @@ def test_bench_quality_json_is_valid_and_deterministic(tmp_path):
         assert r.returncode == 0, r.stderr
         out.append(path.read_text())
     rows = json.loads(out[0])
-    assert out[0] == out[1] and [(r["policy"], r["budget"]) for r in rows] == [("full", 1), ("streaming", 0.25),
-                                                                             ("h2o", 0.25)]
+    assert out[0] == out[1] and [(r["policy"], r["budget"]) for r in rows] == [  # the shipped scorers by default
+        ("full", 1), ("streaming", 0.25), ("h2o", 0.25), ("kvpop", 0.25), ("kvpop-mlp", 0.25)]
     assert all(set(r) == {"policy", "budget", "accuracy", "far_accuracy", "relative", "kl"} for r in rows)
     assert rows[0]["relative"] == 1.0 and rows[0]["kl"] == 0.0 and 0 <= rows[1]["accuracy"] <= 1
 
