@@ -29,8 +29,7 @@ top_p = 0.8  # nucleus sampling (1 = off); Qwen3 suggests 0.95 thinking, 0.8 oth
 seed = 1337  # random seed
 # --- KV budget (README, Method: budget)
 budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer B; 1 = full cache
-policy = ""  # kvpop, kvpop-mlp (learned), streaming, knorm, random, h2o, tova, full; empty: kvpop on the baby,
-# else streaming
+policy = ""  # kvpop, kvpop-mlp (learned), streaming, knorm, random, h2o, tova, full; empty: kvpop (baby), streaming
 scorer = ""  # a learned scorer's folder; empty: out/ if train.py wrote one of that kind there, else baby/<policy>
 sinks = 4  # first tokens never evicted
 window = 0  # most recent tokens never evicted; 0: the delayed scorer's own, else 32 on the baby, 256 otherwise
