@@ -402,10 +402,10 @@ class Qwen3(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, idx, targets=None, cache=None, attn=causal):
-        """idx (B, T) -> logits (B, T, vocab), or (logits, loss) with targets (-1 = ignored).
-        attn(i, q, k, v, pos) is layer i's attention; with a cache the tokens continue the cached sequence
-        and only the last position's logits are computed (that is all generation needs)."""
+    def forward(self, idx, targets=None, cache=None, attn=causal, head=True):
+        """idx (B, T) -> logits (B, T, vocab), or (logits, loss) with targets (-1 = ignored), or with head=False
+        the last layer's output (B, T, hidden). attn(i, q, k, v, pos) is layer i's attention; with a cache the
+        tokens continue the cached sequence and only the last position's logits are computed."""
         B, T = idx.shape
         t0 = 0 if cache is None else cache.t
         pos = torch.arange(t0, t0 + T, device=idx.device)
@@ -418,6 +418,8 @@ class Qwen3(nn.Module):
         if cache is not None:
             cache.t += T
             x = x[:, -1:]
+        if not head:  # passes that only need the layers' attention: no (B, T, vocab) logits
+            return x
         logits = self.lm_head(self.model.norm(x))
         if targets is None:
             return logits
@@ -561,15 +563,23 @@ def masked_attention(q, k, v, pi, sinks, window, pool):
     return kernels.attention(q, k, v, e, sinks)[0], e
 
 
-def oracle_policy(model, idx, window):
-    """pi = r* of every layer (README, Method: future attention), from one dense forward pass."""
-    r = []
+@torch.no_grad()
+def dense_targets(model, idx, window):
+    """One dense pass: every layer's cached (k, v) and its future-attention target r* (B, Hkv, T) (README,
+    Method: future attention): the oracle's priorities and the scorers' teacher."""
+    kv, r = [], []
 
     def attn(i, q, k, v, pos):
         y, lse = kernels.attention(q, k, v)
-        r.append(kernels.future_attention(q, k, lse, window))  # (B, Hkv, T)
+        kv.append((k, v))
+        r.append(kernels.future_attention(q, k, lse, window))
         return y
-    model(idx, attn=attn)
+    model(idx, attn=attn, head=False)
+    return kv, r
+
+
+def oracle_policy(model, idx, window):  # pi = r*
+    r = dense_targets(model, idx, window)[1]
     return lambda i, k, v, pos: r[i][:, :, pos]
 
 

@@ -804,6 +804,15 @@ def test_stream_split_characters(tok):
     assert sum(c == "" for c in chunks) > 10  # incomplete bytes were held back
 
 
+def test_stream_cut_inside_a_character_flushes_like_decode(tok):
+    ids = tok.encode("🇯🇵🇺🇸🏳\ufe0f\u200d🌈 👨\u200d👩\u200d👧 𓀀𓁐 龘靐齉 ﷽")
+    cuts = [n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd")]
+    assert len(cuts) > 5  # generations that end inside a multi-byte character
+    for n in cuts:
+        dec = tok.decode_stream()
+        assert "".join(dec(i) for i in ids[:n]) + dec() == tok.decode(ids[:n])
+
+
 def test_stream_invalid_bytes_match_decode(tok):
     b = tok.enc.encode_single_token
     ids = [b(b"\xf0\x9f"), b(b"a"), b(b"\xe9"), b(b"\xe4\xb8"), b(b"\xad"), b(b"\xf0")]  # bad, good, held

@@ -74,8 +74,7 @@ kvpop.configure(globals(), None if __name__ == "__main__" else [])  # imported (
 
 
 def need(ok, msg):  # bad input: one line, before any heavy work
-    if not ok:
-        sys.exit(f"train.py: {msg}")
+    kvpop.need(ok, msg, "train.py")
 
 
 need(stage in ("scorer", "pretrain"), f"--stage {stage!r}: choose scorer or pretrain")
@@ -117,24 +116,6 @@ need(stage == "pretrain" or B_train < seq_len, f"--budget {budget} keeps all {se
 # the scorer: frozen-model targets, teacher decisions, the boundary loss
 
 
-@torch.no_grad()
-def frozen_pass(net, idx):
-    """The frozen model's cached keys and values and its future-attention target r* per layer, (B, Hkv, T)
-    each. Only the layers run: the output head's (B, T, vocab) logits are never needed."""
-    kv, target, pos = [], [], torch.arange(idx.shape[1], device=idx.device)
-
-    def attn(i, q, k, v):
-        y, lse = kernels.attention(q, k, v)
-        kv.append((k, v))
-        target.append(kernels.future_attention(q, k, lse, window))
-        return y
-    x = net.model.embed_tokens(idx)
-    cos, sin = net.rope(pos, x.dtype)
-    for i, block in enumerate(net.model.layers):
-        x = block(x, cos, sin, lambda q, k, v, i=i: attn(i, q, k, v))
-    return kv, target
-
-
 def boundary(pi, e, q, sinks, window):
     """The teacher's decision for t_new = q - window at each query position q (Q,): keep (B, H, Q), and the
     cutoff token t_bnd (B, H, Q): the k-th best eligible token at q, or the (k+1)-th (the best one dropped)
@@ -150,8 +131,9 @@ def boundary(pi, e, q, sinks, window):
     return keep, torch.where(worst == tn, best_dropped, worst)
 
 
-def boundary_loss(scorer, kv, target, it, B, T):
+def boundary_loss(scorer, kv, target, it):
     """Mean over layers of the balanced boundary loss; backward per layer so one layer's graph is alive."""
+    T = target[0].shape[-1]
     g = torch.Generator().manual_seed(seed * 1_000_003 + it)  # query positions: a function of the step
     q = torch.arange(sinks + window + pool, T)  # the pool is over-full: every step decides one token
     if queries and queries < len(q):
@@ -211,8 +193,8 @@ def evaluate_scorer(net, tok, scorer):
         return f"held-out far accuracy at budget {budget:g}: {rows[1]['far_accuracy']:.3f} (full " \
                f"{rows[0]['far_accuracy']:.3f})"
     with torch.no_grad():
-        loss, acc = boundary_loss(scorer, *frozen_pass(net, batch(tok, 0, n_valid, "valid").to(device)), 0, n_valid,
-                                  seq_len)
+        idx = batch(tok, 0, n_valid, "valid").to(device)
+        loss, acc = boundary_loss(scorer, *kvpop.dense_targets(net, idx, window), 0)
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
 
@@ -266,7 +248,7 @@ def train_scorer():
         idx = batch(tok, it, batch_size)
         idx = (idx[0] if isinstance(idx, tuple) else idx).to(device)
         opt.zero_grad(set_to_none=True)
-        loss, acc = boundary_loss(scorer, *frozen_pass(net, idx), it, batch_size, seq_len)
+        loss, acc = boundary_loss(scorer, *kvpop.dense_targets(net, idx, window), it)
         torch.nn.utils.clip_grad_norm_(scorer.parameters(), grad_clip)
         opt.step()
         tok_count += idx.numel()
