@@ -6,7 +6,7 @@ quality: every eviction policy on held-out sequences of the baby's long-range re
          train.py trains on it): answer accuracy, far accuracy, accuracy relative to full, KL to full.
 """
 import argparse
-import json
+import contextlib
 import math
 import os
 import random
@@ -80,24 +80,48 @@ class LiveBytes(TorchDispatchMode):
         self.now -= n
 
 
-def measure(fn, dev, reps=3):
-    """Best wall time in ms over `reps` runs after a warm-up, and peak extra memory in MiB."""
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+def sync(dev):
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def best(fn, dev, reps=3):
+    """Best wall seconds of `reps` runs after a warm-up."""
     times = []
     for _ in range(reps + 1):
-        sync()
+        sync(dev)
         t0 = time.perf_counter()
         fn()
-        sync()
+        sync(dev)
         times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def peak(fn, dev):
+    """(seconds, peak bytes allocated above what was live before) of one run of fn."""
+    sync(dev)
     if dev == "cuda":
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    with LiveBytes() if dev == "cpu" else contextlib.nullcontext() as meter:
         fn()
-        return min(times[1:]) * 1e3, (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    with LiveBytes() as meter:
-        fn()
-    return min(times[1:]) * 1e3, meter.peak / 2 ** 20
+    sync(dev)
+    return time.perf_counter() - t0, meter.peak if dev == "cpu" else torch.cuda.max_memory_allocated() - base
+
+
+def measure(fn, dev):  # kernels: best ms of 3 runs, and peak extra MiB
+    return best(fn, dev) * 1e3, peak(fn, dev)[1] / 2**20
+
+
+def check_flags(ap, a, least):
+    """Integer flags' lower bounds, and --json: a file name in an existing, writable folder."""
+    for flag, n in least:
+        if getattr(a, flag) < n:
+            ap.error(f"--{flag} {getattr(a, flag)}: use {n} or more")
+    folder = os.path.dirname(a.json or "") or "."
+    if a.json and (os.path.isdir(a.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+        ap.error(f"--json {a.json}: give a file name in an existing, writable folder")
 
 
 def cmd_kernels(argv):
@@ -261,12 +285,7 @@ def cmd_quality(argv):
         if p not in kvpop.POLICIES:
             ap.error(f"--policies: unknown policy {p!r}; choose from {','.join(kvpop.POLICIES)}")
     budgets = [kvpop.parse_value(ap.prog, "budgets", b, float) for b in a.budgets.split(",")]  # not inf, nan, ''
-    for flag, least in [("n", 1), ("T", 64), ("sinks", 0), ("window", 1), ("threads", 1)]:
-        if getattr(a, flag) < least:
-            ap.error(f"--{flag} {getattr(a, flag)}: use {least} or more")
-    folder = os.path.dirname(a.json or "") or "."
-    if a.json and (os.path.isdir(a.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
-        ap.error(f"--json {a.json}: give a file name in an existing, writable folder")
+    check_flags(ap, a, [("n", 1), ("T", 64), ("sinks", 0), ("window", 1), ("threads", 1)])
     try:
         limit = kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json"))
         scorers = [kvpop.Scorer.from_pretrained(d) for d in a.scorer.split(",") if d]
@@ -290,13 +309,188 @@ def cmd_quality(argv):
     print(quality_table(rows))
     print(f"\n{time.time() - t0:.0f}s")
     if a.json:
-        with open(a.json + ".tmp", "w") as f:
-            json.dump(rows, f, indent=1)
-        os.replace(a.json + ".tmp", a.json)
+        kvpop.write_json(rows, a.json)
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# speed: a decoding step reads every weight and every kept key and value once, so its cost should follow bytes
+
+SHAPES = {"0.6B": (28, 1024, 3072, 16, True), "4B": (36, 2560, 9728, 32, True), "8B": (36, 4096, 12288, 32, False)}
+
+
+def shape_model(shape, layers, device, dtype):
+    """A Qwen3 of a named shape (layers, hidden, MLP width, query heads, tied head; 8 KV heads of 128) with random
+    weights, built without initialising twice."""
+    L, E, F_, Hq, tied = SHAPES[shape]
+    c = kvpop.Qwen3Config(vocab_size=151936, hidden_size=E, intermediate_size=F_, num_hidden_layers=layers or L,
+                          num_attention_heads=Hq, num_key_value_heads=8, head_dim=128, tie_word_embeddings=tied,
+                          max_position_embeddings=131072, rope_theta=1e6)
+    with torch.device("meta"):
+        net = kvpop.Qwen3(c)
+    net.to_empty(device=device)  # unties the head, and the memory may hold denormals that slow a CPU: fill it
+    if tied:
+        net.lm_head.weight = net.model.embed_tokens.weight
+    for p in net.parameters():
+        p.data.normal_(0, 0.02) if p.dim() > 1 else p.data.fill_(1.0)
+    return net.to(dtype).eval().requires_grad_(False)
+
+
+def fill(cache, C):
+    """Make the cache look as if it had read C tokens (sinks, a pool spread over the past, the window), with
+    synthetic keys and values: a step costs the same whatever they hold. Returns the entries held."""
+    S, s, w = cache.size, cache.sinks, cache.window
+    pos = torch.arange(C) if C <= S else torch.cat([torch.arange(s), torch.linspace(s, C - w - 1, S - s - w).long(),
+                                                   torch.arange(C - w, C)])
+    n = len(pos)
+    cache.k[..., :n, :].normal_()
+    cache.v[..., :n].normal_()
+    cache.pos[..., :n], cache.score[..., :n], cache.t = pos.to(cache.pos.device), torch.rand(n), C
+    if cache.delayed:
+        cache.C.normal_(0, 0.01), cache.n.normal_(), cache.m.zero_()
+    return n
+
+
+def cmd_speed(argv):
+    """Decoding tokens/s, KV memory and effective bandwidth of each policy and budget, side by side with full and
+    with the matrix-vector limit; the scorer's share of a step; prefill time and peak memory; the parts of a
+    scorer training step. Bytes a step must read: weights (the input embedding only when tied to the head),
+    the kept keys and values, the scorer's state."""
+    cuda = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(prog="bench.py speed", description=cmd_speed.__doc__)
+    ap.error = lambda msg: sys.exit(f"bench.py speed: {msg}")  # one line, exit status 1
+    ap.add_argument("--model", help="checkpoint folder (default: a random model of --shape)")
+    ap.add_argument("--shape", default="0.6B", choices=list(SHAPES), help="Qwen3 shape of the random model")
+    ap.add_argument("--layers", type=int, default=0, help="layers of the random model (0 = the shape's)")
+    ap.add_argument("--contexts", default="8192,32768", help="comma-separated decoding contexts ('' = none)")
+    ap.add_argument("--budgets", default="0.25,0.125", help="comma-separated fractions of the context")
+    ap.add_argument("--policies", default="streaming,kvpop,kvpop-mlp", help="comma-separated, besides full")
+    ap.add_argument("--steps", type=int, default=8, help="decoding steps timed per row (the best is kept)")
+    ap.add_argument("--prefill", type=int, default=0, help="prompt length of the prefill rows (0 = none)")
+    ap.add_argument("--train", type=int, default=0, help="sequence length of the training-step rows (0 = none)")
+    ap.add_argument("--sinks", type=int, default=4, help="first tokens never evicted")
+    ap.add_argument("--window", type=int, default=256, help="recent tokens never evicted")
+    ap.add_argument("--d_mem", type=int, default=128, help="the kvpop scorer's memory size (the paper's 128)")
+    ap.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: bf16 on cuda")
+    ap.add_argument("--json", help="also write the rows to this file")
+    a = ap.parse_args(argv)
+    dev, policies, budgets = a.device, [p for p in a.policies.split(",") if p], a.budgets.split(",")
+    dt = getattr(torch, a.dtype if a.dtype != "auto" else "bfloat16" if dev == "cuda" else "float32")
+    if dev == "cuda" and not cuda:
+        ap.error("--device cuda: no CUDA GPU is visible; use --device cpu")
+    if not all(x.isdecimal() and int(x) >= 1 for x in a.contexts.split(",") if a.contexts):
+        ap.error(f"--contexts {a.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768")
+    for p in policies:
+        if p not in ("streaming", "knorm", "random", "h2o", "tova") + kvpop.SCORERS:
+            ap.error(f"--policies: {p!r} is not a policy that decodes online; choose from streaming, knorm, random, "
+                     f"h2o, tova, {', '.join(kvpop.SCORERS)}")
+    budgets = [kvpop.parse_value(ap.prog, "budgets", b, float) for b in budgets]
+    check_flags(ap, a, [("layers", 0), ("steps", 1), ("prefill", 0), ("train", 0), ("sinks", 0), ("window", 1),
+                        ("d_mem", 1)])
+    contexts = [int(x) for x in a.contexts.split(",")] if a.contexts else []
+    try:
+        net = (kvpop.Qwen3.from_pretrained(a.model, device=dev, dtype=dt).requires_grad_(False) if a.model else
+               shape_model(a.shape, a.layers, dev, dt))
+        torch.manual_seed(0)
+        make = {k: kvpop.Scorer(net.config, k, a.window, a.d_mem).to(dev).eval() for k in kvpop.SCORERS}
+        for C, b in [(C, b) for C in contexts for b in budgets] + [(T, budgets[0]) for T in (a.prefill, a.train) if T]:
+            kvpop.budget_size(b, C, a.sinks, a.window, make["kvpop"].charge)  # no room: raises before any timing
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
+    c, pol = net.config, lambda p: make.get(p, p)  # noqa: E731
+    emb = net.model.embed_tokens.weight
+    W = sum(p.numel() * p.element_size() for p in net.parameters() if p is not emb or c.tie_word_embeddings)
+    per_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dt.itemsize  # KV bytes of a token
+    print(f"{a.model or f'Qwen3-{a.shape} shape, {c.num_hidden_layers} layers, random weights'}; {dev} "
+          f"({torch.cuda.get_device_name() if dev == 'cuda' else f'{torch.get_num_threads()} threads'}), "
+          f"{str(dt)[6:]}; weights read per step {W / 1e9:.2f} GB; sinks {a.sinks}, window {a.window}\n")
+    rows = []
+    if contexts:
+        print("| policy | budget | context | tokens/s | speedup | ideal | of ideal | KV+state MiB | GB/s | limit GB/s "
+              "| of limit | scorer share |\n" + "|---" * 12 + "|")
+    for C in contexts:
+        M = torch.randn(W // (c.hidden_size * dt.itemsize), c.hidden_size, device=dev).to(dt)
+        x = torch.randn(c.hidden_size, device=dev, dtype=dt)
+        limit = M.numel() * dt.itemsize / best(lambda: M @ x, dev, 5) / 1e9  # a model-sized matrix-vector product
+        del M
+        for p, b in [("full", 1)] + [(p, b) for b in budgets for p in policies]:
+            charge = getattr(pol(p), "charge", 0)
+            S = C + a.steps + 1 if p == "full" else kvpop.budget_size(b, C, a.sinks, a.window, charge)[0] - charge
+            cache = kvpop.KVCache(net, 1, S, pol(p), a.sinks, a.window)
+            n, tok = fill(cache, C), torch.tensor([[13]], device=dev)
+            with torch.no_grad():
+                sec = best(lambda: net(tok, cache=cache), dev, a.steps)
+            kv = cache.nbytes() - 2 * cache.k.numel() * cache.k.element_size() + per_tok * n  # held + state
+            rows.append(r := dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3), kv_mib=kv / 2**20,
+                                  gbps=(W + kv) / sec / 1e9, limit_gbps=limit, sec=sec, bytes=W + kv))
+            del cache
+            same = {x["policy"]: x for x in rows if x["context"] == C and x["budget"] in (1, b)}
+            r.update(speedup=same["full"]["sec"] / sec, ideal_speedup=same["full"]["bytes"] / r["bytes"])
+            if p in kvpop.SCORERS and "streaming" in same:  # the scorer's share: against streaming, same budget
+                r["scorer_share"] = 1 - same["streaming"]["sec"] / sec
+            print(f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x | "
+                  f"{r['speedup'] / r['ideal_speedup']:.0%} | {r['kv_mib']:.0f} | {r['gbps']:.1f} | {limit:.1f} | "
+                  f"{r['gbps'] / limit:.0%} | {'%.1f%%' % (100 * r['scorer_share']) if 'scorer_share' in r else '-'} |",
+                  flush=True)
+    rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items() if k not in ("sec", "bytes")}
+            for r in rows]
+    for T in [a.prefill] * bool(a.prefill):  # a prompt into an empty cache: full, then each policy at budgets[0]
+        idx, b = torch.randint(1000, 100000, (1, T), device=dev), budgets[0]
+        print(f"\nprefill of a {T}-token prompt, logits of its last position\n\n| policy | budget | seconds | vs full "
+              f"| cache MiB | peak extra MiB | peak MiB | full's extra + budget's share MiB |\n" + "|---" * 8 + "|")
+        for p in ["full"] + [p for p in policies if kvpop.policy_kind(pol(p)) == "static"]:
+            charge = getattr(pol(p), "charge", 0)
+            cache = kvpop.KVCache(net, 1, T if p == "full" else kvpop.budget_size(b, T, a.sinks, a.window, charge)[0]
+                                  - charge, pol(p), a.sinks, a.window)
+            with torch.no_grad():
+                sec, extra = peak(lambda: net(idx, cache=cache), dev)
+            mem = cache.nbytes()
+            full = (sec, mem, extra) if p == "full" else full  # full's extra: one layer's working set
+            rows.append(dict(policy=p, budget=1 if p == "full" else b, prefill=T, seconds=round(sec, 2),
+                             cache_mib=round(mem / 2**20, 1), peak_mib=round((mem + extra) / 2**20, 1)))
+            print(f"| {p} | {rows[-1]['budget']:g} | {sec:.1f} | {full[0] / sec:.2f}x | {mem / 2**20:.0f} | "
+                  f"{extra / 2**20:.0f} | {(mem + extra) / 2**20:.0f} | {(b * full[1] + full[2]) / 2**20:.0f} |",
+                  flush=True)
+            del cache
+    if a.train:
+        rows += train_rows(net, a, dev, make["kvpop"].train().requires_grad_(True), budgets[0])
+    if a.json:
+        kvpop.write_json(rows, a.json)
+
+
+def train_rows(net, a, dev, scorer, b):
+    """One kvpop scorer training step on a.train tokens, through train.py's own functions, timed by part."""
+    import train  # here, not at the top: train.py imports this file
+    T, clock = a.train, {"future_attention": 0.0, "eviction_times": 0.0}
+    train.sinks, train.window, train.device, train.queries = a.sinks, a.window, dev, 0
+    train.pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge)[1]
+    for f, g in [(f, getattr(kernels, f)) for f in clock]:  # the kernels' time, wherever they are called from
+        def timed(*x, f=f, g=g, **kw):
+            sync(dev)
+            t0 = time.perf_counter()
+            out = g(*x, **kw)
+            sync(dev)
+            clock[f] += time.perf_counter() - t0
+            return out
+        setattr(kernels, f, timed)
+    idx, t = torch.randint(1000, 100000, (1, T), device=dev), [time.perf_counter()]
+    kv, r = kvpop.dense_targets(net, idx, a.window)
+    t.append(time.perf_counter())
+    train.boundary_loss(scorer, kv, r, 0)  # forward and backward, layer by layer
+    sync(dev)
+    t.append(time.perf_counter())
+    fut, ev = clock["future_attention"], clock["eviction_times"]
+    parts = {"frozen forward": t[1] - t[0] - fut, "future-attention targets": fut, "eviction times": ev,
+             "scorer forward + backward": t[2] - t[1] - ev}
+    print(f"\nkvpop scorer training step, 1 x {T} tokens, budget {b:g}\n\n| part | seconds | share |\n|---|---|---|")
+    for k, v in parts.items():
+        print(f"| {k} | {v:.2f} | {v / (t[2] - t[0]):.0%} |")
+    return [dict(train=T, part=k, seconds=round(v, 3)) for k, v in parts.items()]
 
 
 if __name__ == "__main__":
-    commands = {"kernels": cmd_kernels, "quality": cmd_quality}
+    commands = {"kernels": cmd_kernels, "quality": cmd_quality, "speed": cmd_speed}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         raise SystemExit(f"usage: python bench.py {{{','.join(commands)}}} [options]  (-h after a command for help)")
     commands[sys.argv[1]](sys.argv[2:])

@@ -677,23 +677,33 @@ class Scorer(nn.Module):
         return self.readout(i, x, h), ((vp * c[..., None]).transpose(-1, -2) @ kp, (kp * c[..., None]).sum(-2),
                                        m[..., -1, 0])
 
-    def update(self, i, state, k, v):
-        """Recurrent form, in place: (C (B, H, M, M), n (B, H, M), m (B, H)) reads one token (k, v (B, H, 1, D))."""
-        C, n, m = state
+    def step(self, i, C, n, m, k, v):
+        """Recurrent form, one token (k, v (B, H, 1, D)) into layer i's memory C (B, H, M, M), n (B, H, M), log-scale m
+        (B, H): returns the update (k', v', f, g, m') that `settle` applies, max-stabilised as in xLSTM."""
         kp, vp, li, lf = self.project(i, self.features(k, v))
         m_new = torch.maximum(lf[..., 0] + m, li[..., 0])
-        f, g = (lf[..., 0] + m - m_new).exp(), (li[..., 0] - m_new).exp()  # (B, H)
-        C.mul_(f[..., None, None]).add_(g[..., None, None] * vp[..., 0, :, None] * kp[..., 0, None, :])
-        n.mul_(f[..., None]).add_(g[..., None] * kp[..., 0, :])
-        m.copy_(m_new)
+        return kp[..., 0, :], vp[..., 0, :], (lf[..., 0] + m - m_new).exp(), (li[..., 0] - m_new).exp(), m_new
 
-    def read(self, i, state, k, v, pos):  # priority (B, H, 1) of the token (k, v) at pos, from the memory now
-        C, n, m = state
+    def read(self, i, C, n, m, upd, k, v, pos):
+        """Priority (B, H, 1) of the token (k, v) at pos from the memory after `upd`, which is not applied yet:
+        C' u = f C u + g v' (k' . u), so the read passes over C once and the update can wait."""
+        kp, vp, f, g, m_new = upd
         x = self.features(k, v)
-        u = x @ self.wr[i]  # (B, H, 1, M)
-        den = torch.maximum((u * n[..., None, :]).sum(-1, keepdim=True).abs(), (-m)[..., None, None].exp())
-        r = self.readout(i, x, (C @ u.transpose(-1, -2)).transpose(-1, -2) / den)
-        return r + F.softplus(self.theta[i])[:, None] * pos.float()
+        u = (x @ self.wr[i])[..., 0, :]  # (B, H, M)
+        gku = g[..., None] * (kp * u).sum(-1, keepdim=True)  # (B, H, 1)
+        h = f[..., None] * (C @ u[..., None])[..., 0] + gku * vp
+        den = torch.maximum((f[..., None] * (n * u).sum(-1, keepdim=True) + gku).abs(), (-m_new)[..., None].exp())
+        return self.readout(i, x, (h / den)[..., None, :]) + F.softplus(self.theta[i])[:, None] * pos.float()
+
+    @staticmethod
+    def settle(C, n, m, upd):
+        """Apply updates in place, batched over all leading dims (a layer's heads, or every layer's): C = f C +
+        g v' k'^T, n = f n + g k', m = m'."""
+        kp, vp, f, g, m_new = upd
+        M = C.shape[-1]
+        C.mul_(f[..., None, None]).view(-1, M, M).baddbmm_((g[..., None] * vp).reshape(-1, M, 1), kp.reshape(-1, 1, M))
+        n.mul_(f[..., None]).add_(g[..., None] * kp)
+        m.copy_(m_new)
 
     def save_pretrained(self, folder):
         """scorer.safetensors + scorer.json (every setting needed to rebuild it, and what it was trained for)."""
@@ -726,15 +736,17 @@ class Scorer(nn.Module):
 
 
 class KVCache:
-    """At most `size` KV entries per layer and KV head in dense (L, B, Hkv, size, D) buffers (a delayed scorer's
-    state beside them). Filled slots are always [0, min(t, size)): an evicted slot goes to the newcomer.
-    pos[slot]: the token's position; score[slot]: its priority (0 until a delayed scorer reads it), or h2o/tova's."""
+    """At most `size` KV entries per layer and KV head, in buffers allocated once: keys (L, B, Hkv, size, D) and
+    values transposed, (L, B, Hkv, D, size), so that both products of a decoding step read their matrix row by
+    row, the matrix-vector layout that streams memory fastest. Filled slots are always [0, min(t, size)): an
+    evicted slot goes to the newcomer, in place. pos[slot]: the token's position; score[slot]: its priority (0
+    until a delayed scorer reads it), or h2o/tova's. A delayed scorer's state sits beside them."""
 
     def __init__(self, model, batch, size, policy="full", sinks=4, window=256):
         c, p = model.config, next(model.parameters())
         shape = (c.num_hidden_layers, batch, c.num_key_value_heads, size)
         self.k = torch.zeros(*shape, c.head_dim, dtype=p.dtype, device=p.device)
-        self.v = torch.zeros_like(self.k)
+        self.v = torch.zeros(*shape[:3], c.head_dim, size, dtype=p.dtype, device=p.device)
         self.pos = torch.full(shape, -1, dtype=torch.long, device=p.device)
         self.score = torch.zeros(shape, device=p.device)
         self.size, self.policy, self.sinks, self.window, self.t = size, policy, sinks, window, 0
@@ -747,6 +759,7 @@ class KVCache:
             self.C = torch.zeros(*shape[:3], M, M, device=p.device)
             self.n = torch.zeros(*shape[:3], M, device=p.device)
             self.m = torch.full(shape[:3], -math.inf, device=p.device)
+            self.upd = [torch.zeros_like(x) for x in (self.n, self.n, self.m, self.m, self.m)]  # k', v', f, g, m'
 
     def nbytes(self):  # keys, values and a delayed scorer's state
         state = sum(x.numel() * x.element_size() for x in (self.C, self.n, self.m)) if self.delayed else 0
@@ -755,10 +768,12 @@ class KVCache:
     @torch.no_grad()  # inference only: a learned scorer's priorities carry no graph
     def attend(self, i, q, k, v, pos):  # layer i: q (B, Hq, T, D), new k, v (B, Hkv, T, D) at positions pos
         T = k.shape[2]
-        if pos[0] == 0 and T > 1 and (T <= self.size or self.kind == "static"):
+        if self.t == 0 and T > 1 and (T <= self.size or self.kind == "static"):
             return self.prefill(i, q, k, v, pos)
+        if T == 1:  # a decoding step
+            return self.step(i, q, k, v, pos, self.t, batched=True)
         # token by token: layer i's cache sees exactly the sequence of one-token decoding steps
-        return torch.cat([self.step(i, q[:, :, j:j + 1], k[:, :, j:j + 1], v[:, :, j:j + 1], pos[j:j + 1])
+        return torch.cat([self.step(i, q[:, :, j:j + 1], k[:, :, j:j + 1], v[:, :, j:j + 1], pos[j:j + 1], self.t + j)
                           for j in range(T)], dim=2)
 
     def prefill(self, i, q, k, v, pos):
@@ -782,42 +797,48 @@ class KVCache:
             keep = torch.sort(seen.byte(), dim=-1, descending=True, stable=True).indices[..., :S]
         n, D = keep.shape[-1], k.shape[-1]
         self.k[i, :, :, :n] = k.gather(2, keep[..., None].expand(-1, -1, -1, D))
-        self.v[i, :, :, :n] = v.gather(2, keep[..., None].expand(-1, -1, -1, D))
+        self.v[i, :, :, :, :n] = v.gather(2, keep[..., None].expand(-1, -1, -1, D)).transpose(-1, -2)
         self.pos[i, :, :, :n], self.score[i, :, :, :n] = pos[keep], pi.gather(2, keep)
         return y
 
-    def step(self, i, q, k, v, pos):  # one new token at position p = pos[0]
-        p, S, B, H = int(pos[0]), self.size, k.shape[0], k.shape[1]
-        P, sc = self.pos[i], self.score[i]  # (B, Hkv, S)
+    def step(self, i, q, k, v, pos, p, batched=False):  # one new token at position p (pos = [p] on the device)
+        (B, H, _, D), S, P, sc = k.shape, self.size, self.pos[i], self.score[i]  # P, sc (B, Hkv, S)
         if self.delayed:  # the memory reads token p; token p - w leaves the window and is scored now
             st = (self.C[i], self.n[i], self.m[i])
-            self.policy.update(i, st, k, v)
+            upd = self.policy.step(i, *st, k, v)
             if p >= self.window:
-                j = (P == p - self.window).byte().argmax(-1)[..., None]  # (B, Hkv, 1): its slot
-                jj = j[..., None].expand(-1, -1, 1, k.shape[-1])
-                sc.scatter_(2, j, self.policy.read(i, st, self.k[i].gather(2, jj), self.v[i].gather(2, jj),
-                                                   pos - self.window))
+                j = (P == p - self.window).byte().argmax(-1, keepdim=True)  # (B, Hkv, 1): its slot
+                kj = self.k[i].gather(2, j[..., None].expand(-1, -1, 1, D))
+                vj = self.v[i].gather(3, j[..., None, :].expand(-1, -1, D, 1)).transpose(-1, -2)
+                sc.scatter_(2, j, self.policy.read(i, *st, upd, kj, vj, pos - self.window))
+            if batched:  # the memories take token p after the last layer, in one update over every layer's heads
+                for x, y in zip(self.upd, upd):
+                    x[i] = y
+                if i == len(self.C) - 1:
+                    Scorer.settle(self.C, self.n, self.m, self.upd)
+            else:
+                Scorer.settle(*st, upd)
         if p < S:
-            slot = torch.full((B, H), p, device=k.device)
+            slot = P.new_full((B, H, 1), p)
         else:  # evict the lowest (score, position) of the eligible pool s <= t <= p - w
             ok = (P >= self.sinks) & (P <= p - self.window)
             low = sc.masked_fill(~ok, math.inf)
-            low = P.masked_fill(~ok | (low > low.amin(-1, keepdim=True)), 2**62)
-            slot = low.argmin(-1)  # (B, Hkv): among equal scores the older token goes
-        s = slot[..., None, None].expand(-1, -1, 1, k.shape[-1])
-        self.k[i].scatter_(2, s, k)
-        self.v[i].scatter_(2, s, v)
-        P.scatter_(2, slot[..., None], pos.expand(B, H, 1))
+            slot = P.masked_fill(~ok | (low > low.amin(-1, keepdim=True)), 2**62).argmin(-1, keepdim=True)
+        # the newcomer takes the slot in place (B, Hkv, 1): among equal scores the older token went
+        self.k[i].scatter_(2, slot[..., None].expand(-1, -1, 1, D), k)
+        self.v[i].scatter_(3, slot[..., None, :].expand(-1, -1, D, 1), v.transpose(-1, -2))
+        P.scatter_(2, slot, p)
         new = priority(self.policy, i, k, v, pos) if self.kind == "static" and not self.delayed else 0.0
-        sc.scatter_(2, slot[..., None], torch.as_tensor(new, device=k.device).float().expand(B, H, 1))
-        n, G = min(p + 1, S), q.shape[1] // H
-        Kc, Vc = self.k[i, :, :, :n], self.v[i, :, :, :n]  # (B, Hkv, n, D), in slot order
-        a = (q.view(B, H, G, -1).float() @ Kc.float().transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
+        sc.scatter_(2, slot, torch.as_tensor(new, device=k.device).float().expand(B, H, 1))
+        n, G = min(p + 1, S), q.shape[1] // H  # attention over the filled slots, in slot order, in the cache dtype
+        s = self.k[i, :, :, :n] @ q.view(B, H, G, D).transpose(-1, -2).to(self.k.dtype)  # (B, Hkv, n, G)
+        a = (s.float() / math.sqrt(D)).softmax(-2)
         if self.policy == "h2o":  # accumulated attention (group mean)
-            sc[..., :n] += a.mean(2)
+            sc[..., :n] += a.mean(-1)
         elif self.policy == "tova":  # the current query's attention (group mean)
-            sc[..., :n] = a.mean(2)
-        return (a @ Vc.float()).to(q.dtype).view(B, H * G, 1, -1)
+            sc[..., :n] = a.mean(-1)
+        y = a.transpose(-1, -2).contiguous().to(self.v.dtype) @ self.v[i, :, :, :, :n].transpose(-1, -2)
+        return y.to(q.dtype).view(B, H * G, 1, D)  # (B, Hkv, G, D) -> (B, Hq, 1, D)
 
 
 @torch.no_grad()

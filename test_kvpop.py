@@ -1473,10 +1473,11 @@ def test_scorer_parallel_equals_recurrent():
         pi = s(i, k, v, pos, mem)  # parallel form
         st = (torch.zeros(B, H, 12, 12), torch.zeros(B, H, 12), torch.full((B, H), -math.inf))
         rec = []
-        for q in range(T):  # recurrent form: read token q - w after the memory took token q
-            s.update(i, st, k[:, :, q:q + 1], v[:, :, q:q + 1])
+        for q in range(T):  # recurrent form: read token q - w with the memory that took token q
+            upd = s.step(i, *st, k[:, :, q:q + 1], v[:, :, q:q + 1])
             if q >= w:
-                rec.append(s.read(i, st, k[:, :, q - w:q - w + 1], v[:, :, q - w:q - w + 1], pos[q - w:q - w + 1]))
+                rec.append(s.read(i, *st, upd, k[:, :, q - w:q - w + 1], v[:, :, q - w:q - w + 1], pos[q - w:q - w + 1]))
+            s.settle(*st, upd)
         assert (torch.cat(rec, -1) - pi[..., :T - w]).abs().max().item() <= 1e-5
         assert all((x - y).abs().max().item() <= 1e-5 for x, y in zip(mem[0], st))
 
