@@ -319,17 +319,19 @@ def cmd_quality(argv):
 SHAPES = {"0.6B": (28, 1024, 3072, 16, True), "4B": (36, 2560, 9728, 32, True), "8B": (36, 4096, 12288, 32, False)}
 
 
-def shape_model(shape, layers, device, dtype):
-    """A Qwen3 of a named shape (layers, hidden, MLP width, query heads, tied head; 8 KV heads of 128) with random
-    weights, built without initialising twice."""
+def shape_config(shape, layers):  # a named Qwen3 shape: layers, hidden, MLP width, query heads, tied head
     L, E, F_, Hq, tied = SHAPES[shape]
-    c = kvpop.Qwen3Config(vocab_size=151936, hidden_size=E, intermediate_size=F_, num_hidden_layers=layers or L,
-                          num_attention_heads=Hq, num_key_value_heads=8, head_dim=128, tie_word_embeddings=tied,
-                          max_position_embeddings=131072, rope_theta=1e6)
+    return kvpop.Qwen3Config(vocab_size=151936, hidden_size=E, intermediate_size=F_, num_hidden_layers=layers or L,
+                             num_attention_heads=Hq, num_key_value_heads=8, head_dim=128, tie_word_embeddings=tied,
+                             max_position_embeddings=131072, rope_theta=1e6)
+
+
+def shape_model(c, device, dtype):
+    """A Qwen3 with random weights, built without initialising twice."""
     with torch.device("meta"):
         net = kvpop.Qwen3(c)
     net.to_empty(device=device)  # unties the head, and the memory may hold denormals that slow a CPU: fill it
-    if tied:
+    if c.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight
     for p in net.parameters():
         p.data.normal_(0, 0.02) if p.dim() > 1 else p.data.fill_(1.0)
@@ -389,16 +391,18 @@ def cmd_speed(argv):
     check_flags(ap, a, [("layers", 0), ("steps", 1), ("prefill", 0), ("train", 0), ("sinks", 0), ("window", 1),
                         ("d_mem", 1)])
     contexts = [int(x) for x in a.contexts.split(",")] if a.contexts else []
-    try:
-        net = (kvpop.Qwen3.from_pretrained(a.model, device=dev, dtype=dt).requires_grad_(False) if a.model else
-               shape_model(a.shape, a.layers, dev, dt))
+    try:  # every check first: the weights load or are drawn last
+        c = (kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json")) if a.model
+             else shape_config(a.shape, a.layers))
         torch.manual_seed(0)
-        make = {k: kvpop.Scorer(net.config, k, a.window, a.d_mem).to(dev).eval() for k in kvpop.SCORERS}
+        make = {k: kvpop.Scorer(c, k, a.window, a.d_mem).eval() for k in kvpop.SCORERS}
         for C, b in [(C, b) for C in contexts for b in budgets] + [(T, budgets[0]) for T in (a.prefill, a.train) if T]:
-            kvpop.budget_size(b, C, a.sinks, a.window, make["kvpop"].charge)  # no room: raises before any timing
+            kvpop.budget_size(b, C, a.sinks, a.window, make["kvpop"].charge)  # no room: raises here
+        net = kvpop.Qwen3.from_pretrained(a.model, dev, dt) if a.model else shape_model(c, dev, dt)
     except (OSError, ValueError) as e:
         ap.error(str(e))
-    c, pol = net.config, lambda p: make.get(p, p)  # noqa: E731
+    make = {k: s.to(dev) for k, s in make.items()}
+    pol = lambda p: make.get(p, p)  # noqa: E731
     emb = net.model.embed_tokens.weight
     W = sum(p.numel() * p.element_size() for p in net.parameters() if p is not emb or c.tie_word_embeddings)
     per_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dt.itemsize  # KV bytes of a token
@@ -436,7 +440,7 @@ def cmd_speed(argv):
     rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items() if k not in ("sec", "bytes")}
             for r in rows]
     for T in [a.prefill] * bool(a.prefill):  # a prompt into an empty cache: full, then each policy at budgets[0]
-        idx, b = torch.randint(1000, 100000, (1, T), device=dev), budgets[0]
+        idx, b = torch.randint(0, net.config.vocab_size, (1, T), device=dev), budgets[0]
         print(f"\nprefill of a {T}-token prompt, logits of its last position\n\n| policy | budget | seconds | vs full "
               f"| cache MiB | peak extra MiB | peak MiB | full's extra + budget's share MiB |\n" + "|---" * 8 + "|")
         for p in ["full"] + [p for p in policies if kvpop.policy_kind(pol(p)) == "static"]:
@@ -474,7 +478,7 @@ def train_rows(net, a, dev, scorer, b):
             clock[f] += time.perf_counter() - t0
             return out
         setattr(kernels, f, timed)
-    idx, t = torch.randint(1000, 100000, (1, T), device=dev), [time.perf_counter()]
+    idx, t = torch.randint(0, net.config.vocab_size, (1, T), device=dev), [time.perf_counter()]
     kv, r = kvpop.dense_targets(net, idx, a.window)
     t.append(time.perf_counter())
     train.boundary_loss(scorer, kv, r, 0)  # forward and backward, layer by layer

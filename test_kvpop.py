@@ -135,6 +135,7 @@ def exits(monkeypatch, script, *args):
     monkeypatch.setattr(sys, "argv", [script, *args])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch, "set_num_threads", went_on)
+    monkeypatch.setattr(bench, "shape_model", lambda *a: went_on(0))  # bench.py speed's first heavy step
     out = io.StringIO()
     with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
         if script.startswith("bench.py"):
@@ -216,6 +217,21 @@ BAD_FLAGS = [  # (script, args, words of the one line): every flag, each kind of
     *[("bench.py kernels", ["--T", t], ["--T"]) for t in ["0", "abc", "", "1,,2", "-5", "1.5", "²"]],
     ("bench.py kernels", ["--D", "0"], ["--D 0"]), ("bench.py kernels", ["--D", "abc"], ["--D", "invalid int"]),
     ("bench.py kernels", ["--group", "0"], ["--group 0"]), ("bench.py kernels", ["--group", "x"], ["--group"]),
+    ("bench.py speed", ["--bogus"], ["unrecognized arguments: --bogus"]),
+    ("bench.py speed", ["--model", NOWHERE], ["no checkpoint folder"]),
+    ("bench.py speed", ["--shape", "2B"], ["--shape", "invalid choice"]),
+    ("bench.py speed", ["--device", "cuda"], ["--device cuda: no CUDA GPU is visible; use --device cpu"]),
+    *[("bench.py speed", ["--contexts", x], ["--contexts"]) for x in ["8k", "0", "1,,2", " 8"]],
+    *[("bench.py speed", ["--budgets", b], ["budget"]) for b in ["inf", "0", "1.5", ""]],
+    ("bench.py speed", ["--budgets", "0.01"], ["leaves no room"]),
+    ("bench.py speed", ["--contexts", "", "--prefill", "512"], ["leaves no room"]),
+    ("bench.py speed", ["--contexts", "", "--train", "300"], ["leaves no room"]),
+    ("bench.py speed", ["--policies", "oracle"], ["--policies", "'oracle'", "online"]),
+    ("bench.py speed", ["--policies", "full"], ["--policies", "'full'"]),
+    *[("bench.py speed", [f"--{k}", "-1"], [f"--{k} -1"]) for k in ["layers", "prefill", "train", "sinks"]],
+    *[("bench.py speed", [f"--{k}", "0"], [f"--{k} 0"]) for k in ["steps", "window", "d_mem"]],
+    ("bench.py speed", ["--dtype", "float8"], ["--dtype", "invalid choice"]),
+    ("bench.py speed", ["--json", HERE], ["--json", "file name"]),
     ("bench.py quality", ["--bogus"], ["unrecognized arguments: --bogus"]),
     ("bench.py quality", ["--model", NOWHERE], ["no checkpoint folder"]),
     ("bench.py quality", ["--scorer", "/nonexistent/scorer"], ["/nonexistent/scorer is not a scorer folder"]),
@@ -1227,6 +1243,37 @@ def test_bench_quality_json_is_valid_and_deterministic(tmp_path):
         ("full", 1), ("streaming", 0.25), ("h2o", 0.25), ("kvpop", 0.25), ("kvpop-mlp", 0.25)]
     assert all(set(r) == {"policy", "budget", "accuracy", "far_accuracy", "relative", "kl"} for r in rows)
     assert rows[0]["relative"] == 1.0 and rows[0]["kl"] == 0.0 and 0 <= rows[1]["accuracy"] <= 1
+
+
+def test_bench_speed_rows_count_the_bytes_a_step_reads(tmp_path, monkeypatch, capsys):
+    """bench.py speed on a small checkpoint: rows for every policy and budget, with KV + scorer state inside the
+    budget's share of full and the ideal speedup recomputed here from the checkpoint's sizes."""
+    hf_checkpoint(tmp_path / "m", layers=2)
+    C, L, H, D, M = 300, 2, 2, 32, 8  # context; the checkpoint's layers, KV heads, head_dim; the scorer's d_mem
+    bench.cmd_speed(["--model", str(tmp_path / "m"), "--contexts", str(C), "--budgets", "0.5,0.25", "--window", "16",
+                     "--d_mem", str(M), "--steps", "2", "--prefill", "256", "--train", "256", "--device", "cpu",
+                     "--json", str(tmp_path / "s.json")])
+    assert "| kvpop | 0.5 | 300 |" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "s.json").read_text())
+    sd = kvpop.load_safetensors(str(tmp_path / "m"))
+    W = 4 * sum(x.numel() for name, x in sd.items() if name != "lm_head.weight")  # tied: the head is the embedding
+    tok = 2 * L * H * D * 4  # fp32 key + value of one token, every layer
+    state = L * H * (M * M + M + 1) * 4  # C, n, m per layer and head
+    dec = {(r["policy"], r["budget"]): r for r in rows if "context" in r}
+    assert list(dec) == [("full", 1)] + [(p, b) for b in (0.5, 0.25) for p in ("streaming", "kvpop", "kvpop-mlp")]
+    for (p, b), r in dec.items():
+        B = math.ceil(b * C) if p != "full" else C
+        kv = (B - math.ceil((M * M + M + 1) / (2 * D))) * tok + state if p == "kvpop" else B * tok
+        assert r["kv_mib"] == pytest.approx(kv / 2**20, abs=1e-4) and kv <= B * tok  # the state is inside the budget
+        assert r["ideal_speedup"] == pytest.approx((W + C * tok) / (W + kv), abs=1e-3)
+        assert r["gbps"] == pytest.approx((W + kv) * r["tokens_per_s"] / 1e9, rel=1e-2) and r["limit_gbps"] > 0
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / dec["full", 1]["tokens_per_s"], rel=1e-2)
+        assert ("scorer_share" in r) == (p in ("kvpop", "kvpop-mlp"))
+    pre = [r for r in rows if "prefill" in r]
+    assert [r["policy"] for r in pre] == ["full", "streaming", "kvpop", "kvpop-mlp"]
+    assert pre[1]["cache_mib"] == pytest.approx(128 * tok / 2**20, abs=0.1) and pre[1]["peak_mib"] >= pre[1]["cache_mib"]
+    parts = [r["part"] for r in rows if "train" in r]
+    assert parts == ["frozen forward", "future-attention targets", "eviction times", "scorer forward + backward"]
 
 
 @pytest.mark.parametrize("args, msg", [(["--policies", "lru"], "unknown policy 'lru'"),
