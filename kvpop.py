@@ -16,7 +16,8 @@ import sys
 import unicodedata
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -32,15 +33,13 @@ import kernels
 
 def read_json(f):  # config, shard index and tokenizer files: a bad one is a one-line error naming it
     try:
-        with open(f, encoding="utf-8") as fh:
-            return json.load(fh)
+        return json.loads(Path(f).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {f}: {e}") from None
 
 
 def write_json(d, f):  # to a temporary name, then renamed: never half-written
-    with open(f + ".tmp", "w") as fh:
-        json.dump(d, fh, indent=1)
+    Path(f + ".tmp").write_text(json.dumps(d, indent=1))
     os.replace(f + ".tmp", f)
 
 
@@ -79,23 +78,20 @@ class Qwen3Config:
         d = {k: v for k, v in d.items() if v is not None}  # null = absent, as transformers reads it
         rope, dt = d.get("rope_parameters", {}), "torch_dtype" if "torch_dtype" in d else "dtype"
         need(type(rope) is dict, "rope_parameters must be an object")  # transformers 5 moves rope_theta in here
-        d.setdefault("torch_dtype", d.get("dtype", "bfloat16"))  # transformers 5 writes "dtype"
-        if "rope_theta" in rope:
-            d.setdefault("rope_theta", rope["rope_theta"])
+        d = {"torch_dtype": d.get("dtype", "bfloat16"), "rope_theta": rope.get("rope_theta", cls.rope_theta),
+             "tie_word_embeddings": False, **d}  # defaults as transformers reads them; version 5 writes "dtype"
         need(rope.get("rope_type", "default") == "default" and not d.get("rope_scaling"),
              "only default RoPE is supported (found rope scaling)")
         need(d.get("hidden_act", "silu") == "silu", f"hidden_act {d.get('hidden_act')!r}: Qwen3 uses silu")
         need(not d.get("use_sliding_window"), "use_sliding_window: sliding-window attention is not supported")
-        d.setdefault("tie_word_embeddings", False)  # transformers' default when the key is absent
         for f in fields(cls):
             v, t = d.get(f.name), f.type
             need(v is not None or f.name not in CONFIG_REQUIRED, f"{f.name} is missing; a Qwen3 config needs it")
-            if v is None or t is str:
-                continue
-            need((type(v) is t or t is float and type(v) is int) and (t is not float or math.isfinite(v)),
-                 f"{f.name} {v!r} must be {KINDS[t]}")
-            need(t is bool or v > 0, f"{f.name} {v} must be positive")
-            d[f.name] = t(v)
+            if v is not None and t is not str:
+                need((type(v) is t or t is float and type(v) is int) and (t is not float or math.isfinite(v)),
+                     f"{f.name} {v!r} must be {KINDS[t]}")
+                need(t is bool or v > 0, f"{f.name} {v} must be positive")
+                d[f.name] = t(v)
         h, kv = d["num_attention_heads"], d["num_key_value_heads"]
         need(h % kv == 0, f"num_key_value_heads {kv} must divide num_attention_heads {h}")
         D = d.setdefault("head_dim", d["hidden_size"] // h)
@@ -103,27 +99,20 @@ class Qwen3Config:
         need(d["torch_dtype"] in DTYPES, f"{dt} {d['torch_dtype']!r} must be one of {', '.join(DTYPES)}")
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
-    def to_dict(self):
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        return dict(d, architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu")
-
 
 # ----------------------------------------------------------------------------------------------------------
 # checkpoint files: HF cache lookup, download, safetensors
 
-ST_DTYPES = dict(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16,
-                 I64=torch.int64, I32=torch.int32, I16=torch.int16, I8=torch.int8, U8=torch.uint8,
-                 BOOL=torch.bool)
+ST_DTYPES = dict(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16, I64=torch.int64,
+                 I32=torch.int32, I16=torch.int16, I8=torch.int8, U8=torch.uint8, BOOL=torch.bool)
 ST_NAMES = {dt: name for name, dt in ST_DTYPES.items()}
 OPTIONAL = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"]
 
 
 def shard_names(folder):
     idx = os.path.join(folder, "model.safetensors.index.json")
-    if not os.path.isfile(idx):
-        return ["model.safetensors"]
     try:
-        return sorted(set(read_json(idx)["weight_map"].values()))
+        return sorted(set(read_json(idx)["weight_map"].values())) if os.path.isfile(idx) else ["model.safetensors"]
     except (KeyError, AttributeError):
         raise ValueError(f"{idx} has no weight_map; the checkpoint index is corrupt") from None
 
@@ -133,21 +122,20 @@ def fetch(url, path, optional=False):
     part, name = path + ".incomplete", os.path.basename(path)
     if os.path.isfile(path):
         return
-    req = urllib.request.Request(url)
-    if os.path.isfile(part):
-        req.add_header("Range", f"bytes={os.path.getsize(part)}-")  # resume a cut download
+    req = urllib.request.Request(url, headers=dict(Range=f"bytes={os.path.getsize(part)}-") if os.path.isfile(part)
+                                 else {})  # resume a cut download
     if os.environ.get("HF_TOKEN"):  # unredirected: the token is not passed on to the CDN that serves weights
         req.add_unredirected_header("Authorization", "Bearer " + os.environ["HF_TOKEN"])
     try:
         r = urllib.request.urlopen(req, timeout=60)
     except urllib.error.HTTPError as e:
         e.close()  # it holds the connection
-        if e.code == 416:  # the partial file is stale: start over
-            os.remove(part)
-            return fetch(url, path, optional)
-        if e.code != 404 or not optional:
+        if e.code == 404 and optional:
+            return
+        if e.code != 416:
             raise
-        return
+        os.remove(part)  # 416: the partial file is stale, start over
+        return fetch(url, path, optional)
     os.makedirs(os.path.dirname(path), exist_ok=True)  # only now, so a failed lookup leaves no folders
     with r, open(part, "ab" if r.status == 206 else "wb") as f:  # a server may ignore Range: take it all
         total = f.tell() + int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
@@ -171,17 +159,13 @@ def checkpoint_dir(path_or_repo, revision="main"):
     hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
         os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
     repo = os.path.join(hub, "models--" + path_or_repo.replace("/", "--"))
-    ref, snaps, rev = os.path.join(repo, "refs", revision), os.path.join(repo, "snapshots"), revision
-    if os.path.isfile(ref):
-        with open(ref) as f:
-            rev = f.read().strip()
+    ref, snaps = os.path.join(repo, "refs", revision), os.path.join(repo, "snapshots")
+    rev = Path(ref).read_text().strip() if os.path.isfile(ref) else revision
     for s in [rev] + sorted(os.listdir(snaps) if os.path.isdir(snaps) else []):
         d = os.path.join(snaps, s)  # usable when it holds the config and every weight file
-        if os.path.isfile(os.path.join(d, "config.json")) and all(
-                os.path.isfile(os.path.join(d, f)) for f in shard_names(d)):
+        if all(os.path.isfile(os.path.join(d, f)) for f in ["config.json", *shard_names(d)]):
             return d
-    d = os.path.join(snaps, rev)
-    url = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    d, url = os.path.join(snaps, rev), os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     url = f"{url}/{path_or_repo}/resolve/{rev}/"  # the hub's layout, as Hugging Face's own tools use it
     try:
         fetch(url + "config.json", os.path.join(d, "config.json"))
@@ -189,13 +173,11 @@ def checkpoint_dir(path_or_repo, revision="main"):
         for f in shard_names(d) + OPTIONAL:
             fetch(url + f, os.path.join(d, f), f in OPTIONAL)
     except OSError as e:
-        why = e.reason if type(e) is urllib.error.URLError else e
-        raise ConnectionError(f"cannot download {path_or_repo} ({why}); with no network, put the checkpoint "
-                              f"files (config.json, *.safetensors, tokenizer.json) in {d}/ or pass a local "
-                              "folder") from None
+        raise ConnectionError(f"cannot download {path_or_repo} ({e.reason if type(e) is urllib.error.URLError else e});"
+                              " with no network, put the checkpoint files (config.json, *.safetensors, tokenizer.json)"
+                              f" in {d}/ or pass a local folder") from None
     os.makedirs(os.path.dirname(ref), exist_ok=True)
-    with open(ref + ".incomplete", "w") as f:
-        f.write(rev)
+    Path(ref + ".incomplete").write_text(rev)
     os.replace(ref + ".incomplete", ref)
     return d
 
@@ -224,26 +206,21 @@ def read_safetensors(path):
 
 
 def load_safetensors(folder):
-    out = {}
-    for f in shard_names(folder):
-        out.update(read_safetensors(os.path.join(folder, f)))
-    return out
+    return {k: t for f in shard_names(folder) for k, t in read_safetensors(os.path.join(folder, f)).items()}
 
 
 def save_safetensors(tensors, path):
     # Widest dtypes first, so every tensor starts aligned and loads as a view of the mapped file.
-    ts = [(k, t.detach().cpu().contiguous()) for k, t in tensors.items()]
-    ts.sort(key=lambda kt: -kt[1].itemsize)
+    ts = sorted(((k, t.detach().cpu().contiguous()) for k, t in tensors.items()), key=lambda kt: -kt[1].itemsize)
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for k, t in ts:
         header[k] = dict(dtype=ST_NAMES[t.dtype], shape=list(t.shape), data_offsets=[off, off + t.nbytes])
         off += t.nbytes
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)  # pad so the data starts 8-byte aligned
-    with open(f"{path}.incomplete", "wb") as f:
+    with open(f"{path}.incomplete", "wb") as f:  # the tensors' bytes straight from their memory: no numpy needed
         f.write(len(h).to_bytes(8, "little") + h)
-        for _, t in ts:  # the tensor's bytes straight from its memory: no numpy needed
-            f.write(ctypes.string_at(t.data_ptr(), t.nbytes) if t.nbytes else b"")
+        f.writelines(ctypes.string_at(t.data_ptr(), t.nbytes) if t.nbytes else b"" for _, t in ts)
     os.replace(f"{path}.incomplete", path)
 
 
@@ -348,25 +325,21 @@ class Attention(nn.Module):
         super().__init__()
         self.Hq, self.Hkv, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_proj = nn.Linear(c.hidden_size, self.Hq * self.D, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.Hkv * self.D, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.Hkv * self.D, bias=False)
+        self.k_proj, self.v_proj = (nn.Linear(c.hidden_size, self.Hkv * self.D, bias=False) for _ in range(2))
         self.o_proj = nn.Linear(self.Hq * self.D, c.hidden_size, bias=False)
         self.q_norm, self.k_norm = RMSNorm(self.D, c.rms_norm_eps), RMSNorm(self.D, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn):
-        B, T, _ = x.shape
-        q = rope(self.q_norm(self.q_proj(x).view(B, T, self.Hq, self.D)).transpose(1, 2), cos, sin)
-        k = rope(self.k_norm(self.k_proj(x).view(B, T, self.Hkv, self.D)).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(B, T, self.Hkv, self.D).transpose(1, 2)  # (B, Hkv, T, D)
-        y = attn(q, k, v)  # (B, Hq, T, D): plain causal, masked by eviction times, or through a cache
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.Hq * self.D))
+    def forward(self, x, cos, sin, attn):  # attn: plain causal, masked by eviction times, or through a cache
+        q = rope(self.q_norm(self.q_proj(x).unflatten(-1, (-1, self.D))).transpose(1, 2), cos, sin)  # (B, Hq, T, D)
+        k = rope(self.k_norm(self.k_proj(x).unflatten(-1, (-1, self.D))).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).unflatten(-1, (-1, self.D)).transpose(1, 2)  # (B, Hkv, T, D)
+        return self.o_proj(attn(q, k, v).transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.gate_proj, self.up_proj = (nn.Linear(c.hidden_size, c.intermediate_size, bias=False) for _ in range(2))
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
@@ -406,31 +379,23 @@ class Qwen3(nn.Module):
         """idx (B, T) -> logits (B, T, vocab), or (logits, loss) with targets (-1 = ignored), or with head=False
         the last layer's output (B, T, hidden). attn(i, q, k, v, pos) is layer i's attention; with a cache the
         tokens continue the cached sequence and only the last position's logits are computed."""
-        B, T = idx.shape
-        t0 = 0 if cache is None else cache.t
-        pos = torch.arange(t0, t0 + T, device=idx.device)
-        if cache is not None:
-            attn = cache.attend
+        t0, attn = (0, attn) if cache is None else (cache.t, cache.attend)
+        pos = torch.arange(t0, t0 + idx.shape[1], device=idx.device)
         x = self.model.embed_tokens(idx)
-        cos, sin = self.rope(pos, x.dtype)
+        D = self.config.head_dim  # RoPE's cos, sin (T, D): computed in fp32 and cast as HF does
+        inv = 1.0 / self.config.rope_theta ** (torch.arange(0, D, 2, device=idx.device).float() / D)
+        f = (pos.float()[:, None] * inv).repeat(1, 2)  # each frequency twice, for the two halves
+        cos, sin = f.cos().to(x.dtype), f.sin().to(x.dtype)
         for i, block in enumerate(self.model.layers):
             x = block(x, cos, sin, lambda q, k, v, i=i: attn(i, q, k, v, pos))
         if cache is not None:
-            cache.t += T
+            cache.t += len(pos)
             x = x[:, -1:]
         if not head:  # passes that only need the layers' attention: no (B, T, vocab) logits
             return x
         logits = self.lm_head(self.model.norm(x))
-        if targets is None:
-            return logits
-        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
-
-    def rope(self, pos, dtype):  # cos, sin (T, D), computed in fp32 and cast as HF does
-        D = self.config.head_dim
-        inv = 1.0 / self.config.rope_theta ** (torch.arange(0, D, 2, device=pos.device).float() / D)
-        f = pos.float()[:, None] * inv
-        f = torch.cat((f, f), dim=-1)
-        return f.cos().to(dtype), f.sin().to(dtype)
+        return logits if targets is None else (
+            logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1))
 
     @classmethod
     def from_pretrained(cls, path_or_repo, device=None, dtype=None):
@@ -438,21 +403,17 @@ class Qwen3(nn.Module):
         config = Qwen3Config.from_json(os.path.join(folder, "config.json"))
         with torch.device("meta"):
             model = cls(config)
-        want = {k: v.shape for k, v in model.state_dict().items()}
+        want = {k: p.shape for k, p in model.named_parameters()}  # tied: lm_head.weight is not listed
         sd = load_safetensors(folder)
         if config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
-            want.pop("lm_head.weight")
-        for name in sorted(want.keys() - sd.keys())[:1]:
-            raise ValueError(f"{folder}: missing tensor {name} (this config.json expects it)")
-        for name in sorted(sd.keys() - want.keys())[:1]:
-            raise ValueError(f"{folder}: unexpected tensor {name} (not part of a Qwen3 model)")
-        for name, shape in want.items():
-            if sd[name].shape != shape:
-                raise ValueError(f"{folder}: tensor {name} has shape {list(sd[name].shape)}, "
-                                 f"config.json implies {list(shape)}")
-        dtype = dtype or getattr(torch, config.torch_dtype)
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        bad = [f"missing tensor {k} (this config.json expects it)" for k in sorted(want.keys() - sd.keys())]
+        bad += [f"unexpected tensor {k} (not part of a Qwen3 model)" for k in sorted(sd.keys() - want.keys())]
+        bad += [f"tensor {k} has shape {list(sd[k].shape)}, config.json implies {list(shape)}"
+                for k, shape in want.items() if k in sd and sd[k].shape != shape]
+        for msg in bad[:1]:  # the first problem, in this order
+            raise ValueError(f"{folder}: {msg}")
+        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or config.torch_dtype)
         model.load_state_dict(sd, strict=False, assign=True)  # strict check done above, tied head aside
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -463,28 +424,24 @@ class Qwen3(nn.Module):
     def save_pretrained(self, folder):
         """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads."""
         os.makedirs(folder, exist_ok=True)
-        sd = dict(self.state_dict())
-        if self.config.tie_word_embeddings:
-            sd.pop("lm_head.weight")
-        save_safetensors(sd, os.path.join(folder, "model.safetensors"))
+        save_safetensors(dict(self.named_parameters()), os.path.join(folder, "model.safetensors"))  # tied: stored once
         dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
-        write_json(dict(self.config.to_dict(), torch_dtype=dtype), os.path.join(folder, "config.json"))
+        write_json(dict(asdict(self.config), architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
+                        torch_dtype=dtype), os.path.join(folder, "config.json"))
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop=(), cache=None):
         """Stream (B,) next-token tensors. A KVCache sets the budget; default full.
         A sequence that produced a stop id keeps emitting it; generation ends when all have stopped."""
-        B, T = idx.shape
-        cache = cache or KVCache(self, B, T + max_new_tokens)
-        logits = self(idx, cache=cache)[:, -1]
-        done, nxt = torch.zeros(B, dtype=torch.bool, device=idx.device), idx[:, -1]
+        cache = cache or KVCache(self, len(idx), idx.shape[1] + max_new_tokens)
+        x, nxt, done = idx, idx[:, -1], torch.zeros(len(idx), dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
-            nxt = torch.where(done, nxt, sample_next(logits.float(), temperature, top_k, top_p))  # stopped: repeat
+            nxt = torch.where(done, nxt, sample_next(self(x, cache=cache)[:, -1].float(), temperature, top_k, top_p))
             yield nxt
             done |= torch.isin(nxt, idx.new_tensor(list(stop)))
             if done.all():
                 return
-            logits = self(nxt[:, None], cache=cache)[:, -1]
+            x = nxt[:, None]
 
 
 def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,)
@@ -492,13 +449,11 @@ def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,
         return logits.argmax(-1)
     logits = logits / temperature
     if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -math.inf)
+        logits = logits.masked_fill(logits < logits.topk(min(top_k, logits.size(-1))).values[:, -1:], -math.inf)
     if top_p < 1.0:  # nucleus: drop the tail whose mass before it already exceeds top_p
         sorted_logits, order = logits.sort(-1, descending=True)
         p = sorted_logits.softmax(-1)
-        drop = p.cumsum(-1) - p > top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(p.cumsum(-1) - p > top_p, -math.inf))
     return torch.multinomial(logits.softmax(-1), 1)[:, 0]
 
 
@@ -677,22 +632,27 @@ class Scorer(nn.Module):
         return self.readout(i, x, h), ((vp * c[..., None]).transpose(-1, -2) @ kp, (kp * c[..., None]).sum(-2),
                                        m[..., -1, 0])
 
-    def step(self, i, C, n, m, k, v):
-        """Recurrent form, one token (k, v (B, H, 1, D)) into layer i's memory C (B, H, M, M), n (B, H, M), log-scale m
-        (B, H): returns the update (k', v', f, g, m') that `settle` applies, max-stabilised as in xLSTM."""
+    def step(self, i, m, k, v):
+        """Recurrent form, one token (k, v (B, H, 1, D)) for layer i's memory with log-scale m (B, H): the update
+        (k', v', f, g, m') that `settle` applies (max-stabilised as in xLSTM), and that `read` looks through."""
         kp, vp, li, lf = self.project(i, self.features(k, v))
         m_new = torch.maximum(lf[..., 0] + m, li[..., 0])
         return kp[..., 0, :], vp[..., 0, :], (lf[..., 0] + m - m_new).exp(), (li[..., 0] - m_new).exp(), m_new
 
-    def read(self, i, C, n, m, upd, k, v, pos):
-        """Priority (B, H, 1) of the token (k, v) at pos from the memory after `upd`, which is not applied yet:
-        C' u = f C u + g v' (k' . u), so the read passes over C once and the update can wait."""
+    def recall(self, layers, C, n, k, v):
+        """What reading the tokens (k, v (l, B, H, 1, D)) of `layers` (a slice) needs from the memories C (l, B, H,
+        M, M), n as they are: x, u = W_r x, C u and n . u. One batched pass, before the update it must look past."""
+        x = self.features(k, v)  # (l, B, H, 1, 2D)
+        u = (x @ self.wr[layers][:, None])[..., 0, :]  # (l, B, H, M)
+        return x, u, (C @ u[..., None])[..., 0], (n * u).sum(-1, keepdim=True)
+
+    def read(self, i, upd, x, u, Cu, nu, pos):
+        """Priority (B, H, 1) of layer i's token at pos from its recall (x, u, C u, n . u) and the memory after the
+        pending update upd: C' u = f C u + g v' (k' . u), so the update can wait and C is passed over once."""
         kp, vp, f, g, m_new = upd
-        x = self.features(k, v)
-        u = (x @ self.wr[i])[..., 0, :]  # (B, H, M)
         gku = g[..., None] * (kp * u).sum(-1, keepdim=True)  # (B, H, 1)
-        h = f[..., None] * (C @ u[..., None])[..., 0] + gku * vp
-        den = torch.maximum((f[..., None] * (n * u).sum(-1, keepdim=True) + gku).abs(), (-m_new)[..., None].exp())
+        h = f[..., None] * Cu + gku * vp
+        den = torch.maximum((f[..., None] * nu + gku).abs(), (-m_new)[..., None].exp())
         return self.readout(i, x, (h / den)[..., None, :]) + F.softplus(self.theta[i])[:, None] * pos.float()
 
     @staticmethod
@@ -801,23 +761,28 @@ class KVCache:
         self.pos[i, :, :, :n], self.score[i, :, :, :n] = pos[keep], pi.gather(2, keep)
         return y
 
+    def recall(self, layers, t):  # token t's slot (l, B, Hkv, 1) and the scorer's recall of it, for a slice of layers
+        j = (self.pos[layers] == t).byte().argmax(-1, keepdim=True)
+        D = self.k.shape[-1]
+        k = self.k[layers].gather(3, j[..., None].expand(-1, -1, -1, 1, D))
+        v = self.v[layers].gather(4, j[..., None, :].expand(-1, -1, -1, D, 1)).transpose(-1, -2)
+        return (j, *self.policy.recall(layers, self.C[layers], self.n[layers], k, v))
+
     def step(self, i, q, k, v, pos, p, batched=False):  # one new token at position p (pos = [p] on the device)
         (B, H, _, D), S, P, sc = k.shape, self.size, self.pos[i], self.score[i]  # P, sc (B, Hkv, S)
         if self.delayed:  # the memory reads token p; token p - w leaves the window and is scored now
-            st = (self.C[i], self.n[i], self.m[i])
-            upd = self.policy.step(i, *st, k, v)
+            upd, L = self.policy.step(i, self.m[i], k, v), len(self.C)
             if p >= self.window:
-                j = (P == p - self.window).byte().argmax(-1, keepdim=True)  # (B, Hkv, 1): its slot
-                kj = self.k[i].gather(2, j[..., None].expand(-1, -1, 1, D))
-                vj = self.v[i].gather(3, j[..., None, :].expand(-1, -1, D, 1)).transpose(-1, -2)
-                sc.scatter_(2, j, self.policy.read(i, *st, upd, kj, vj, pos - self.window))
-            if batched:  # the memories take token p after the last layer, in one update over every layer's heads
-                for x, y in zip(self.upd, upd):
-                    x[i] = y
-                if i == len(self.C) - 1:
-                    Scorer.settle(self.C, self.n, self.m, self.upd)
-            else:
-                Scorer.settle(*st, upd)
+                if i == 0 or not batched:  # from the memories as they are (every layer's at once when batched)
+                    self.recalled = self.recall(slice(None) if batched else slice(i, i + 1), p - self.window)
+                j, *rd = [x[i if batched else 0] for x in self.recalled]
+                sc.scatter_(2, j, self.policy.read(i, upd, *rd, pos - self.window))
+            if not batched:
+                Scorer.settle(self.C[i], self.n[i], self.m[i], upd)
+            for x, y in zip(self.upd, upd if batched else ()):
+                x[i] = y
+            if batched and i == L - 1:  # the memories take token p after the last layer, in one update
+                Scorer.settle(self.C, self.n, self.m, self.upd)
         if p < S:
             slot = P.new_full((B, H, 1), p)
         else:  # evict the lowest (score, position) of the eligible pool s <= t <= p - w
@@ -874,44 +839,37 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True):
 def configure(g, argv=None):
     """Override the simple module-level defaults in g from --key value / --key=value; --help lists them.
     A bad key or value exits with one line on stderr."""
-    argv, prog = sys.argv[1:] if argv is None else argv, os.path.basename(g.get("__file__", "kvpop"))
-    keys = {k for k, v in g.items() if not k.startswith("_") and type(v) in (bool, int, float, str)}
+    argv, prog = list(sys.argv[1:] if argv is None else argv), os.path.basename(g.get("__file__", "kvpop"))
+    keys = {k for k, v in g.items() if not k.startswith("_") and type(v) in KINDS}
     if "-h" in argv or "--help" in argv:
         print(f"usage: python {prog} [--key value | --key=value] ...")
         for line in open(g["__file__"]):
-            name = line.split("=")[0].strip()
             if line.startswith("# ---"):
                 print(f"\n{line.strip('# -').strip()}:")
-            elif name in keys and "#" in line:
+            elif (name := line.split("=")[0].strip()) in keys and "#" in line:
                 print(f"  --{name} {g[name]!r}".ljust(36), line.split("#", 1)[1].strip())
         sys.exit(0)
-    i = 0
-    while i < len(argv):
-        key, eq, val = argv[i].partition("=")
-        key = key[2:].replace("-", "_")
-        if not argv[i].startswith("--") or key not in keys:
-            sys.exit(f"{prog}: unknown option {argv[i].partition('=')[0]!r} (see --help)")
-        if not eq:
-            if type(g[key]) is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-                val = "true"  # a bare switch
-            elif i + 1 == len(argv):
-                sys.exit(f"{prog}: --{key} needs a value")
-            else:
-                i, val = i + 1, argv[i + 1]
+    while argv:  # our own copy: taken apart from the front
+        opt, eq, val = argv.pop(0).partition("=")
+        key = opt[2:].replace("-", "_")
+        if not opt.startswith("--") or key not in keys:
+            sys.exit(f"{prog}: unknown option {opt!r} (see --help)")
+        if not eq and type(g[key]) is bool and (not argv or argv[0].startswith("--")):
+            val = "true"  # a bare switch
+        elif not eq:
+            val = argv.pop(0) if argv else sys.exit(f"{prog}: --{key} needs a value")
         g[key] = parse_value(prog, key, val, type(g[key]))
-        i += 1
 
 
 def parse_value(prog, key, val, typ):
     try:
-        if typ is bool:
-            return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[val.lower()]
-        x = typ(val)
-        if typ is float and not math.isfinite(x):
-            raise ValueError
-        return x
+        x = ({"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[val.lower()]
+             if typ is bool else typ(val))
+        if typ is not float or math.isfinite(x):
+            return x
     except (KeyError, ValueError):
-        sys.exit(f"{prog}: --{key} {val!r} is not {KINDS[typ]}")
+        pass
+    sys.exit(f"{prog}: --{key} {val!r} is not {KINDS[typ]}")
 
 
 def need(ok, msg, prog=None):

@@ -1485,16 +1485,21 @@ def _held(cache):  # positions held per (layer, row, head), sorted, and the scor
 def test_prefill_equals_token_by_token(small_model, T):
     idx = torch.randint(0, 384, (2, T + 12), generator=torch.Generator().manual_seed(3))
     for policy in ["full", "streaming", "knorm", "random", "h2o", "tova"] + _scorers(small_model.config, 8):
-        a, b = kvpop.KVCache(small_model, 2, 40, policy, 4, 8), kvpop.KVCache(small_model, 2, 40, policy, 4, 8)
+        a, b, c = (kvpop.KVCache(small_model, 2, 40, policy, 4, 8) for _ in range(3))
         la = [small_model(idx[:, :T], cache=a)]  # the whole prompt in one call
         lb = [torch.cat([small_model(idx[:, t:t + 1], cache=b) for t in range(T)], 1)[:, -1:]]
+        small_model(idx[:, :1], cache=c)  # one token, then the rest in one call: each layer steps token by token
+        lc = small_model(idx[:, 1:T], cache=c)
+        assert (lc[:, -1:] - lb[0]).abs().max().item() <= 1e-4, policy
         for t in range(T, T + 12 + 1):  # then decoding
-            (pa, sa), (pb, sb) = _held(a), _held(b)
-            assert torch.equal(pa, pb), (policy, t)
+            (pa, sa), (pb, sb), (pc, sc) = _held(a), _held(b), _held(c)
+            assert torch.equal(pa, pb) and (t > T or torch.equal(pc, pb)), (policy, t)
             torch.testing.assert_close(sa, sb, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
             if a.delayed:
-                for x, y in zip((a.C, a.n, a.m), (b.C, b.n, b.m)):
+                for x, y, z in zip((a.C, a.n, a.m), (b.C, b.n, b.m), (c.C, c.n, c.m)):
                     torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+                    if t == T:  # c decoded nothing yet
+                        torch.testing.assert_close(z, y, rtol=1e-5, atol=1e-5)
             if t < T + 12:
                 la.append(small_model(idx[:, t:t + 1], cache=a))
                 lb.append(small_model(idx[:, t:t + 1], cache=b))
@@ -1521,9 +1526,11 @@ def test_scorer_parallel_equals_recurrent():
         st = (torch.zeros(B, H, 12, 12), torch.zeros(B, H, 12), torch.full((B, H), -math.inf))
         rec = []
         for q in range(T):  # recurrent form: read token q - w with the memory that took token q
-            upd = s.step(i, *st, k[:, :, q:q + 1], v[:, :, q:q + 1])
+            upd = s.step(i, st[2], k[:, :, q:q + 1], v[:, :, q:q + 1])
             if q >= w:
-                rec.append(s.read(i, *st, upd, k[:, :, q - w:q - w + 1], v[:, :, q - w:q - w + 1], pos[q - w:q - w + 1]))
+                rd = s.recall(slice(i, i + 1), st[0][None], st[1][None], k[None, :, :, q - w:q - w + 1],
+                              v[None, :, :, q - w:q - w + 1])
+                rec.append(s.read(i, upd, *[x[0] for x in rd], pos[q - w:q - w + 1]))
             s.settle(*st, upd)
         assert (torch.cat(rec, -1) - pi[..., :T - w]).abs().max().item() <= 1e-5
         assert all((x - y).abs().max().item() <= 1e-5 for x, y in zip(mem[0], st))
