@@ -617,20 +617,33 @@ class Scorer(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
         return (h * self.wo[i][:, None]).sum(-1) + (x * self.ws[i][:, None]).sum(-1) + self.b[i][:, None]
 
+    chunk = 128  # parallel's chunk length c: O(T (M + c)) memory; up to c tokens, one chunk (the T x T form)
+
     def parallel(self, i, x):
         """Decay-masked form: C_q u = sum_{j<=q} exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum log f,
-        for every token t at q = min(t + window, T - 1), max-stabilised per row like the recurrent form."""
-        T = x.shape[2]
+        for every token t at q = min(t + window, T - 1), max-stabilised per row like the recurrent form. Chunkwise
+        over q: reads with q in [c0, c0 + c) add the state S = [C; n] after token c0 - 1 (log-scale m + F_q - F_{c0-1})
+        to tokens c0..q decay-masked, under one max per row; S then moves to the chunk's last token the same way."""
+        (B, H, T, _), M, W, c = x.shape, self.d_mem, self.window, self.chunk
         kp, vp, li, lf = self.project(i, x)
-        t = torch.arange(T, device=x.device)
-        q, Fc = (t + self.window).clamp(max=T - 1), lf.double().cumsum(-1)  # fp64: differences of long sums
-        logw = ((Fc[..., q, None] - Fc[..., None, :]).float() + li[..., None, :]).masked_fill(t > q[:, None], -math.inf)
-        m = logw.amax(-1, keepdim=True)  # (B, H, T, 1)
-        a = (logw - m).exp() * ((x @ self.wr[i]) @ kp.transpose(-1, -2))  # (B, H, T reads, T tokens)
-        h = a @ vp / torch.maximum(a.sum(-1, keepdim=True).abs(), (-m).exp())  # C u / max(|n . u|, 1)
-        c = (logw[..., -1, :] - m[..., -1, :]).exp()  # the last row: the memory after token T - 1
-        return self.readout(i, x, h), ((vp * c[..., None]).transpose(-1, -2) @ kp, (kp * c[..., None]).sum(-2),
-                                       m[..., -1, 0])
+        vq, Fc = F.pad(vp, (0, 1), value=1.0), F.pad(lf.double().cumsum(-1), (1, 0))  # Fc[..., j + 1] = F_j
+        r = [max(c0 - W, 0) for c0 in range(0, T, c)] + [T]  # the reads t with q in chunk k: [r[k], r[k + 1])
+        u = (x @ self.wr[i]).split([b - a for a, b in zip(r, r[1:])], -2)  # split, not slices: backward is a cat
+        S, m, hs = x.new_zeros(B, H, M + 1, M), x.new_full((B, H), -math.inf), []  # S = sum w [v'; 1] k'^T
+        for c0, r0, r1, kc, vc, lc, uc in zip(range(0, T, c), r, r[1:], kp.split(c, -2), vq.split(c, -2),
+                                              li.split(c, -1), u):
+            c1, t = c0 + lc.shape[-1], torch.arange(r0, r1, device=x.device)
+            q = torch.cat([(t + W).clamp(max=T - 1), t.new_tensor([c1 - 1])]) + 1  # + the last token; Fc index
+            logw = ((Fc[..., q, None] - Fc[..., None, c0 + 1:c1 + 1]).float() + lc[..., None, :]).masked_fill(
+                torch.arange(c0 + 1, c1 + 1, device=x.device) > q[:, None], -math.inf)  # fp64 sums; (B, H, R + 1, c)
+            lo = m[..., None, None] + (Fc[..., q] - Fc[..., c0, None]).float()[..., None]  # S's log-scale
+            mq = torch.maximum(logw.amax(-1, keepdim=True), lo)  # one max per row
+            e, g = (logw - mq).exp(), (lo - mq).exp()
+            y = (e[..., :-1, :] * (uc @ kc.transpose(-1, -2))) @ vc  # (B, H, R, M + 1): C u, n . u
+            y = y + g[..., :-1, :] * (uc @ S.transpose(-1, -2)) if c0 else y  # + the carried part (none at c0 = 0)
+            hs.append(y[..., :M] / torch.maximum(y[..., M:].abs(), (-mq[..., :-1, :]).exp()))  # C u / max(|n . u|, 1)
+            S, m = g[..., -1:, :] * S + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc, mq[..., -1, 0]
+        return self.readout(i, x, torch.cat(hs, -2)), (S[..., :M, :], S[..., M, :], m)
 
     def step(self, i, m, k, v):
         """Recurrent form, one token (k, v (B, H, 1, D)) for layer i's memory with log-scale m (B, H): the update
