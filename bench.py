@@ -85,16 +85,16 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
-def best(fn, dev, reps=3):
-    """Best wall seconds of `reps` runs after a warm-up."""
-    times = []
-    for _ in range(reps + 1):
-        sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        times.append(time.perf_counter() - t0)
-    return min(times[1:])
+def clock(fn, dev):  # wall seconds of one run
+    sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    sync(dev)
+    return time.perf_counter() - t0
+
+
+def best(fn, dev, reps=3):  # best wall seconds of `reps` runs after a warm-up
+    return min([clock(fn, dev) for _ in range(reps + 1)][1:])
 
 
 def peak(fn, dev):
@@ -413,22 +413,26 @@ def cmd_speed(argv):
     if contexts:
         print("| policy | budget | context | tokens/s | speedup | ideal | of ideal | KV+state MiB | GB/s | limit GB/s "
               "| of limit | scorer share |\n" + "|---" * 12 + "|")
-    for C in contexts:
-        M = torch.randn(W // (c.hidden_size * dt.itemsize), c.hidden_size, device=dev).to(dt)
-        x = torch.randn(c.hidden_size, device=dev, dtype=dt)
-        limit = M.numel() * dt.itemsize / best(lambda: M @ x, dev, 5) / 1e9  # a model-sized matrix-vector product
-        del M
+    for C in contexts:  # every row of a context in one cache each, stepped in turn with the limit: the same minutes
+        M = torch.randn(W // (c.hidden_size * dt.itemsize), c.hidden_size, device=dev).to(dt)  # a model-sized matrix
+        x, tok, runs = torch.randn(c.hidden_size, device=dev, dtype=dt), torch.tensor([[13]], device=dev), {}
         for p, b in [("full", 1)] + [(p, b) for b in budgets for p in policies]:
             charge = getattr(pol(p), "charge", 0)
             S = C + a.steps + 1 if p == "full" else kvpop.budget_size(b, C, a.sinks, a.window, charge)[0] - charge
             cache = kvpop.KVCache(net, 1, S, pol(p), a.sinks, a.window)
-            n, tok = fill(cache, C), torch.tensor([[13]], device=dev)
-            with torch.no_grad():
-                sec = best(lambda: net(tok, cache=cache), dev, a.steps)
+            runs[p, b] = cache, fill(cache, C), []  # the cache, the entries it holds, its step times
+        lim = []
+        with torch.no_grad():
+            for _ in range(a.steps + 1):  # the first round warms up
+                lim.append(clock(lambda: M @ x, dev))
+                for cache, n, sec in runs.values():
+                    sec.append(clock(lambda: net(tok, cache=cache), dev))
+        limit = M.numel() * dt.itemsize / min(lim[1:]) / 1e9
+        for (p, b), (cache, n, sec) in runs.items():
+            sec = min(sec[1:])
             kv = cache.nbytes() - 2 * cache.k.numel() * cache.k.element_size() + per_tok * n  # held + state
             rows.append(r := dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3), kv_mib=kv / 2**20,
                                   gbps=(W + kv) / sec / 1e9, limit_gbps=limit, sec=sec, bytes=W + kv))
-            del cache
             same = {x["policy"]: x for x in rows if x["context"] == C and x["budget"] in (1, b)}
             r.update(speedup=same["full"]["sec"] / sec, ideal_speedup=same["full"]["bytes"] / r["bytes"])
             if p in kvpop.SCORERS and "streaming" in same:  # the scorer's share: against streaming, same budget
@@ -437,6 +441,7 @@ def cmd_speed(argv):
                   f"{r['speedup'] / r['ideal_speedup']:.0%} | {r['kv_mib']:.0f} | {r['gbps']:.1f} | {limit:.1f} | "
                   f"{r['gbps'] / limit:.0%} | {'%.1f%%' % (100 * r['scorer_share']) if 'scorer_share' in r else '-'} |",
                   flush=True)
+        del runs, M
     rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items() if k not in ("sec", "bytes")}
             for r in rows]
     for T in [a.prefill] * bool(a.prefill):  # a prompt into an empty cache: full, then each policy at budgets[0]

@@ -608,10 +608,20 @@ class Scorer(nn.Module):
                 memory.append(state)
         return r + F.softplus(self.theta[i])[:, None] * pos.float()
 
-    def project(self, i, x):  # -> k', v' (B, H, T, M) and the log input and log forget gates (B, H, T)
-        li = (x * self.wi[i][:, None]).sum(-1) + self.bi[i][:, None]  # exponential input gate: log i = li
-        lf = F.logsigmoid((x * self.wf[i][:, None]).sum(-1) + self.bf[i][:, None])  # sigmoid forget gate
-        return x @ self.wk[i] / math.sqrt(self.d_mem), x @ self.wv[i], li, lf
+    def project(self, i, x, rows=None):
+        """-> k', v' (B, H, T, M) and the log input and log forget gates (B, H, T). Decoding passes `rows`, the same
+        weights as (out, in) matrices: one token's projections are then one matrix-vector product, read row by row."""
+        if rows is None:
+            kp, vp = x @ self.wk[i] / math.sqrt(self.d_mem), x @ self.wv[i]
+            li, lf = (x * self.wi[i][:, None]).sum(-1), (x * self.wf[i][:, None]).sum(-1)
+        else:
+            z, M = (rows[0][i] @ x.transpose(-1, -2)).transpose(-1, -2), self.d_mem  # (B, H, T, 2M + 2)
+            kp, vp, li, lf = z[..., :M], z[..., M:2 * M], z[..., 2 * M], z[..., 2 * M + 1]
+        return kp, vp, li + self.bi[i][:, None], F.logsigmoid(lf + self.bf[i][:, None])  # exponential i, sigmoid f
+
+    def rows(self):  # for decoding: [W_k / sqrt(M), W_v, w_i, w_f] (L, H, 2M + 2, 2D) and W_r (L, H, M, 2D)
+        return (torch.cat([self.wk / math.sqrt(self.d_mem), self.wv, self.wi[..., None], self.wf[..., None]], -1)
+                .transpose(-1, -2).contiguous(), self.wr.transpose(-1, -2).contiguous())
 
     def readout(self, i, x, h):  # r = w_o . norm(h) + w_s . x + b
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -645,18 +655,18 @@ class Scorer(nn.Module):
             S, m = g[..., -1:, :] * S + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc, mq[..., -1, 0]
         return self.readout(i, x, torch.cat(hs, -2)), (S[..., :M, :], S[..., M, :], m)
 
-    def step(self, i, m, k, v):
+    def step(self, i, m, k, v, rows):
         """Recurrent form, one token (k, v (B, H, 1, D)) for layer i's memory with log-scale m (B, H): the update
         (k', v', f, g, m') that `settle` applies (max-stabilised as in xLSTM), and that `read` looks through."""
-        kp, vp, li, lf = self.project(i, self.features(k, v))
+        kp, vp, li, lf = self.project(i, self.features(k, v), rows)
         m_new = torch.maximum(lf[..., 0] + m, li[..., 0])
         return kp[..., 0, :], vp[..., 0, :], (lf[..., 0] + m - m_new).exp(), (li[..., 0] - m_new).exp(), m_new
 
-    def recall(self, layers, C, n, k, v):
+    def recall(self, layers, C, n, k, v, rows):
         """What reading the tokens (k, v (l, B, H, 1, D)) of `layers` (a slice) needs from the memories C (l, B, H,
         M, M), n as they are: x, u = W_r x, C u and n . u. One batched pass, before the update it must look past."""
         x = self.features(k, v)  # (l, B, H, 1, 2D)
-        u = (x @ self.wr[layers][:, None])[..., 0, :]  # (l, B, H, M)
+        u = (rows[1][layers][:, None] @ x.transpose(-1, -2))[..., 0]  # (l, B, H, M)
         return x, u, (C @ u[..., None])[..., 0], (n * u).sum(-1, keepdim=True)
 
     def read(self, i, upd, x, u, Cu, nu, pos):
@@ -733,6 +743,8 @@ class KVCache:
             self.n = torch.zeros(*shape[:3], M, device=p.device)
             self.m = torch.full(shape[:3], -math.inf, device=p.device)
             self.upd = [torch.zeros_like(x) for x in (self.n, self.n, self.m, self.m, self.m)]  # k', v', f, g, m'
+            with torch.no_grad():
+                self.rows = policy.rows()
 
     def nbytes(self):  # keys, values and a delayed scorer's state
         state = sum(x.numel() * x.element_size() for x in (self.C, self.n, self.m)) if self.delayed else 0
@@ -779,12 +791,12 @@ class KVCache:
         D = self.k.shape[-1]
         k = self.k[layers].gather(3, j[..., None].expand(-1, -1, -1, 1, D))
         v = self.v[layers].gather(4, j[..., None, :].expand(-1, -1, -1, D, 1)).transpose(-1, -2)
-        return (j, *self.policy.recall(layers, self.C[layers], self.n[layers], k, v))
+        return (j, *self.policy.recall(layers, self.C[layers], self.n[layers], k, v, self.rows))
 
     def step(self, i, q, k, v, pos, p, batched=False):  # one new token at position p (pos = [p] on the device)
         (B, H, _, D), S, P, sc = k.shape, self.size, self.pos[i], self.score[i]  # P, sc (B, Hkv, S)
         if self.delayed:  # the memory reads token p; token p - w leaves the window and is scored now
-            upd, L = self.policy.step(i, self.m[i], k, v), len(self.C)
+            upd, L = self.policy.step(i, self.m[i], k, v, self.rows), len(self.C)
             if p >= self.window:
                 if i == 0 or not batched:  # from the memories as they are (every layer's at once when batched)
                     self.recalled = self.recall(slice(None) if batched else slice(i, i + 1), p - self.window)

@@ -1526,10 +1526,10 @@ def test_scorer_parallel_equals_recurrent():
         st = (torch.zeros(B, H, 12, 12), torch.zeros(B, H, 12), torch.full((B, H), -math.inf))
         rec = []
         for q in range(T):  # recurrent form: read token q - w with the memory that took token q
-            upd = s.step(i, st[2], k[:, :, q:q + 1], v[:, :, q:q + 1])
+            upd = s.step(i, st[2], k[:, :, q:q + 1], v[:, :, q:q + 1], s.rows())
             if q >= w:
                 rd = s.recall(slice(i, i + 1), st[0][None], st[1][None], k[None, :, :, q - w:q - w + 1],
-                              v[None, :, :, q - w:q - w + 1])
+                              v[None, :, :, q - w:q - w + 1], s.rows())
                 rec.append(s.read(i, upd, *[x[0] for x in rd], pos[q - w:q - w + 1]))
             s.settle(*st, upd)
         assert (torch.cat(rec, -1) - pi[..., :T - w]).abs().max().item() <= 1e-5
