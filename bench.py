@@ -459,7 +459,8 @@ def cmd_speed(argv):
             rows.append(dict(policy=p, budget=1 if p == "full" else b, prefill=T, seconds=round(sec, 2),
                              cache_mib=round(mem / 2**20, 1), peak_mib=round((mem + extra) / 2**20, 1)))
             print(f"| {p} | {rows[-1]['budget']:g} | {sec:.1f} | {full[0] / sec:.2f}x | {mem / 2**20:.0f} | "
-                  f"{extra / 2**20:.0f} | {(mem + extra) / 2**20:.0f} | {(b * full[1] + full[2]) / 2**20:.0f} |",
+                  f"{extra / 2**20:.0f} | {(mem + extra) / 2**20:.0f} | "
+                  f"{'-' if p == 'full' else round((b * full[1] + full[2]) / 2**20)} |",
                   flush=True)
             del cache
     if a.train:

@@ -610,18 +610,22 @@ class Scorer(nn.Module):
 
     def project(self, i, x, rows=None):
         """-> k', v' (B, H, T, M) and the log input and log forget gates (B, H, T). Decoding passes `rows`, the same
-        weights as (out, in) matrices: one token's projections are then one matrix-vector product, read row by row."""
+        weights and biases as one (out, in) matrix per head: one token's projections are one matrix-vector product."""
         if rows is None:
             kp, vp = x @ self.wk[i] / math.sqrt(self.d_mem), x @ self.wv[i]
-            li, lf = (x * self.wi[i][:, None]).sum(-1), (x * self.wf[i][:, None]).sum(-1)
+            li, lf = (x * self.wi[i][:, None]).sum(-1) + self.bi[i][:, None], (x * self.wf[i][:, None]).sum(-1)
+            lf = lf + self.bf[i][:, None]
         else:
-            z, M = (rows[0][i] @ x.transpose(-1, -2)).transpose(-1, -2), self.d_mem  # (B, H, T, 2M + 2)
-            kp, vp, li, lf = z[..., :M], z[..., M:2 * M], z[..., 2 * M], z[..., 2 * M + 1]
-        return kp, vp, li + self.bi[i][:, None], F.logsigmoid(lf + self.bf[i][:, None])  # exponential i, sigmoid f
+            z = (rows[0][i] @ x.transpose(-1, -2)).transpose(-1, -2) + rows[1][i][:, None]  # (B, H, T, 2M + 2)
+            kp, vp, li, lf = z.split([self.d_mem, self.d_mem, 1, 1], -1)
+            li, lf = li[..., 0], lf[..., 0]
+        return kp, vp, li, F.logsigmoid(lf)  # exponential input gate: log i = li; sigmoid forget gate
 
-    def rows(self):  # for decoding: [W_k / sqrt(M), W_v, w_i, w_f] (L, H, 2M + 2, 2D) and W_r (L, H, M, 2D)
+    def rows(self):  # decoding: [W_k / sqrt(M), W_v, w_i, w_f] (L, H, 2M + 2, 2D), its bias, W_r (L, H, M, 2D)
+        b = torch.cat([torch.zeros_like(self.wk[:, :, 0]), torch.zeros_like(self.wv[:, :, 0]), self.bi[..., None],
+                       self.bf[..., None]], -1)
         return (torch.cat([self.wk / math.sqrt(self.d_mem), self.wv, self.wi[..., None], self.wf[..., None]], -1)
-                .transpose(-1, -2).contiguous(), self.wr.transpose(-1, -2).contiguous())
+                .transpose(-1, -2).contiguous(), b, self.wr.transpose(-1, -2).contiguous())
 
     def readout(self, i, x, h):  # r = w_o . norm(h) + w_s . x + b
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -664,10 +668,10 @@ class Scorer(nn.Module):
 
     def recall(self, layers, C, n, k, v, rows):
         """What reading the tokens (k, v (l, B, H, 1, D)) of `layers` (a slice) needs from the memories C (l, B, H,
-        M, M), n as they are: x, u = W_r x, C u and n . u. One batched pass, before the update it must look past."""
+        M, M), n as they are: x, u = W_r x, C u and n . u, a list per layer. One batched pass, before the update."""
         x = self.features(k, v)  # (l, B, H, 1, 2D)
-        u = (rows[1][layers][:, None] @ x.transpose(-1, -2))[..., 0]  # (l, B, H, M)
-        return x, u, (C @ u[..., None])[..., 0], (n * u).sum(-1, keepdim=True)
+        u = (rows[2][layers][:, None] @ x.transpose(-1, -2))[..., 0]  # (l, B, H, M)
+        return [y.unbind(0) for y in (x, u, (C @ u[..., None])[..., 0], (n * u).sum(-1, keepdim=True))]
 
     def read(self, i, upd, x, u, Cu, nu, pos):
         """Priority (B, H, 1) of layer i's token at pos from its recall (x, u, C u, n . u) and the memory after the
@@ -742,7 +746,7 @@ class KVCache:
             self.C = torch.zeros(*shape[:3], M, M, device=p.device)
             self.n = torch.zeros(*shape[:3], M, device=p.device)
             self.m = torch.full(shape[:3], -math.inf, device=p.device)
-            self.upd = [torch.zeros_like(x) for x in (self.n, self.n, self.m, self.m, self.m)]  # k', v', f, g, m'
+            self.pending = []  # this step's updates, layer by layer, applied after the last layer
             with torch.no_grad():
                 self.rows = policy.rows()
 
@@ -786,12 +790,12 @@ class KVCache:
         self.pos[i, :, :, :n], self.score[i, :, :, :n] = pos[keep], pi.gather(2, keep)
         return y
 
-    def recall(self, layers, t):  # token t's slot (l, B, Hkv, 1) and the scorer's recall of it, for a slice of layers
+    def recall(self, layers, t):  # token t's slot (B, Hkv, 1) and the scorer's recall of it, per layer of a slice
         j = (self.pos[layers] == t).byte().argmax(-1, keepdim=True)
         D = self.k.shape[-1]
         k = self.k[layers].gather(3, j[..., None].expand(-1, -1, -1, 1, D))
         v = self.v[layers].gather(4, j[..., None, :].expand(-1, -1, -1, D, 1)).transpose(-1, -2)
-        return (j, *self.policy.recall(layers, self.C[layers], self.n[layers], k, v, self.rows))
+        return [j.unbind(0), *self.policy.recall(layers, self.C[layers], self.n[layers], k, v, self.rows)]
 
     def step(self, i, q, k, v, pos, p, batched=False):  # one new token at position p (pos = [p] on the device)
         (B, H, _, D), S, P, sc = k.shape, self.size, self.pos[i], self.score[i]  # P, sc (B, Hkv, S)
@@ -804,10 +808,11 @@ class KVCache:
                 sc.scatter_(2, j, self.policy.read(i, upd, *rd, pos - self.window))
             if not batched:
                 Scorer.settle(self.C[i], self.n[i], self.m[i], upd)
-            for x, y in zip(self.upd, upd if batched else ()):
-                x[i] = y
-            if batched and i == L - 1:  # the memories take token p after the last layer, in one update
-                Scorer.settle(self.C, self.n, self.m, self.upd)
+            else:  # the memories take token p after the last layer, every layer's at once
+                self.pending.append(upd)
+                if i == L - 1:
+                    Scorer.settle(self.C, self.n, self.m, [torch.stack(x) for x in zip(*self.pending)])
+                    self.pending.clear()
         if p < S:
             slot = P.new_full((B, H, 1), p)
         else:  # evict the lowest (score, position) of the eligible pool s <= t <= p - w
