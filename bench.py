@@ -6,7 +6,6 @@ quality: every eviction policy on held-out sequences of the baby's long-range re
          train.py trains on it): answer accuracy, far accuracy, accuracy relative to full, KL to full.
 """
 import argparse
-import contextlib
 import math
 import os
 import random
@@ -93,76 +92,68 @@ def clock(fn, dev):  # wall seconds of one run
     return time.perf_counter() - t0
 
 
-def best(fn, dev, reps=3):  # best wall seconds of `reps` runs after a warm-up
-    return min([clock(fn, dev) for _ in range(reps + 1)][1:])
-
-
 def peak(fn, dev):
     """(seconds, peak bytes allocated above what was live before) of one run of fn."""
     sync(dev)
-    if dev == "cuda":
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    with LiveBytes() if dev == "cpu" else contextlib.nullcontext() as meter:
-        fn()
-    sync(dev)
-    return time.perf_counter() - t0, meter.peak if dev == "cpu" else torch.cuda.max_memory_allocated() - base
+    if dev == "cpu":
+        with LiveBytes() as meter:
+            return clock(fn, dev), meter.peak
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    return clock(fn, dev), torch.cuda.max_memory_allocated() - base
 
 
-def measure(fn, dev):  # kernels: best ms of 3 runs, and peak extra MiB
-    return best(fn, dev) * 1e3, peak(fn, dev)[1] / 2**20
+def measure(fn, dev):  # kernels: best ms of 3 runs after a warm-up, and peak extra MiB
+    return min([clock(fn, dev) for _ in range(4)][1:]) * 1e3, peak(fn, dev)[1] / 2**20
 
 
 def check_flags(ap, a, least):
-    """Integer flags' lower bounds, and --json: a file name in an existing, writable folder."""
+    """A GPU for --device cuda, integer flags' lower bounds, and --json: a file name in an existing, writable folder."""
+    if getattr(a, "device", None) == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU is visible; use --device cpu")
     for flag, n in least:
         if getattr(a, flag) < n:
             ap.error(f"--{flag} {getattr(a, flag)}: use {n} or more")
-    folder = os.path.dirname(a.json or "") or "."
-    if a.json and (os.path.isdir(a.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
-        ap.error(f"--json {a.json}: give a file name in an existing, writable folder")
+    json = getattr(a, "json", None)
+    folder = os.path.dirname(json or "") or "."
+    if json and (os.path.isdir(json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+        ap.error(f"--json {json}: give a file name in an existing, writable folder")
+
+
+def table(*cols):  # a markdown table's head: its column names, then the rule under them
+    return "| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|"
 
 
 def cmd_kernels(argv):
     """Time and peak memory of each kernels.py op vs its naive dense version (and SDPA on CUDA)."""
-    cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(prog="bench.py kernels", description=cmd_kernels.__doc__)
     ap.error = lambda msg: sys.exit(f"bench.py kernels: {msg}")  # one line, exit status 1
-    ap.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--T", help="comma-separated lengths (default 4096,16384,32768 on CUDA, 1024,2048,4096 on CPU)")
     ap.add_argument("--D", type=int, default=128, help="head dim")
     ap.add_argument("--group", type=int, default=2, help="query heads of the one KV head timed")
     a = ap.parse_args(argv)
-    a.T = ("4096,16384,32768" if a.device == "cuda" else "1024,2048,4096") if a.T is None else a.T
-    if a.device == "cuda" and not cuda:
-        ap.error("--device cuda: no CUDA GPU is visible; use --device cpu")
+    check_flags(ap, a, [("group", 1)])
+    dev, dt, sinks, window = a.device, torch.bfloat16 if a.device == "cuda" else torch.float32, 4, 256
+    a.T = ("4096,16384,32768" if dev == "cuda" else "1024,2048,4096") if a.T is None else a.T
     if not all(x.strip().isdecimal() and int(x) >= 1 for x in a.T.split(",")):
         ap.error(f"--T {a.T!r}: use comma-separated lengths >= 1, e.g. 1024,2048")
-    if a.D < 1 or a.device == "cuda" and a.D > 256:
+    if a.D < 1 or dev == "cuda" and a.D > 256:
         ap.error(f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)")
-    if a.group < 1:
-        ap.error(f"--group {a.group}: use 1 or more query heads")
-    dev, dt, sinks, window = a.device, torch.bfloat16 if a.device == "cuda" else torch.float32, 4, 256
     print(f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads, sinks {sinks}, window {window}, pool T/4\n")
-    print("| op | T | ours ms | naive ms | naive/ours | SDPA ms | ours MiB | naive MiB | naive/ours |")
-    print("|---" * 9 + "|")
+    print(table("op", "T", "ours ms", "naive ms", "naive/ours", "SDPA ms", "ours MiB", "naive MiB", "naive/ours"))
     for T in map(int, a.T.split(",")):
-        q = torch.randn(1, a.group, T, a.D, device=dev, dtype=dt)
-        k, v = (torch.randn(1, 1, T, a.D, device=dev, dtype=dt) for _ in range(2))
+        q, k, v = (torch.randn(1, h, T, a.D, device=dev, dtype=dt) for h in (a.group, 1, 1))
         pri = torch.randn(1, 1, T, device=dev)
         e, lse = kernels.eviction_times(pri, sinks, window, T // 4), kernels.attention(q, k, v)[1]
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
-        for name, ours, naive, ref in [
-                ("attention", lambda: kernels.attention(q, k, v), lambda: naive_attention(q, k, v), sdpa),
-                ("attention+evict", lambda: kernels.attention(q, k, v, e, sinks),
-                 lambda: naive_attention(q, k, v, e, sinks), None),
-                ("future_attention", lambda: kernels.future_attention(q, k, lse, window),
-                 lambda: naive_future(q, k, lse, window), None),
-                ("eviction_times", lambda: kernels.eviction_times(pri, sinks, window, T // 4),
-                 lambda: naive_eviction_times(pri, sinks, window, T // 4), None)]:
-            (to, mo), (tn, mn) = measure(ours, dev), measure(naive, dev)
-            ts = f"{measure(ref, dev)[0]:.1f}" if ref is not None and dev == "cuda" else "-"
+        for name, ours, naive, x in [  # each op, ours and naive, on the same inputs
+                ("attention", kernels.attention, naive_attention, (q, k, v)),
+                ("attention+evict", kernels.attention, naive_attention, (q, k, v, e, sinks)),
+                ("future_attention", kernels.future_attention, naive_future, (q, k, lse, window)),
+                ("eviction_times", kernels.eviction_times, naive_eviction_times, (pri, sinks, window, T // 4))]:
+            (to, mo), (tn, mn) = measure(lambda: ours(*x), dev), measure(lambda: naive(*x), dev)
+            ts = f"{measure(sdpa, dev)[0]:.1f}" if name == "attention" and dev == "cuda" else "-"
             print(f"| {name} | {T} | {to:.1f} | {tn:.1f} | {tn / to:.2f} | {ts} | {mo:.1f} | {mn:.1f} | "
                   f"{mn / max(mo, 1e-3):.0f} |", flush=True)
 
@@ -235,10 +226,10 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
     """Every (policy, budget) on the same sequences, teacher-forced through kvpop.evaluate -> rows of
     accuracy on all queries, on far ones, relative to full, and mean KL(full || policy) past position B."""
     size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]  # noqa: E731
-    far = dist >= max(map(size, budgets)) - sinks  # out of reach of a plain window at every budget
+    far = (dist >= max(map(size, budgets)) - sinks)[tgt >= 0]  # queries out of reach of a window at every budget
     name = lambda p: p if isinstance(p, str) else p.kind  # noqa: E731 (a learned scorer is named by its kind)
     runs = [("full", 1)] + [(p, b) for p in policies if p != "full" for b in budgets]
-    hit, kl = {r: [] for r in runs}, {r: [] for r in runs}
+    hit, kl, rows = {r: [] for r in runs}, {r: [] for r in runs}, []
     for c in range(0, len(idx), chunk):  # full-vocabulary log-probs of a chunk, then every run on it
         x, m = idx[c:c + chunk], tgt[c:c + chunk] >= 0
         full = kvpop.evaluate(net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
@@ -247,7 +238,6 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
                 net, x, p, b, sinks, window, online=name(p) in kvpop.DYNAMIC).float().log_softmax(-1)
             hit[p, b].append(lp.argmax(-1)[m] == tgt[c:c + chunk][m])
             kl[p, b].append((full.exp() * (full - lp)).sum(-1)[:, size(b):].flatten())  # (chunk * (T - B),)
-    far, rows = torch.cat([far[c:c + chunk][tgt[c:c + chunk] >= 0] for c in range(0, len(idx), chunk)]), []
     for p, b in runs:
         h, k = torch.cat(hit[p, b]).float(), torch.cat(kl[p, b])
         acc = h.mean().item()
@@ -258,8 +248,8 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
 
 
 def quality_table(rows):
-    return "| policy | budget | accuracy | far accuracy | relative | KL |\n|---|---|---|---|---|---|\n" + "\n".join(
-        f"| {r['policy']} | {r['budget']:g} | {r['accuracy']:.1%} | {r['far_accuracy']:.1%} | {r['relative']:.3f} | "
+    return table("policy", "budget", "accuracy", "far accuracy", "relative", "KL") + "".join(
+        f"\n| {r['policy']} | {r['budget']:g} | {r['accuracy']:.1%} | {r['far_accuracy']:.1%} | {r['relative']:.3f} | "
         f"{r['kl']:.3f} |" for r in rows)
 
 
@@ -289,11 +279,10 @@ def cmd_quality(argv):
     try:
         limit = kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json"))
         scorers = [kvpop.Scorer.from_pretrained(d) for d in a.scorer.split(",") if d]
-        for s in [None] + scorers:  # a bad budget, or a scorer for another model or window, raises here
-            if s is not None:
-                s.check(limit, a.window)
-            for b in budgets:
-                kvpop.budget_size(b, a.T, a.sinks, a.window, getattr(s, "charge", 0))
+        for s in scorers:  # a scorer for another model or window, or a budget that leaves no room, raises here
+            s.check(limit, a.window)
+        for s, b in [(s, b) for s in [None] + scorers for b in budgets]:
+            kvpop.budget_size(b, a.T, a.sinks, a.window, getattr(s, "charge", 0))
         if a.T > limit.max_position_embeddings:  # checked before the weights load
             raise ValueError(f"--T {a.T}: the model has {limit.max_position_embeddings} positions; lower --T")
         torch.set_num_threads(a.threads)
@@ -310,7 +299,6 @@ def cmd_quality(argv):
     print(f"\n{time.time() - t0:.0f}s")
     if a.json:
         kvpop.write_json(rows, a.json)
-
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -345,8 +333,7 @@ def fill(cache, C):
     pos = torch.arange(C) if C <= S else torch.cat([torch.arange(s), torch.linspace(s, C - w - 1, S - s - w).long(),
                                                    torch.arange(C - w, C)])
     n = len(pos)
-    cache.k[..., :n, :].normal_()
-    cache.v[..., :n].normal_()
+    cache.k[..., :n, :].normal_(), cache.v[..., :n].normal_()  # values are stored transposed
     cache.pos[..., :n], cache.score[..., :n], cache.t = pos.to(cache.pos.device), torch.rand(n), C
     if cache.delayed:
         cache.C.normal_(0, 0.01), cache.n.normal_(), cache.m.zero_()
@@ -358,7 +345,6 @@ def cmd_speed(argv):
     with the matrix-vector limit; the scorer's share of a step; prefill time and peak memory; the parts of a
     scorer training step. Bytes a step must read: weights (the input embedding only when tied to the head),
     the kept keys and values, the scorer's state."""
-    cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(prog="bench.py speed", description=cmd_speed.__doc__)
     ap.error = lambda msg: sys.exit(f"bench.py speed: {msg}")  # one line, exit status 1
     ap.add_argument("--model", help="checkpoint folder (default: a random model of --shape)")
@@ -373,36 +359,38 @@ def cmd_speed(argv):
     ap.add_argument("--sinks", type=int, default=4, help="first tokens never evicted")
     ap.add_argument("--window", type=int, default=256, help="recent tokens never evicted")
     ap.add_argument("--d_mem", type=int, default=128, help="the kvpop scorer's memory size (the paper's 128)")
-    ap.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: bf16 on cuda")
     ap.add_argument("--json", help="also write the rows to this file")
     a = ap.parse_args(argv)
-    dev, policies, budgets = a.device, [p for p in a.policies.split(",") if p], a.budgets.split(",")
+    check_flags(ap, a, [("layers", 0), ("steps", 1), ("prefill", 0), ("train", 0), ("sinks", 0), ("window", 1),
+                        ("d_mem", 1)])
+    dev, policies = a.device, [p for p in a.policies.split(",") if p]
+    online = kvpop.STATIC[:3] + kvpop.DYNAMIC + kvpop.SCORERS  # every policy but full and the oracle
     dt = getattr(torch, a.dtype if a.dtype != "auto" else "bfloat16" if dev == "cuda" else "float32")
-    if dev == "cuda" and not cuda:
-        ap.error("--device cuda: no CUDA GPU is visible; use --device cpu")
     if not all(x.isdecimal() and int(x) >= 1 for x in a.contexts.split(",") if a.contexts):
         ap.error(f"--contexts {a.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768")
     for p in policies:
-        if p not in ("streaming", "knorm", "random", "h2o", "tova") + kvpop.SCORERS:
-            ap.error(f"--policies: {p!r} is not a policy that decodes online; choose from streaming, knorm, random, "
-                     f"h2o, tova, {', '.join(kvpop.SCORERS)}")
-    budgets = [kvpop.parse_value(ap.prog, "budgets", b, float) for b in budgets]
-    check_flags(ap, a, [("layers", 0), ("steps", 1), ("prefill", 0), ("train", 0), ("sinks", 0), ("window", 1),
-                        ("d_mem", 1)])
-    contexts = [int(x) for x in a.contexts.split(",")] if a.contexts else []
+        if p not in online:
+            ap.error(f"--policies: {p!r} is not a policy that decodes online; choose from {', '.join(online)}")
+    budgets = [kvpop.parse_value(ap.prog, "budgets", b, float) for b in a.budgets.split(",")]
+    contexts = [int(x) for x in a.contexts.split(",") if a.contexts]
     try:  # every check first: the weights load or are drawn last
         c = (kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json")) if a.model
              else shape_config(a.shape, a.layers))
         torch.manual_seed(0)
-        make = {k: kvpop.Scorer(c, k, a.window, a.d_mem).eval() for k in kvpop.SCORERS}
+        make = {k: kvpop.Scorer(c, k, a.window, a.d_mem).eval().to(dev) for k in kvpop.SCORERS}
         for C, b in [(C, b) for C in contexts for b in budgets] + [(T, budgets[0]) for T in (a.prefill, a.train) if T]:
             kvpop.budget_size(b, C, a.sinks, a.window, make["kvpop"].charge)  # no room: raises here
         net = kvpop.Qwen3.from_pretrained(a.model, dev, dt) if a.model else shape_model(c, dev, dt)
     except (OSError, ValueError) as e:
         ap.error(str(e))
-    make = {k: s.to(dev) for k, s in make.items()}
     pol = lambda p: make.get(p, p)  # noqa: E731
+
+    def empty_cache(p, b, T, full):  # `full` entries for full, else the budget's less those the scorer's state takes
+        charge = getattr(pol(p), "charge", 0)
+        S = full if p == "full" else kvpop.budget_size(b, T, a.sinks, a.window, charge)[0] - charge
+        return kvpop.KVCache(net, 1, S, pol(p), a.sinks, a.window)
     emb = net.model.embed_tokens.weight
     W = sum(p.numel() * p.element_size() for p in net.parameters() if p is not emb or c.tie_word_embeddings)
     per_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dt.itemsize  # KV bytes of a token
@@ -411,17 +399,14 @@ def cmd_speed(argv):
           f"{str(dt)[6:]}; weights read per step {W / 1e9:.2f} GB; sinks {a.sinks}, window {a.window}\n")
     rows = []
     if contexts:
-        print("| policy | budget | context | tokens/s | speedup | ideal | of ideal | KV+state MiB | GB/s | limit GB/s "
-              "| of limit | scorer share |\n" + "|---" * 12 + "|")
+        print(table("policy", "budget", "context", "tokens/s", "speedup", "ideal", "of ideal", "KV+state MiB", "GB/s",
+                    "limit GB/s", "of limit", "scorer share"))
     for C in contexts:  # every row of a context in one cache each, stepped in turn with the limit: the same minutes
         M = torch.randn(W // (c.hidden_size * dt.itemsize), c.hidden_size, device=dev).to(dt)  # a model-sized matrix
-        x, tok, runs = torch.randn(c.hidden_size, device=dev, dtype=dt), torch.tensor([[13]], device=dev), {}
+        x, tok, runs, lim = torch.randn(c.hidden_size, device=dev, dtype=dt), torch.tensor([[13]], device=dev), {}, []
         for p, b in [("full", 1)] + [(p, b) for b in budgets for p in policies]:
-            charge = getattr(pol(p), "charge", 0)
-            S = C + a.steps + 1 if p == "full" else kvpop.budget_size(b, C, a.sinks, a.window, charge)[0] - charge
-            cache = kvpop.KVCache(net, 1, S, pol(p), a.sinks, a.window)
+            cache = empty_cache(p, b, C, C + a.steps + 1)
             runs[p, b] = cache, fill(cache, C), []  # the cache, the entries it holds, its step times
-        lim = []
         with torch.no_grad():
             for _ in range(a.steps + 1):  # the first round warms up
                 lim.append(clock(lambda: M @ x, dev))
@@ -429,40 +414,35 @@ def cmd_speed(argv):
                     sec.append(clock(lambda: net(tok, cache=cache), dev))
         med = lambda t: sorted(t[1:])[len(t) // 2 - 1]  # noqa: E731 (after the warm-up round)
         limit = M.numel() * dt.itemsize / med(lim) / 1e9
-        for (p, b), (cache, n, times) in runs.items():
+        for (p, b), (cache, n, times) in runs.items():  # full first: its seconds and bytes are the context's yardstick
             sec = med(times)
             kv = cache.nbytes() - 2 * cache.k.numel() * cache.k.element_size() + per_tok * n  # held + state
-            rows.append(r := dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3), kv_mib=kv / 2**20,
-                                  gbps=(W + kv) / sec / 1e9, limit_gbps=limit, sec=sec, bytes=W + kv))
-            same = {x["policy"]: x for x in rows if x["context"] == C and x["budget"] in (1, b)}
-            r.update(speedup=same["full"]["sec"] / sec, ideal_speedup=same["full"]["bytes"] / r["bytes"])
-            if p in kvpop.SCORERS and "streaming" in same:  # the scorer's share: against streaming's step in the
+            full = (sec, W + kv) if p == "full" else full
+            r = dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3), kv_mib=kv / 2**20,
+                     gbps=(W + kv) / sec / 1e9, limit_gbps=limit, speedup=full[0] / sec,
+                     ideal_speedup=full[1] / (W + kv))
+            if p in kvpop.SCORERS and ("streaming", b) in runs:  # the scorer's share: against streaming's step in the
                 r["scorer_share"] = 1 - med([x / y for x, y in zip(runs["streaming", b][2], times)])  # same round
+            share = f"{r['scorer_share']:.1%}" if "scorer_share" in r else "-"
             print(f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x | "
                   f"{r['speedup'] / r['ideal_speedup']:.0%} | {r['kv_mib']:.0f} | {r['gbps']:.1f} | {limit:.1f} | "
-                  f"{r['gbps'] / limit:.0%} | {'%.1f%%' % (100 * r['scorer_share']) if 'scorer_share' in r else '-'} |",
-                  flush=True)
+                  f"{r['gbps'] / limit:.0%} | {share} |", flush=True)
+            rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
         del runs, M
-    rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items() if k not in ("sec", "bytes")}
-            for r in rows]
     for T in [a.prefill] * bool(a.prefill):  # a prompt into an empty cache: full, then each policy at budgets[0]
         idx, b = torch.randint(0, net.config.vocab_size, (1, T), device=dev), budgets[0]
-        print(f"\nprefill of a {T}-token prompt, logits of its last position\n\n| policy | budget | seconds | vs full "
-              f"| cache MiB | peak extra MiB | peak MiB | full's extra + budget's share MiB |\n" + "|---" * 8 + "|")
+        print(f"\nprefill of a {T}-token prompt, logits of its last position\n\n" + table("policy", "budget", "seconds",
+              "vs full", "cache MiB", "peak extra MiB", "peak MiB", "full's extra + budget's share MiB"))
         for p in ["full"] + [p for p in policies if kvpop.policy_kind(pol(p)) == "static"]:
-            charge = getattr(pol(p), "charge", 0)
-            cache = kvpop.KVCache(net, 1, T if p == "full" else kvpop.budget_size(b, T, a.sinks, a.window, charge)[0]
-                                  - charge, pol(p), a.sinks, a.window)
+            cache = empty_cache(p, b, T, T)
             with torch.no_grad():
-                sec, extra = peak(lambda: net(idx, cache=cache), dev)
-            mem = cache.nbytes()
+                (sec, extra), mem = peak(lambda: net(idx, cache=cache), dev), cache.nbytes()
             full = (sec, mem, extra) if p == "full" else full  # full's extra: one layer's working set
             rows.append(dict(policy=p, budget=1 if p == "full" else b, prefill=T, seconds=round(sec, 2),
                              cache_mib=round(mem / 2**20, 1), peak_mib=round((mem + extra) / 2**20, 1)))
             print(f"| {p} | {rows[-1]['budget']:g} | {sec:.1f} | {full[0] / sec:.2f}x | {mem / 2**20:.0f} | "
                   f"{extra / 2**20:.0f} | {(mem + extra) / 2**20:.0f} | "
-                  f"{'-' if p == 'full' else round((b * full[1] + full[2]) / 2**20)} |",
-                  flush=True)
+                  f"{'-' if p == 'full' else round((b * full[1] + full[2]) / 2**20)} |", flush=True)
             del cache
     if a.train:
         rows += train_rows(net, a, dev, make["kvpop"].train().requires_grad_(True), budgets[0])
@@ -473,17 +453,14 @@ def cmd_speed(argv):
 def train_rows(net, a, dev, scorer, b):
     """One kvpop scorer training step on a.train tokens, through train.py's own functions, timed by part."""
     import train  # here, not at the top: train.py imports this file
-    T, clock = a.train, {"future_attention": 0.0, "eviction_times": 0.0}
+    T, spent = a.train, {"future_attention": 0.0, "eviction_times": 0.0}
     train.sinks, train.window, train.device, train.queries = a.sinks, a.window, dev, 0
     train.pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge)[1]
-    for f, g in [(f, getattr(kernels, f)) for f in clock]:  # the kernels' time, wherever they are called from
+    for f, g in [(f, getattr(kernels, f)) for f in spent]:  # the kernels' time, wherever they are called from
         def timed(*x, f=f, g=g, **kw):
-            sync(dev)
-            t0 = time.perf_counter()
-            out = g(*x, **kw)
-            sync(dev)
-            clock[f] += time.perf_counter() - t0
-            return out
+            out = []
+            spent[f] += clock(lambda: out.append(g(*x, **kw)), dev)
+            return out[0]
         setattr(kernels, f, timed)
     idx, t = torch.randint(0, net.config.vocab_size, (1, T), device=dev), [time.perf_counter()]
     kv, r = kvpop.dense_targets(net, idx, a.window)
@@ -491,10 +468,10 @@ def train_rows(net, a, dev, scorer, b):
     train.boundary_loss(scorer, kv, r, 0)  # forward and backward, layer by layer
     sync(dev)
     t.append(time.perf_counter())
-    fut, ev = clock["future_attention"], clock["eviction_times"]
+    fut, ev = spent.values()
     parts = {"frozen forward": t[1] - t[0] - fut, "future-attention targets": fut, "eviction times": ev,
              "scorer forward + backward": t[2] - t[1] - ev}
-    print(f"\nkvpop scorer training step, 1 x {T} tokens, budget {b:g}\n\n| part | seconds | share |\n|---|---|---|")
+    print(f"\nkvpop scorer training step, 1 x {T} tokens, budget {b:g}\n\n" + table("part", "seconds", "share"))
     for k, v in parts.items():
         print(f"| {k} | {v:.2f} | {v / (t[2] - t[0]):.0%} |")
     return [dict(train=T, part=k, seconds=round(v, 3)) for k, v in parts.items()]

@@ -622,10 +622,9 @@ class Scorer(nn.Module):
         return kp, vp, li, F.logsigmoid(lf)  # exponential input gate: log i = li; sigmoid forget gate
 
     def rows(self):  # decoding: [W_k / sqrt(M), W_v, w_i, w_f] (L, H, 2M + 2, 2D), its bias, W_r (L, H, M, 2D)
-        b = torch.cat([torch.zeros_like(self.wk[:, :, 0]), torch.zeros_like(self.wv[:, :, 0]), self.bi[..., None],
-                       self.bf[..., None]], -1)
         return (torch.cat([self.wk / math.sqrt(self.d_mem), self.wv, self.wi[..., None], self.wf[..., None]], -1)
-                .transpose(-1, -2).contiguous(), b, self.wr.transpose(-1, -2).contiguous())
+                .transpose(-1, -2).contiguous(), F.pad(torch.stack([self.bi, self.bf], -1), (2 * self.d_mem, 0)),
+                self.wr.transpose(-1, -2).contiguous())
 
     def readout(self, i, x, h):  # r = w_o . norm(h) + w_s . x + b
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -743,8 +742,7 @@ class KVCache:
         self.delayed = isinstance(policy, Scorer) and policy.kind == "kvpop"
         if self.delayed:  # the memory of every layer and head: C (M, M), n (M,), log-scale m
             M = policy.d_mem
-            self.C = torch.zeros(*shape[:3], M, M, device=p.device)
-            self.n = torch.zeros(*shape[:3], M, device=p.device)
+            self.C, self.n = torch.zeros(*shape[:3], M, M, device=p.device), torch.zeros(*shape[:3], M, device=p.device)
             self.m = torch.full(shape[:3], -math.inf, device=p.device)
             self.pending = []  # this step's updates, layer by layer, applied after the last layer
             with torch.no_grad():
