@@ -4,6 +4,8 @@ kernels: each kernels.py operation vs its naive dense version (T x T matrices), 
          scaled_dot_product_attention on CUDA; prints time and peak extra memory as a markdown table.
 quality: every eviction policy on held-out sequences of the baby's long-range recall task (defined here,
          train.py trains on it): answer accuracy, far accuracy, accuracy relative to full, KL to full.
+speed:   decoding tokens/s and bandwidth per policy and budget against full and a matrix-vector product;
+         prefill time and peak memory; a scorer training step, part by part.
 """
 import argparse
 import math
