@@ -224,9 +224,10 @@ def task_batch(tok, n, T, rng, **kw):
     return idx, tgt, dist
 
 
-def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64):
+def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None):
     """Every (policy, budget) on the same sequences, teacher-forced through kvpop.evaluate -> rows of
-    accuracy on all queries, on far ones, relative to full, and mean KL(full || policy) past position B."""
+    accuracy on all queries, on far ones, relative to full, and mean KL(full || policy) past position B.
+    `full` is the dense pass of ref (a fine-tuned net's starting point), default net itself."""
     size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]  # noqa: E731
     far = (dist >= max(map(size, budgets)) - sinks)[tgt >= 0]  # queries out of reach of a window at every budget
     name = lambda p: p if isinstance(p, str) else p.kind  # noqa: E731 (a learned scorer is named by its kind)
@@ -234,7 +235,7 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
     hit, kl, rows = {r: [] for r in runs}, {r: [] for r in runs}, []
     for c in range(0, len(idx), chunk):  # full-vocabulary log-probs of a chunk, then every run on it
         x, m = idx[c:c + chunk], tgt[c:c + chunk] >= 0
-        full = kvpop.evaluate(net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
+        full = kvpop.evaluate(ref or net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
         for p, b in runs:
             lp = full if p == "full" else kvpop.evaluate(
                 net, x, p, b, sinks, window, online=name(p) in kvpop.DYNAMIC).float().log_softmax(-1)

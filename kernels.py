@@ -54,11 +54,14 @@ def attention(q, k, v, evict_at=None, sinks=0, scale=None):
 
     q (B, Hq, T, D); k, v (B, Hkv, T, D); evict_at (B, Hkv, T) int or None (plain causal).
     Returns out (B, Hq, T, D) in q's dtype and lse (B, Hq, T) fp32, the natural-log softmax normaliser.
+    Training (a gradient is needed): the torch path's autograd on CPU, FlexAttention's fused backward on CUDA.
     """
     B, Hq, Hkv, T, D = _check_qk(q, k, v)
     if evict_at is not None:
         _check_heads(evict_at, "evict_at", (B, Hkv, T), q.device)
     scale = D ** -0.5 if scale is None else scale
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):  # the Triton kernel has no backward
+        return (_attention_flex if q.is_cuda else _attention_torch)(q, k, v, evict_at, sinks, scale)
     if _use_triton(q):
         return _attention_triton(q, k, v, evict_at, sinks, scale)
     return _attention_torch(q, k, v, evict_at, sinks, scale)
@@ -153,6 +156,26 @@ def _attention_triton(q, k, v, evict_at, sinks, scale):
     _attention_kernel[grid](q, k, v, e, out, lse, T, D, Hq // Hkv, sinks, scale,
                             HAS_E=evict_at is not None, BM=B_, BN=B_, BD=BD, num_stages=2)
     return out, lse
+
+
+_flex = None  # FlexAttention, compiled once (eager it builds the T x T scores; on CPU it has no backward)
+
+
+def _attention_flex(q, k, v, evict_at, sinks, scale):
+    """Training on CUDA: PyTorch's FlexAttention, block-sparse from the same visibility rule, with its backward."""
+    global _flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    (B, Hq, T, D), G = q.shape, q.shape[1] // k.shape[1]
+    e = evict_at if evict_at is not None else torch.full((B, k.shape[1], T), T, device=q.device)
+
+    def visible(b, h, i, t):
+        return (t <= i) & ((t < sinks) | (i < e[b, h // G, t]))
+    mask = create_block_mask(visible, B, Hq, T, T, device=q.device)
+    if q.is_cuda and _flex is None:
+        _flex = torch.compile(flex_attention)
+    flex = _flex if q.is_cuda else flex_attention
+    out, lse = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=G > 1, return_lse=True)
+    return out, lse.float()
 
 
 # -------------------------------------------------------------------------------------- future attention

@@ -421,10 +421,12 @@ class Qwen3(nn.Module):
               f"from {folder}", file=sys.stderr)
         return model.to(device=device, dtype=dtype).eval()
 
-    def save_pretrained(self, folder):
-        """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads."""
+    def save_pretrained(self, folder, state=None):
+        """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads. state: the
+        weights to write instead of the parameters (a sharded model's, gathered)."""
         os.makedirs(folder, exist_ok=True)
-        save_safetensors(dict(self.named_parameters()), os.path.join(folder, "model.safetensors"))  # tied: stored once
+        state = state or dict(self.named_parameters())
+        save_safetensors({k: state[k] for k, _ in self.named_parameters()}, os.path.join(folder, "model.safetensors"))
         dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
         write_json(dict(asdict(self.config), architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
                         torch_dtype=dtype), os.path.join(folder, "config.json"))

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -259,13 +260,16 @@ TRAIN_BAD = {  # flag -> bad values (wrong type, out of range, unknown choice); 
     "weight_decay": ["-0.1", "1"], "grad_clip": ["0"], "log_interval": ["0"], "eval_interval": ["0"],
     "eval_seqs": ["0"], "final_seqs": ["-1"], "vocab_ranks": ["100", "200000", "x"], "n_layer": ["0"],
     "n_embd": ["130", "16", "0", "x"], "n_ff": ["0"], "rope_theta": ["0", "-1", "inf"], "keys": ["0", "17", "x"],
-    "tokens": ["0"], "phase_steps": ["0"], "advance_acc": ["0", "1.5"], "final_steps": ["0"],
+    "tokens": ["0"], "phase_steps": ["0"], "advance_acc": ["0", "1.5"], "final_steps": ["0"], "finetune": ["maybe"],
+    "policy": ["h2o", "x"], "model_lr": ["0", "nan"], "top_logits": ["0", "x"],
 }
 PRETRAIN_BAD = {"out_dir": [HERE], "seq_len": ["8192"], "tokens": ["100"], "warmup": ["0"]}  # with --stage pretrain
 BAD_FLAGS += [("train.py", [f"--{k}", v], [f"--{k}"]) for k, vs in TRAIN_BAD.items() for v in vs]
 BAD_FLAGS += [("train.py", ["--stage", "pretrain", f"--{k}", v], [f"--{k}"])
               for k, vs in PRETRAIN_BAD.items() for v in vs]
 BAD_FLAGS += [("train.py", ["--bogus"], ["unknown option '--bogus'"]), ("train.py", ["--lr"], ["--lr needs a value"])]
+BAD_FLAGS += [("train.py", ["--policy", "streaming"], ["--policy streaming", "--finetune"]),
+              ("train.py", ["--stage", "pretrain", "--finetune"], ["pretrain", "--finetune"])]
 
 
 @pytest.mark.parametrize("script, args, words", BAD_FLAGS, ids=[" ".join([s, *a]) for s, a, _ in BAD_FLAGS])
@@ -1674,3 +1678,133 @@ def test_train_bad_input(tmp_path, small_model):
     for args, words in cases:
         one_line_error(run("train.py", "--out_dir", str(tmp_path / "o"), *args), *words)
         assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# [8/8] training under eviction: the masked attention's backward, the fine-tune, several processes
+
+
+def test_training_attention_gradients_equal_dense_masked_reference():
+    """kernels.attention with a gradient (the CPU training path of --finetune) against autograd through the
+    materialised masked softmax: outputs, lse and the gradients of q, k, v, fp32, 1e-4."""
+    for seed, (B, G, T, D, sinks, window, k) in enumerate([(2, 2, 400, 32, 4, 16, 40), (1, 1, 140, 16, 0, 1, 3),
+                                                           (1, 4, 129, 64, 2, 32, 0)]):
+        q, kk, v = (x.detach().requires_grad_(True) for x in _k_qkv(B, G, T, D, "cpu", seed))
+        pri = torch.randn(B, 2, T, generator=torch.Generator().manual_seed(seed)) * 5 + torch.arange(T) * (seed == 0)
+        e = kernels.eviction_times(pri, sinks, window, k)  # seed 0: near recency, whole key blocks leave early
+        out, lse = kernels.attention(q, kk, v, e, sinks)
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, kk, v), g)
+        # the reference, from the definition: visible(i, t) <=> t <= i and (t < sinks or i < e[t]); fp64
+        q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, kk, v))
+        s = q64 @ k64.repeat_interleave(G, 1).transpose(-1, -2) / math.sqrt(D)
+        i, t = torch.arange(T)[:, None], torch.arange(T)
+        vis = (t <= i) & ((t < sinks) | (i < e.repeat_interleave(G, 1)[:, :, None, :]))
+        ref = s.masked_fill(~vis, -math.inf).softmax(-1) @ v64.repeat_interleave(G, 1)
+        ref_grads = torch.autograd.grad(ref, (q64, k64, v64), g.double())
+        assert (e < T).any() and (seed or e[..., 128:256].max() <= 384)  # evictions; seed 0 skips a key block
+        assert (out - ref).abs().max().item() <= 1e-4
+        assert (lse - s.masked_fill(~vis, -math.inf).logsumexp(-1)).abs().max().item() <= 1e-4
+        for a, b in zip(grads, ref_grads):
+            assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item()), seed
+
+
+def test_flex_attention_mask_is_the_visibility_rule():
+    """The CUDA training path (FlexAttention, whose backward needs CUDA) builds its block mask from the same rule:
+    its forward on CPU equals the torch path's, with and without eviction times."""
+    q, k, v = _k_qkv(1, 2, 96, 16, "cpu", 3)
+    e = kernels.eviction_times(torch.randn(1, 2, 96), 2, 8, 20)
+    for ev in (e, None):
+        out, lse = kernels._attention_flex(q, k, v, ev, 2, 0.25)
+        ref, ref_lse = kernels._attention_torch(q, k, v, ev, 2, 0.25)
+        assert (out - ref).abs().max().item() <= 1e-5 and (lse - ref_lse).abs().max().item() <= 1e-5
+
+
+def _ft_args(out, *extra):
+    return (*_train_args(out, *extra), "--batch_size", "4")
+
+
+def _curve(text):  # the loss numbers of the step lines (not the tokens/s)
+    return [float(x) for line in _losses(text) for x in re.findall(r"\d+\.\d{6}", line)]
+
+
+def _torchrun(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args],
+                          capture_output=True, text=True, cwd=HERE, timeout=600, **kw)
+
+
+@pytest.mark.parametrize("mode", ["scorer", "finetune"])
+def test_two_processes_give_the_one_process_loss_curve(tmp_path, mode):
+    """torchrun, 2 CPU processes (gloo), half the global batch each: DDP (scorer) or FSDP2 (--finetune) give the
+    one-process loss curve to 1e-5 relative (the sums over processes add in another order: not bit-equal)."""
+    extra = ("--finetune",) if mode == "finetune" else ()
+    one = run(*_ft_args(tmp_path / "one", *extra))
+    two = _torchrun(*_ft_args(tmp_path / "two", *extra))
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr[-3000:])
+    a, b = _curve(one.stdout), _curve(two.stdout)
+    assert len(a) == len(b) == 6 * (3 if extra else 1) and "2 process(es)" in two.stdout
+    assert all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
+    assert two.stdout.count("saved") == 2 and "step 1:" in two.stdout and two.stdout.count("step 1:") == 1  # rank 0
+
+
+def _kill_tree(pid):  # SIGKILL to torchrun and every process under it (its workers are not in its group)
+    kids = {}
+    for d in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{d}/stat").read()
+            kids.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(d))
+        except (OSError, ValueError, IndexError):
+            pass
+    todo, tree = [pid], []
+    while todo:
+        tree.append(todo.pop())
+        todo += kids.get(tree[-1], [])
+    for p in tree:
+        os.kill(p, 9)
+
+
+def test_distributed_finetune_killed_then_resumed(tmp_path):
+    """A 2-process --finetune run killed (SIGKILL to every process) after a checkpoint resumes where it stopped:
+    the steps after its last checkpoint print the uninterrupted run's losses, and what it left is a model Qwen3
+    loads. (Checkpoints every step: the processes may run on a little before the kill lands.)"""
+    args = ("--finetune", "--eval_interval", "1", "--max_iters", "12")
+    ref = _torchrun(*_ft_args(tmp_path / "a", *args))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          *_ft_args(tmp_path / "b", *args)], cwd=HERE, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    for line in p.stdout:
+        if line.startswith("step 3:") and "saved" in line:
+            _kill_tree(p.pid)
+            break
+    p.wait()
+    n = kvpop.Scorer.from_pretrained(tmp_path / "b").meta["iters"]
+    assert 3 <= n < 12 and torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)["iter"] == n
+    kvpop.Qwen3.from_pretrained(tmp_path / "b")  # what the killed run left loads
+    res = _torchrun(*_ft_args(tmp_path / "b", *args, "--resume"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resuming {tmp_path / 'b'} at step {n}" in res.stdout
+    a, b = _curve(ref.stdout)[3 * n:], _curve(res.stdout)
+    assert len(a) == len(b) == 3 * (12 - n) and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b))
+
+
+def test_finetuned_checkpoint_loads_and_samples(tmp_path):
+    """--finetune writes a normal checkpoint folder (changed weights, the scorer beside it) and StreamingLLM+ one
+    without a scorer; Qwen3.from_pretrained loads both and sample.py samples from them under their eviction."""
+    for policy in ("scorer", "streaming"):
+        out = tmp_path / policy
+        r = run(*_train_args(out, "--finetune", "--policy", policy, "--max_iters", "2", "--eval_interval", "2"))
+        assert r.returncode == 0, r.stderr
+        ft, base = kvpop.Qwen3.from_pretrained(out), kvpop.Qwen3.from_pretrained(MODEL_DIR)
+        diff = [(a - b).abs().max().item() for a, b in zip(ft.parameters(), base.parameters())]
+        assert max(diff) > 0 and (out / "scorer.json").exists() == (policy == "scorer")
+        args = ["--model", str(out), "--prompt", "FILE:baby/prompt.txt", "--max_new_tokens", "8", "--window", "16",
+                "--budget", "0.25", "--temperature", "0"]
+        args += ["--policy", "kvpop", "--scorer", str(out)] if policy == "scorer" else ["--policy", "streaming"]
+        s = run("sample.py", *args)
+        assert s.returncode == 0 and "tokens/s" in s.stdout + s.stderr, s.stderr
+
+
+def test_train_distributed_bad_input(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    one_line_error(exits(monkeypatch, "train.py", "--batch_size", "8"), "--batch_size 8", "3 processes")

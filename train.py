@@ -3,11 +3,16 @@
   python train.py                                      # the delayed KVpop scorer on the frozen baby (minutes)
   python train.py --kind kvpop-mlp --out_dir out-mlp   # the insertion-time scorer
   python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25 --d_mem 128
+  python train.py --finetune --out_dir out-ft          # the paper's recipe: the model trains too, under eviction
+  python train.py --finetune --policy streaming        # its control, StreamingLLM+ (recency eviction, no scorer)
   python train.py --stage pretrain --out_dir baby      # the baby Qwen3 itself, from scratch on the recall task
+  torchrun --nproc_per_node=2 train.py ...             # several processes: DDP (scorer), FSDP2 (--finetune)
 
 The scorer learns the keep-or-drop decisions of a teacher whose priorities are the future-attention target of
-the frozen model (README, Method: boundary loss). The model is never changed.
+the model (README, Method: boundary loss). By default the model is frozen; --finetune trains it too, under the
+scorer's eviction, by KL to the frozen dense model (README, Method: fine-tune).
 """
+import contextlib
 import glob
 import json
 import math
@@ -18,7 +23,11 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kernels
 import kvpop
@@ -26,6 +35,8 @@ from bench import TASK_RANKS, quality_runs, quality_table, task_batch
 
 # --- what to run
 stage = "scorer"  # scorer: learn a scorer on a frozen model; pretrain: the baby from scratch
+finetune = False  # stage scorer: the model trains too, under the student's eviction, by KL to the dense model
+policy = "scorer"  # --finetune: scorer (the --kind scorer evicts) or streaming (StreamingLLM+: pi[t] = t, no scorer)
 out_dir = "out"  # folder written: the scorer + train_state.pt (pretrain: the checkpoint, replaced atomically)
 resume = False  # continue the run in out_dir from its last checkpoint, exactly
 seed = 0  # seeds the initialisation and the training data (never the benchmark's sequences)
@@ -53,7 +64,9 @@ lr = 3e-3  # AdamW peak learning rate (pretrain too)
 min_lr = 3e-4  # scorer: cosine decay down to this
 warmup = 50  # linear warmup steps (pretrain too)
 weight_decay = 1e-4  # scorer: AdamW weight decay
-grad_clip = 1.0  # scorer: clip the gradient norm
+grad_clip = 1.0  # scorer: clip the gradient norm (--finetune: the model's too)
+model_lr = 8e-5  # --finetune: the model's AdamW peak learning rate (the paper's; the scorer keeps --lr)
+top_logits = 256  # --finetune: KL to the dense model's this many likeliest next tokens (renormalised)
 # --- logging, evaluation, checkpoints
 log_interval = 25  # print loss, keep/drop accuracy and tokens/s every this many steps
 eval_interval = 100  # held-out far accuracy at the training budget (baby) and a checkpoint, every this many
@@ -71,6 +84,8 @@ phase_steps = 500  # pretrain: most steps at each shorter curriculum length
 advance_acc = 0.9  # pretrain: move to the next length once train accuracy (mean of 20 steps) reaches this
 final_steps = 300  # pretrain: steps at seq_len, cosine decay to 0
 kvpop.configure(globals(), None if __name__ == "__main__" else [])  # imported (tests): the defaults stand
+rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
+log = print if rank == 0 else lambda *a, **k: None  # only rank 0 logs  # noqa: E731
 
 
 def need(ok, msg):  # bad input: one line, before any heavy work
@@ -83,12 +98,17 @@ need(device == "cpu" or device.startswith("cuda"), f"--device {device!r}: choose
 need(device == "cpu" or torch.cuda.is_available(), f"--device {device}: no CUDA GPU is visible; use --device cpu")
 need(dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {dtype!r}: auto, float32, bfloat16 or float16")
 for name in ("threads", "d_mem", "d_hidden", "seq_len", "window", "batch_size", "max_iters", "log_interval",
-             "eval_interval", "eval_seqs", "n_layer", "n_embd", "n_ff", "tokens", "phase_steps", "final_steps"):
+             "eval_interval", "eval_seqs", "n_layer", "n_embd", "n_ff", "tokens", "phase_steps", "final_steps",
+             "top_logits"):
     need(globals()[name] >= 1, f"--{name} {globals()[name]}: must be at least 1")
 for name in ("queries", "warmup", "final_seqs", "sinks"):
     need(globals()[name] >= 0, f"--{name} {globals()[name]}: must be at least 0")
-for name in ("lr", "rope_theta"):
+for name in ("lr", "model_lr", "rope_theta"):
     need(globals()[name] > 0, f"--{name} {globals()[name]}: must be positive")
+need(policy in ("scorer", "streaming"), f"--policy {policy!r}: choose scorer or streaming")
+need(finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune of the model: add --finetune")
+need(stage == "scorer" or not finetune and world == 1, "--stage pretrain runs in one process, without --finetune")
+need(batch_size % world == 0, f"--batch_size {batch_size}: the global batch must split evenly over {world} processes")
 need(0 < gamma < 1, f"--gamma {gamma}: must be in (0, 1)")
 need(0 <= min_lr <= lr, f"--min_lr {min_lr}: must be in [0, --lr]")
 need(0 <= weight_decay < 1 and grad_clip > 0, "--weight_decay must be in [0, 1) and --grad_clip positive")
@@ -131,8 +151,16 @@ def boundary(pi, e, q, sinks, window):
     return keep, torch.where(worst == tn, best_dropped, worst)
 
 
-def boundary_loss(scorer, kv, target, it):
-    """Mean over layers of the balanced boundary loss; backward per layer so one layer's graph is alive."""
+def allsum(x):  # in place: the sum over processes, each holding its share of the global batch
+    if world > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def boundary_loss(scorer, kv, target, it, ddp=None):
+    """Mean over layers of the balanced boundary loss; backward per layer so one layer's graph is alive. Training
+    passes `ddp`, the scorer (in DDP on several processes): the keep/drop weights count the global batch and the
+    gradients are reduced once, in the last layer's backward."""
     T = target[0].shape[-1]
     g = torch.Generator().manual_seed(seed * 1_000_003 + it)  # query positions: a function of the step
     q = torch.arange(sinks + window + pool, T)  # the pool is over-full: every step decides one token
@@ -141,16 +169,45 @@ def boundary_loss(scorer, kv, target, it):
     q, pos, L = q.to(device), torch.arange(T, device=device), len(kv)
     total, hits = 0.0, 0.0
     for i, ((k, v), r) in enumerate(zip(kv, target)):
-        teacher = r + F.softplus(scorer.theta[i]).detach()[:, None] * pos  # (B, H, T); -inf past T - window
-        y, bnd = boundary(teacher, kernels.eviction_times(teacher, sinks, window, pool), q, sinks, window)
-        pi = scorer(i, k, v, pos)
-        d = pi.gather(-1, (q - window).expand(*pi.shape[:2], -1)) - pi.gather(-1, bnd)  # (B, H, Q)
-        w = torch.where(y, 0.5 / y.sum().clamp(min=1), 0.5 / (~y).sum().clamp(min=1))  # keeps = drops
-        loss = (w * F.softplus(-(2 * y.float() - 1) * d)).sum() / L
-        if torch.is_grad_enabled():
-            loss.backward()
+        with ddp.no_sync() if isinstance(ddp, DDP) and i < L - 1 else contextlib.nullcontext():
+            teacher = r + F.softplus(scorer.theta[i]).detach()[:, None] * pos  # (B, H, T); -inf past T - window
+            y, bnd = boundary(teacher, kernels.eviction_times(teacher, sinks, window, pool), q, sinks, window)
+            pi = (ddp or scorer)(i, k, v, pos)
+            d = pi.gather(-1, (q - window).expand(*pi.shape[:2], -1)) - pi.gather(-1, bnd)  # (B, H, Q)
+            n = torch.stack([y.sum(), (~y).sum()])
+            n = allsum(n) if ddp is not None else n
+            w = torch.where(y, 0.5 / n[0].clamp(min=1), 0.5 / n[1].clamp(min=1))  # keeps = drops
+            loss = (w * F.softplus(-(2 * y.float() - 1) * d)).sum() / L  # this process's part of the global loss
+            if torch.is_grad_enabled():
+                (loss * world).backward()  # DDP averages gradients over the processes
         total, hits = total + loss.item(), hits + ((d > 0) == y).float().mean().item() / L
+    if ddp is not None:
+        total, hits = allsum(torch.tensor([total, hits / world], dtype=torch.float64)).tolist()
     return total, hits
+
+
+def finetune_loss(net, teacher, scorer, ddp, idx, it):
+    """One --finetune step's backward (README, Method: fine-tune): the model runs under the student's eviction
+    (priorities without gradient; streaming: pi[t] = t) and learns by KL to the dense teacher's top_logits next
+    tokens; the scorer learns by the boundary loss on the future attention of this evicting pass (its lse).
+    -> KL, boundary loss, keep/drop accuracy (of the global batch)."""
+    with torch.no_grad():
+        top = teacher(idx).float().topk(top_logits, -1)  # (B, T, K)
+    lt, kv, target = top.values.log_softmax(-1), [], []
+
+    def attn(i, q, k, v, pos):
+        with torch.no_grad():
+            e = kernels.eviction_times(kvpop.priority(scorer or "streaming", i, k, v, pos), sinks, window, pool)
+        y, lse = kernels.attention(q, k, v, e, sinks)
+        if scorer is not None:
+            kv.append((k.detach(), v.detach()))
+            target.append(kernels.future_attention(q.detach(), k.detach(), lse.detach(), window))
+        return y
+    lp = net(idx, attn=attn).float().log_softmax(-1).gather(-1, top.indices)
+    kl = (lt.exp() * (lt - lp)).sum(-1).mean()  # FSDP averages gradients: every process holds as many tokens
+    kl.backward()
+    b = boundary_loss(scorer, kv, target, it, ddp) if scorer is not None else (0.0, 0.0)
+    return allsum(kl.detach().double()).item() / world, *b
 
 
 def batch(tok, it, n, split="train"):
@@ -185,28 +242,52 @@ def pack_files(tok):
     return torch.tensor(ids[:n * seq_len]).view(n, seq_len)
 
 
-def evaluate_scorer(net, tok, scorer):
-    """Held-out: far accuracy at the training budget (baby task), else the boundary loss and its accuracy."""
+def evaluate(net, tok, pol):
+    """Held-out (rank 0): far accuracy at the training budget (baby task), else the boundary loss and its accuracy."""
     if data == "baby":
-        idx, tgt, dist = task_batch(tok, eval_seqs, seq_len, random.Random(f"valid-{seed}"), keys=keys)
-        rows = quality_runs(net, idx.to(device), tgt.to(device), dist.to(device), [scorer], [budget], sinks, window)[0]
+        idx, tgt, dist_ = task_batch(tok, eval_seqs, seq_len, random.Random(f"valid-{seed}"), keys=keys)
+        rows = quality_runs(net, idx.to(device), tgt.to(device), dist_.to(device), [pol], [budget], sinks, window)[0]
         return f"held-out far accuracy at budget {budget:g}: {rows[1]['far_accuracy']:.3f} (full " \
                f"{rows[0]['far_accuracy']:.3f})"
+    if finetune:
+        return "no held-out measure for --finetune on text"
     with torch.no_grad():
         idx = batch(tok, 0, n_valid, "valid").to(device)
-        loss, acc = boundary_loss(scorer, *kvpop.dense_targets(net, idx, window), 0)
+        loss, acc = boundary_loss(pol, *kvpop.dense_targets(net, idx, window), 0)
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
 
-def save(scorer, opt, it):  # the scorer (usable as is) and everything to resume, each file written atomically
-    scorer.meta = dict(model=model, budget=budget, sinks=sinks, window=window, data=data, iters=it)
-    scorer.save_pretrained(out_dir)
-    torch.save(dict(scorer=scorer.state_dict(), opt=opt.state_dict(), iter=it), os.path.join(out_dir, "tmp.pt"))
+def save(it, folder, scorer, opt, student=None, opt_m=None):
+    """Everything to resume, each file written atomically by rank 0: the scorer (usable as is), with --finetune
+    the model as a checkpoint folder beside it (every process joins the gathering of its shards), train_state.pt."""
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd, osd = get_state_dict(student, opt_m, options=full) if student is not None else (None, None)
+    if rank:
+        return
+    if student is not None:
+        student.save_pretrained(out_dir, sd)
+        for f in kvpop.OPTIONAL:  # the tokenizer files travel with the weights
+            if os.path.isfile(os.path.join(folder, f)) and not os.path.isfile(os.path.join(out_dir, f)):
+                shutil.copyfile(os.path.join(folder, f), os.path.join(out_dir, f + ".tmp"))
+                os.replace(os.path.join(out_dir, f + ".tmp"), os.path.join(out_dir, f))
+    if scorer is not None:
+        scorer.meta = dict(model=model, budget=budget, sinks=sinks, window=window, data=data, iters=it,
+                           finetune=finetune)
+        scorer.save_pretrained(out_dir)
+    state = dict(scorer=scorer and scorer.state_dict(), opt=opt and opt.state_dict(), model_opt=osd, iter=it)
+    torch.save(state, os.path.join(out_dir, "tmp.pt"))
     os.replace(os.path.join(out_dir, "tmp.pt"), os.path.join(out_dir, "train_state.pt"))
 
 
-def train_scorer():
+def shard(net):  # FSDP2: each block's weights split over the processes, gathered just for its forward/backward
+    for block in net.model.layers:
+        fully_shard(block)
+    return fully_shard(net)
+
+
+def train():
     global chunks, n_valid, pool
+    learned = not finetune or policy == "scorer"
     try:  # every check against the model's config, tokenizer and data first: the weights load last
         folder = kvpop.checkpoint_dir(model)
         config = kvpop.Qwen3Config.from_json(os.path.join(folder, "config.json"))
@@ -217,53 +298,89 @@ def train_scorer():
             chunks = pack_files(tok)
             n_valid = max(1, min(eval_seqs, len(chunks) // 10))
         torch.manual_seed(seed)
-        scorer = kvpop.Scorer(config, kind, window, d_mem, d_hidden, gamma)
+        scorer = kvpop.Scorer(config, kind, window, d_mem, d_hidden, gamma) if learned else None
         if resume:
             ck = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True)
-            scorer = kvpop.Scorer.from_pretrained(out_dir).requires_grad_(True).train()
-            scorer.load_state_dict(ck["scorer"])
-        B_eval, k = kvpop.budget_size(budget, seq_len, sinks, window, scorer.charge)
+            if learned:
+                scorer = kvpop.Scorer.from_pretrained(out_dir).requires_grad_(True).train()
+                scorer.load_state_dict(ck["scorer"])
+        charge = scorer.charge if learned else 0
+        B_eval, k = kvpop.budget_size(budget, seq_len, sinks, window, charge)
         need(k >= 1, f"--budget {budget}: B = {B_eval} leaves no pool after sinks + window + the scorer's "
-             f"state ({scorer.charge}); raise --budget or lower --window/--d_mem")
-        net = kvpop.Qwen3.from_pretrained(folder, device=device, dtype=None if dtype == "auto" and device != "cpu" else
-                                          "float32" if dtype == "auto" else dtype).requires_grad_(False)
+             f"state ({charge}); raise --budget or lower --window/--d_mem")
+        dt = None if dtype == "auto" and device != "cpu" else "float32" if dtype == "auto" else dtype
+        net = kvpop.Qwen3.from_pretrained(folder, device=device, dtype=dt).requires_grad_(False)  # frozen, dense
+        student = kvpop.Qwen3.from_pretrained(out_dir if resume else folder, device=device, dtype=dt).train() \
+            if finetune else None
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         sys.exit(f"train.py: {e}")
     pool = k  # the pool at training time, as evaluation has it (the delayed scorer's state comes off it)
-    scorer.to(device)
-    opt = torch.optim.AdamW(scorer.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    params, ddp, opt, opt_m = [], None, None, None  # params: (optimizer, its share of the lr schedule, module)
+    if learned:
+        scorer.to(device)
+        ddp = DDP(scorer) if world > 1 else scorer  # the model is frozen or sharded: only the scorer is replicated
+        opt = torch.optim.AdamW(scorer.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+        params.append((opt, 1.0, scorer))
+    if finetune:
+        if world > 1:
+            shard(net), shard(student)
+        opt_m = torch.optim.AdamW(student.parameters(), lr=model_lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+        params.append((opt_m, model_lr / lr, student))
     it0 = 0
     if resume:
-        opt.load_state_dict(ck["opt"])
+        if learned:
+            opt.load_state_dict(ck["opt"])
+        if finetune:
+            set_optimizer_state_dict(student, opt_m, ck["model_opt"], options=StateDictOptions(full_state_dict=True))
         it0 = ck["iter"]
-        print(f"resuming {out_dir} at step {it0}")
-    print(f"{kind} scorer: {sum(p.numel() for p in scorer.parameters())} parameters for {model} "
-          f"({net.config.num_hidden_layers} layers x {net.config.num_key_value_heads} KV heads); budget {budget:g} "
-          f"= {B_eval} per head: {sinks} sinks + {window} window + {pool} pool + {scorer.charge} state")
-    t0, tok_count = time.time(), 0
+        log(f"resuming {out_dir} at step {it0}")
+    what = f"{kind} scorer: {sum(p.numel() for p in scorer.parameters())} parameters" if learned else "StreamingLLM+"
+    log(f"{what} for {model} ({config.num_hidden_layers} layers x {config.num_key_value_heads} KV heads)"
+        f"{', fine-tuning the model' if finetune else ''}; budget {budget:g} = {B_eval} per head: {sinks} sinks + "
+        f"{window} window + {pool} pool + {charge} state; {world} process(es)")
+    t0, tok_count, n = time.time(), 0, batch_size // world
     for it in range(it0, max_iters):
-        f = min(1, (it + 1) / max(warmup, 1))  # warmup, then cosine to min_lr
-        for group in opt.param_groups:
-            group["lr"] = min_lr + (lr - min_lr) * f * 0.5 * (1 + math.cos(math.pi * it / max_iters))
+        f = min(1, (it + 1) / max(warmup, 1))  # warmup, then cosine to min_lr (the model: in proportion)
+        sched = min_lr + (lr - min_lr) * f * 0.5 * (1 + math.cos(math.pi * it / max_iters))
+        for o, share, _ in params:
+            for group in o.param_groups:
+                group["lr"] = sched * share
         idx = batch(tok, it, batch_size)
-        idx = (idx[0] if isinstance(idx, tuple) else idx).to(device)
-        opt.zero_grad(set_to_none=True)
-        loss, acc = boundary_loss(scorer, *kvpop.dense_targets(net, idx, window), it)
-        torch.nn.utils.clip_grad_norm_(scorer.parameters(), grad_clip)
-        opt.step()
-        tok_count += idx.numel()
+        idx = (idx[0] if isinstance(idx, tuple) else idx)[rank * n:(rank + 1) * n].to(device)  # this process's share
+        for o, _, _ in params:
+            o.zero_grad(set_to_none=True)
+        if finetune:
+            kl, loss, acc = finetune_loss(student, net, scorer, ddp, idx, it)
+        else:
+            loss, acc = boundary_loss(scorer, *kvpop.dense_targets(net, idx, window), it, ddp)
+        for o, _, m in params:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
+            o.step()
+        tok_count += idx.numel() * world
         if (it + 1) % log_interval == 0 or it == it0:
-            print(f"step {it + 1}: loss {loss:.6f}, keep/drop accuracy {acc:.3f}, "
-                  f"{tok_count / (time.time() - t0):.0f} tokens/s", flush=True)
+            kl_part = f" (KL {kl:.6f} + boundary {loss:.6f})" if finetune else ""
+            log(f"step {it + 1}: loss {loss + kl if finetune else loss:.6f}{kl_part}, keep/drop accuracy {acc:.3f}, "
+                f"{tok_count / (time.time() - t0):.0f} tokens/s", flush=True)
         if (it + 1) % eval_interval == 0 or it + 1 == max_iters:
-            save(scorer, opt, it + 1)
-            print(f"step {it + 1}: {evaluate_scorer(net, tok, scorer.eval())}; saved {out_dir}/", flush=True)
-            scorer.train()
-    print(f"trained in {time.time() - t0:.0f}s")
-    if data == "baby" and final_seqs:  # the quality table, as bench.py quality prints it
-        idx, tgt, dist = task_batch(tok, final_seqs, seq_len, random.Random("test-0"))
-        rows, far, n = quality_runs(net, idx, tgt, dist, ["oracle", "streaming", "h2o", scorer], [0.25, 0.125],
-                                    sinks, window)
+            save(it + 1, folder, scorer, opt, student, opt_m)
+            if rank == 0:
+                ev = kvpop.Qwen3.from_pretrained(out_dir, dtype=torch.float32) if finetune else net
+                log(f"step {it + 1}: {evaluate(ev, tok, scorer.eval() if learned else 'streaming')}; "
+                    f"saved {out_dir}/", flush=True)
+            if learned:
+                scorer.train()
+    log(f"trained in {time.time() - t0:.0f}s")
+    if data == "baby" and final_seqs and rank == 0:  # the quality table, as bench.py quality prints it
+        idx, tgt, dist_ = task_batch(tok, final_seqs, seq_len, random.Random("test-0"))
+        if finetune:  # the fine-tuned model as saved, against the dense model it started from
+            ref, ft = kvpop.Qwen3.from_pretrained(folder, dtype="float32"), kvpop.Qwen3.from_pretrained(out_dir)
+            rows, far, n = quality_runs(ft, idx, tgt, dist_, [scorer.eval() if learned else "streaming"],
+                                        [0.25, 0.125], sinks, window, ref=ref)
+            for r in rows[1:]:
+                r["policy"] = f"{r['policy']} (fine-tuned)" if learned else "StreamingLLM+"
+        else:
+            rows, far, n = quality_runs(net, idx, tgt, dist_, ["oracle", "streaming", "h2o", scorer], [0.25, 0.125],
+                                        sinks, window)
         print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
         print(quality_table(rows))
 
@@ -373,4 +490,9 @@ def pretrain():
 
 if __name__ == "__main__":
     torch.set_num_threads(threads)
-    pretrain() if stage == "pretrain" else train_scorer()
+    if world > 1:  # torchrun: one process per CPU share (gloo) or GPU (nccl)
+        dist.init_process_group("gloo" if device == "cpu" else "nccl")
+        device = device if device == "cpu" else f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    pretrain() if stage == "pretrain" else train()
+    if world > 1:
+        dist.destroy_process_group()
