@@ -192,7 +192,8 @@ def finetune_loss(net, teacher, scorer, ddp, idx, it):
     tokens; the scorer learns by the boundary loss on the future attention of this evicting pass (its lse).
     -> KL, boundary loss, keep/drop accuracy (of the global batch)."""
     with torch.no_grad():
-        top = teacher(idx).float().topk(top_logits, -1)  # (B, T, K)
+        logits = teacher(idx).float()
+        top = logits.topk(min(top_logits, logits.shape[-1]), -1)  # (B, T, K)
     lt, kv, target = top.values.log_softmax(-1), [], []
 
     def attn(i, q, k, v, pos):
@@ -364,7 +365,7 @@ def train():
         if (it + 1) % eval_interval == 0 or it + 1 == max_iters:
             save(it + 1, folder, scorer, opt, student, opt_m)
             if rank == 0:
-                ev = kvpop.Qwen3.from_pretrained(out_dir, dtype=torch.float32) if finetune else net
+                ev = kvpop.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
                 log(f"step {it + 1}: {evaluate(ev, tok, scorer.eval() if learned else 'streaming')}; "
                     f"saved {out_dir}/", flush=True)
             if learned:
