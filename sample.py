@@ -29,7 +29,7 @@ top_p = 0.8  # nucleus sampling (1 = off); Qwen3 suggests 0.95 thinking, 0.8 oth
 seed = 1337  # random seed
 # --- KV budget (README, Method: budget)
 budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer B; 1 = full cache
-policy = ""  # kvpop, kvpop-mlp (learned), streaming, knorm, random, h2o, tova, full; empty: kvpop (baby), streaming
+policy = ""  # kvpop, kvpop-mlp, streaming, knorm, random, h2o, tova, full; empty: --scorer's, kvpop (baby), streaming
 scorer = ""  # a learned scorer's folder; empty: out/ if train.py wrote one of that kind there, else baby/<policy>
 sinks = 4  # first tokens never evicted
 window = 0  # most recent tokens never evicted; 0: the delayed scorer's own, else 32 on the baby, 256 otherwise
@@ -50,6 +50,8 @@ def shade(tok, ids, kept):  # grey (evicted everywhere) to white (kept everywher
 
 baby = model == "baby"  # the demo: the recall prompt and the task's length, 399 + 112 = 511 tokens
 prompt = prompt or ("FILE:baby/prompt.txt" if baby else "The capital of France is")
+if not policy and os.path.isfile(os.path.join(scorer or "-", "scorer.json")):  # a scorer folder names its kind
+    policy = str(read_json(os.path.join(scorer, "scorer.json")).get("kind", ""))
 policy, max_new_tokens = policy or ("kvpop" if baby else "streaming"), max_new_tokens or (112 if baby else 2048)
 try:  # every flag on its own first: nothing is looked up, downloaded or loaded for a bad one
     dev = torch.device(device)

@@ -85,25 +85,19 @@ advance_acc = 0.9  # pretrain: move to the next length once train accuracy (mean
 final_steps = 300  # pretrain: steps at seq_len, cosine decay to 0
 kvpop.configure(globals(), None if __name__ == "__main__" else [])  # imported (tests): the defaults stand
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
-log = print if rank == 0 else lambda *a, **k: None  # only rank 0 logs  # noqa: E731
-
-
-def need(ok, msg):  # bad input: one line, before any heavy work
-    kvpop.need(ok, msg, "train.py")
-
-
+log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None  # only rank 0 logs  # noqa: E731
+need = lambda ok, msg: kvpop.need(ok, msg, "train.py")  # bad input: one line, before any heavy work  # noqa: E731
 need(stage in ("scorer", "pretrain"), f"--stage {stage!r}: choose scorer or pretrain")
 need(kind in kvpop.SCORERS, f"--kind {kind!r}: choose from {', '.join(kvpop.SCORERS)}")
 need(device == "cpu" or device.startswith("cuda"), f"--device {device!r}: choose cpu or cuda")
 need(device == "cpu" or torch.cuda.is_available(), f"--device {device}: no CUDA GPU is visible; use --device cpu")
 need(dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {dtype!r}: auto, float32, bfloat16 or float16")
-for name in ("threads", "d_mem", "d_hidden", "seq_len", "window", "batch_size", "max_iters", "log_interval",
-             "eval_interval", "eval_seqs", "n_layer", "n_embd", "n_ff", "tokens", "phase_steps", "final_steps",
-             "top_logits"):
+for name in ("threads d_mem d_hidden seq_len window batch_size max_iters log_interval eval_interval eval_seqs n_layer "
+             "n_embd n_ff tokens phase_steps final_steps top_logits").split():
     need(globals()[name] >= 1, f"--{name} {globals()[name]}: must be at least 1")
-for name in ("queries", "warmup", "final_seqs", "sinks"):
+for name in "queries warmup final_seqs sinks".split():
     need(globals()[name] >= 0, f"--{name} {globals()[name]}: must be at least 0")
-for name in ("lr", "model_lr", "rope_theta"):
+for name in "lr model_lr rope_theta".split():
     need(globals()[name] > 0, f"--{name} {globals()[name]}: must be positive")
 need(policy in ("scorer", "streaming"), f"--policy {policy!r}: choose scorer or streaming")
 need(finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune of the model: add --finetune")
@@ -166,8 +160,7 @@ def boundary_loss(scorer, kv, target, it, ddp=None):
     q = torch.arange(sinks + window + pool, T)  # the pool is over-full: every step decides one token
     if queries and queries < len(q):
         q = q[torch.randperm(len(q), generator=g)[:queries].sort().values]
-    q, pos, L = q.to(device), torch.arange(T, device=device), len(kv)
-    total, hits = 0.0, 0.0
+    q, pos, L, total, hits = q.to(device), torch.arange(T, device=device), len(kv), 0.0, 0.0
     for i, ((k, v), r) in enumerate(zip(kv, target)):
         with ddp.no_sync() if isinstance(ddp, DDP) and i < L - 1 else contextlib.nullcontext():
             teacher = r + F.softplus(scorer.theta[i]).detach()[:, None] * pos  # (B, H, T); -inf past T - window
@@ -192,8 +185,7 @@ def finetune_loss(net, teacher, scorer, ddp, idx, it):
     tokens; the scorer learns by the boundary loss on the future attention of this evicting pass (its lse).
     -> KL, boundary loss, keep/drop accuracy (of the global batch)."""
     with torch.no_grad():
-        logits = teacher(idx).float()
-        top = logits.topk(min(top_logits, logits.shape[-1]), -1)  # (B, T, K)
+        top = teacher(idx).float().topk(min(top_logits, teacher.config.vocab_size), -1)  # (B, T, K)
     lt, kv, target = top.values.log_softmax(-1), [], []
 
     def attn(i, q, k, v, pos):
@@ -211,19 +203,17 @@ def finetune_loss(net, teacher, scorer, ddp, idx, it):
     return allsum(kl.detach().double()).item() / world, *b
 
 
-def batch(tok, it, n, split="train"):
-    """Sequences (n, seq_len) of step `it`: a pure function of (seed, split, it), so the data position of a
+def batch(tok, it, n):
+    """Training sequences (n, seq_len) of step `it`: a pure function of (seed, it), so the data position of a
     checkpoint is its step. The baby task draws fresh ones; files are packed once and drawn in a seeded order."""
     if data == "baby":
-        return task_batch(tok, n, seq_len, random.Random(f"scorer-{split}-{seed}-{it}"), keys=keys)
+        return task_batch(tok, n, seq_len, random.Random(f"scorer-train-{seed}-{it}"), keys=keys)[0]
     N = len(chunks) - n_valid  # the last n_valid chunks are held out
-    if split == "valid":
-        return chunks[N:N + n]
     perm = lambda ep: torch.randperm(N, generator=torch.Generator().manual_seed(seed * 100_003 + ep))  # noqa
     return torch.stack([chunks[perm(j // N)[j % N]] for j in range(it * n, it * n + n)])
 
 
-def pack_files(tok):
+def pack_files(tok):  # -> the text as sequences (n, seq_len), and how many of them are held out
     files = sorted(f for p in glob.glob(os.path.expanduser(data)) for f in (
         glob.glob(os.path.join(p, "**", "*"), recursive=True) if os.path.isdir(p) else [p])
         if f.endswith((".txt", ".jsonl")) and os.path.isfile(f))
@@ -231,34 +221,31 @@ def pack_files(tok):
     for f in files:
         with open(f, encoding="utf-8", errors="replace") as fh:
             for line in (fh if f.endswith(".jsonl") else [fh.read()]):
-                try:
+                text = ""  # unless the line is a JSON object with "text"
+                with contextlib.suppress(ValueError, AttributeError):
                     text = json.loads(line).get("text", "") if f.endswith(".jsonl") else line
-                except (ValueError, AttributeError):
-                    text = ""
                 if isinstance(text, str) and text.strip():
                     ids += tok.encode(text) + [tok.special["<|endoftext|>"]]
     n = len(ids) // seq_len
     need(n >= 2, f"--data {data}: {len(files)} .txt/.jsonl files with {len(ids)} tokens of text; need at least "
          f"2 x --seq_len ({2 * seq_len}) tokens")
-    return torch.tensor(ids[:n * seq_len]).view(n, seq_len)
+    return torch.tensor(ids[:n * seq_len]).view(n, seq_len), max(1, min(eval_seqs, n // 10))
 
 
 def evaluate(net, tok, pol):
     """Held-out (rank 0): far accuracy at the training budget (baby task), else the boundary loss and its accuracy."""
     if data == "baby":
-        idx, tgt, dist_ = task_batch(tok, eval_seqs, seq_len, random.Random(f"valid-{seed}"), keys=keys)
-        rows = quality_runs(net, idx.to(device), tgt.to(device), dist_.to(device), [pol], [budget], sinks, window)[0]
-        return f"held-out far accuracy at budget {budget:g}: {rows[1]['far_accuracy']:.3f} (full " \
-               f"{rows[0]['far_accuracy']:.3f})"
+        x = [t.to(device) for t in task_batch(tok, eval_seqs, seq_len, random.Random(f"valid-{seed}"), keys=keys)]
+        full, at_b = (r["far_accuracy"] for r in quality_runs(net, *x, [pol], [budget], sinks, window)[0])
+        return f"held-out far accuracy at budget {budget:g}: {at_b:.3f} (full {full:.3f})"
     if finetune:
         return "no held-out measure for --finetune on text"
     with torch.no_grad():
-        idx = batch(tok, 0, n_valid, "valid").to(device)
-        loss, acc = boundary_loss(pol, *kvpop.dense_targets(net, idx, window), 0)
+        loss, acc = boundary_loss(pol, *kvpop.dense_targets(net, chunks[-n_valid:].to(device), window), 0)
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
 
-def save(it, folder, scorer, opt, student=None, opt_m=None):
+def save(it, folder, scorer, opt, student, opt_m):
     """Everything to resume, each file written atomically by rank 0: the scorer (usable as is), with --finetune
     the model as a checkpoint folder beside it (every process joins the gathering of its shards), train_state.pt."""
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -267,134 +254,109 @@ def save(it, folder, scorer, opt, student=None, opt_m=None):
         return
     if student is not None:
         student.save_pretrained(out_dir, sd)
-        for f in kvpop.OPTIONAL:  # the tokenizer files travel with the weights
-            if os.path.isfile(os.path.join(folder, f)) and not os.path.isfile(os.path.join(out_dir, f)):
-                shutil.copyfile(os.path.join(folder, f), os.path.join(out_dir, f + ".tmp"))
-                os.replace(os.path.join(out_dir, f + ".tmp"), os.path.join(out_dir, f))
+        for src, dst in [(os.path.join(folder, f), os.path.join(out_dir, f)) for f in kvpop.OPTIONAL]:
+            if os.path.isfile(src) and not os.path.isfile(dst):  # the tokenizer files travel with the weights
+                shutil.copyfile(src, dst + ".tmp")
+                os.replace(dst + ".tmp", dst)
     if scorer is not None:
         scorer.meta = dict(model=model, budget=budget, sinks=sinks, window=window, data=data, iters=it,
                            finetune=finetune)
         scorer.save_pretrained(out_dir)
-    state = dict(scorer=scorer and scorer.state_dict(), opt=opt and opt.state_dict(), model_opt=osd, iter=it)
+    state = dict(scorer=scorer and scorer.state_dict(), opt=opt and opt.state_dict(), model=sd, model_opt=osd, iter=it)
     torch.save(state, os.path.join(out_dir, "tmp.pt"))
     os.replace(os.path.join(out_dir, "tmp.pt"), os.path.join(out_dir, "train_state.pt"))
 
 
-def shard(net):  # FSDP2: each block's weights split over the processes, gathered just for its forward/backward
-    for block in net.model.layers:
-        fully_shard(block)
-    return fully_shard(net)
-
-
 def train():
     global chunks, n_valid, pool
-    learned = not finetune or policy == "scorer"
+    learned = policy == "scorer"  # else StreamingLLM+ (--finetune): no scorer
     try:  # every check against the model's config, tokenizer and data first: the weights load last
         folder = kvpop.checkpoint_dir(model)
         config = kvpop.Qwen3Config.from_json(os.path.join(folder, "config.json"))
         tok = kvpop.Tokenizer.from_pretrained(folder)
-        need(seq_len <= config.max_position_embeddings, f"--seq_len {seq_len}: the model has only "
-             f"{config.max_position_embeddings} positions")
-        if data != "baby":
-            chunks = pack_files(tok)
-            n_valid = max(1, min(eval_seqs, len(chunks) // 10))
+        need(seq_len <= (P := config.max_position_embeddings), f"--seq_len {seq_len}: the model has only {P} positions")
+        chunks, n_valid = pack_files(tok) if data != "baby" else (None, 0)
         torch.manual_seed(seed)
         scorer = kvpop.Scorer(config, kind, window, d_mem, d_hidden, gamma) if learned else None
-        if resume:
-            ck = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True)
-            if learned:
-                scorer = kvpop.Scorer.from_pretrained(out_dir).requires_grad_(True).train()
-                scorer.load_state_dict(ck["scorer"])
+        ck = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
+        if resume and learned:
+            scorer = kvpop.Scorer.from_pretrained(out_dir).requires_grad_(True).train()
+            scorer.load_state_dict(ck["scorer"])
         charge = scorer.charge if learned else 0
-        B_eval, k = kvpop.budget_size(budget, seq_len, sinks, window, charge)
-        need(k >= 1, f"--budget {budget}: B = {B_eval} leaves no pool after sinks + window + the scorer's "
+        B_eval, pool = kvpop.budget_size(budget, seq_len, sinks, window, charge)  # the scorer's state comes off it
+        need(pool >= 1, f"--budget {budget}: B = {B_eval} leaves no pool after sinks + window + the scorer's "
              f"state ({charge}); raise --budget or lower --window/--d_mem")
+        for b in (0.25, 0.125) if data == "baby" and final_seqs else ():  # the final table's budgets fit too
+            try:
+                kvpop.budget_size(b, seq_len, sinks, window, charge)
+            except ValueError:
+                need(False, f"--final_seqs {final_seqs}: the final table's budget {b} leaves no room at --seq_len "
+                     f"{seq_len}, --window {window}; use --final_seqs 0 or a longer --seq_len")
         dt = None if dtype == "auto" and device != "cpu" else "float32" if dtype == "auto" else dtype
-        net = kvpop.Qwen3.from_pretrained(folder, device=device, dtype=dt).requires_grad_(False)  # frozen, dense
-        student = kvpop.Qwen3.from_pretrained(out_dir if resume else folder, device=device, dtype=dt).train() \
-            if finetune else None
+        net = kvpop.Qwen3.from_pretrained(folder, device, dt).requires_grad_(False)  # frozen, dense
+        student = kvpop.Qwen3.from_pretrained(folder, device, dt).train() if finetune else None
+        if resume and finetune:  # the weights of the step train_state.pt records (model.safetensors may be newer)
+            student.load_state_dict(ck["model"])
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         sys.exit(f"train.py: {e}")
-    pool = k  # the pool at training time, as evaluation has it (the delayed scorer's state comes off it)
-    params, ddp, opt, opt_m = [], None, None, None  # params: (optimizer, its share of the lr schedule, module)
     if learned:
         scorer.to(device)
-        ddp = DDP(scorer) if world > 1 else scorer  # the model is frozen or sharded: only the scorer is replicated
-        opt = torch.optim.AdamW(scorer.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-        params.append((opt, 1.0, scorer))
-    if finetune:
-        if world > 1:
-            shard(net), shard(student)
-        opt_m = torch.optim.AdamW(student.parameters(), lr=model_lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-        params.append((opt_m, model_lr / lr, student))
-    it0 = 0
+    ddp = DDP(scorer) if learned and world > 1 else scorer  # the model is frozen or sharded: the scorer is replicated
+    for m in (*net.model.layers, net, *student.model.layers, student) if finetune and world > 1 else ():
+        fully_shard(m)  # FSDP2: each block's weights split over the processes, gathered for its forward/backward
+    opts = {m: torch.optim.AdamW(m.parameters(), lr=r, betas=(0.9, 0.95), weight_decay=weight_decay)
+            for m, r in ((scorer, lr), (student, model_lr)) if m is not None}  # an optimizer per module trained
+    it0 = ck["iter"] if resume else 0
     if resume:
         if learned:
-            opt.load_state_dict(ck["opt"])
+            opts[scorer].load_state_dict(ck["opt"])
         if finetune:
-            set_optimizer_state_dict(student, opt_m, ck["model_opt"], options=StateDictOptions(full_state_dict=True))
-        it0 = ck["iter"]
+            set_optimizer_state_dict(student, opts[student], ck["model_opt"],
+                                     options=StateDictOptions(full_state_dict=True))
         log(f"resuming {out_dir} at step {it0}")
     what = f"{kind} scorer: {sum(p.numel() for p in scorer.parameters())} parameters" if learned else "StreamingLLM+"
     log(f"{what} for {model} ({config.num_hidden_layers} layers x {config.num_key_value_heads} KV heads)"
-        f"{', fine-tuning the model' if finetune else ''}; budget {budget:g} = {B_eval} per head: {sinks} sinks + "
+        f"{', fine-tuning the model' * finetune}; budget {budget:g} = {B_eval} per head: {sinks} sinks + "
         f"{window} window + {pool} pool + {charge} state; {world} process(es)")
-    t0, tok_count, n = time.time(), 0, batch_size // world
+    t0, n = time.time(), batch_size // world
     for it in range(it0, max_iters):
         f = min(1, (it + 1) / max(warmup, 1))  # warmup, then cosine to min_lr (the model: in proportion)
         sched = min_lr + (lr - min_lr) * f * 0.5 * (1 + math.cos(math.pi * it / max_iters))
-        for o, share, _ in params:
-            for group in o.param_groups:
-                group["lr"] = sched * share
-        idx = batch(tok, it, batch_size)
-        idx = (idx[0] if isinstance(idx, tuple) else idx)[rank * n:(rank + 1) * n].to(device)  # this process's share
-        for o, _, _ in params:
+        for o in opts.values():
             o.zero_grad(set_to_none=True)
-        if finetune:
-            kl, loss, acc = finetune_loss(student, net, scorer, ddp, idx, it)
-        else:
-            loss, acc = boundary_loss(scorer, *kvpop.dense_targets(net, idx, window), it, ddp)
-        for o, _, m in params:
+            for group in o.param_groups:
+                group["lr"] = sched * (o.defaults["lr"] / lr)  # defaults["lr"]: its peak, --lr or --model_lr
+        idx = batch(tok, it, batch_size)[rank * n:(rank + 1) * n].to(device)  # this process's share
+        kl, loss, acc = (finetune_loss(student, net, scorer, ddp, idx, it) if finetune
+                         else (0.0, *boundary_loss(scorer, *kvpop.dense_targets(net, idx, window), it, ddp)))
+        for m, o in opts.items():
             torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
             o.step()
-        tok_count += idx.numel() * world
         if (it + 1) % log_interval == 0 or it == it0:
-            kl_part = f" (KL {kl:.6f} + boundary {loss:.6f})" if finetune else ""
-            log(f"step {it + 1}: loss {loss + kl if finetune else loss:.6f}{kl_part}, keep/drop accuracy {acc:.3f}, "
-                f"{tok_count / (time.time() - t0):.0f} tokens/s", flush=True)
+            log(f"step {it + 1}: loss {loss + kl:.6f}{f' (KL {kl:.6f} + boundary {loss:.6f})' * finetune}, keep/drop "
+                f"accuracy {acc:.3f}, {(it + 1 - it0) * batch_size * seq_len / (time.time() - t0):.0f} tokens/s")
         if (it + 1) % eval_interval == 0 or it + 1 == max_iters:
-            save(it + 1, folder, scorer, opt, student, opt_m)
+            save(it + 1, folder, scorer, opts.get(scorer), student, opts.get(student))
             if rank == 0:
                 ev = kvpop.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
-                log(f"step {it + 1}: {evaluate(ev, tok, scorer.eval() if learned else 'streaming')}; "
-                    f"saved {out_dir}/", flush=True)
+                log(f"step {it + 1}: {evaluate(ev, tok, scorer.eval() if learned else 'streaming')}; saved {out_dir}/")
             if learned:
                 scorer.train()
     log(f"trained in {time.time() - t0:.0f}s")
     if data == "baby" and final_seqs and rank == 0:  # the quality table, as bench.py quality prints it
         idx, tgt, dist_ = task_batch(tok, final_seqs, seq_len, random.Random("test-0"))
-        if finetune:  # the fine-tuned model as saved, against the dense model it started from
-            ref, ft = kvpop.Qwen3.from_pretrained(folder, dtype="float32"), kvpop.Qwen3.from_pretrained(out_dir)
-            rows, far, n = quality_runs(ft, idx, tgt, dist_, [scorer.eval() if learned else "streaming"],
-                                        [0.25, 0.125], sinks, window, ref=ref)
-            for r in rows[1:]:
-                r["policy"] = f"{r['policy']} (fine-tuned)" if learned else "StreamingLLM+"
-        else:
-            rows, far, n = quality_runs(net, idx, tgt, dist_, ["oracle", "streaming", "h2o", scorer], [0.25, 0.125],
-                                        sinks, window)
+        ref = kvpop.Qwen3.from_pretrained(folder, dtype="float32") if finetune else None  # the dense start
+        pols = [scorer.eval() if learned else "streaming"] if finetune else ["oracle", "streaming", "h2o", scorer]
+        rows, far, n = quality_runs(kvpop.Qwen3.from_pretrained(out_dir) if finetune else net, idx, tgt, dist_, pols,
+                                    [0.25, 0.125], sinks, window, ref=ref)  # --finetune: the model as saved
+        for r in rows[1:] if finetune else []:
+            r["policy"] = f"{r['policy']} (fine-tuned)" if learned else "StreamingLLM+"
         print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
         print(quality_table(rows))
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the baby (stage pretrain): the same Qwen3 class, tiny, trained from scratch on the recall task
-
-
-def baby_config():
-    return kvpop.Qwen3Config(vocab_size=vocab_ranks + 26, hidden_size=n_embd, intermediate_size=n_ff,
-                             num_hidden_layers=n_layer, num_attention_heads=2, num_key_value_heads=1,
-                             head_dim=n_embd // 2, rope_theta=rope_theta, max_position_embeddings=4096,
-                             tie_word_embeddings=True, torch_dtype="float32")
 
 
 def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
@@ -417,14 +379,16 @@ def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
         a.k_norm.weight.fill_(g)
         a.v_proj.weight[:, :D] = torch.eye(D)
         a.o_proj.weight[D:, :D] = alpha * torch.eye(D)
-    frozen = [E, *a.parameters(), *model.model.layers[0].input_layernorm.parameters()]
-    for p in frozen:
-        p.requires_grad_(False)  # gradient destroys the seed in ~250 steps (README, The baby)
+    for p in [E, *a.parameters(), *model.model.layers[0].input_layernorm.parameters()]:
+        p.requires_grad_(False)  # frozen: gradient destroys the seed in ~250 steps (README, The baby)
 
 
 def init_baby():
     torch.manual_seed(seed)
-    model = kvpop.Qwen3(baby_config())
+    model = kvpop.Qwen3(kvpop.Qwen3Config(
+        vocab_size=vocab_ranks + 26, hidden_size=n_embd, intermediate_size=n_ff, num_hidden_layers=n_layer,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=n_embd // 2, rope_theta=rope_theta,
+        max_position_embeddings=4096, tie_word_embeddings=True, torch_dtype="float32"))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -434,15 +398,6 @@ def init_baby():
             layer.self_attn.k_norm.weight.fill_(1.5)
     seed_previous_token_head(model)
     return model
-
-
-def sdpa(i, q, k, v, pos):  # training attention: plain causal, torch's fused kernel (autograd, bf16)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-
-def accuracy(logits, tgt):
-    m = tgt >= 0
-    return (logits.argmax(-1)[m] == tgt[m]).float().mean().item()
 
 
 def pretrain():
@@ -456,16 +411,17 @@ def pretrain():
           f"{sum(p.numel() for p in params) / 1e6:.2f}M trained")
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     rng = random.Random(f"train-{seed}")  # the benchmark draws from "test-..." streams
-    lengths = [L for L in (64, 128, 256) if L < seq_len] + [seq_len]
+    sdpa = lambda i, q, k, v, pos: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa
+    accuracy = lambda logits, tgt: (logits.argmax(-1)[tgt >= 0] == tgt[tgt >= 0]).float().mean().item()  # noqa
     step, t0 = 0, time.time()
-    for T in lengths:
+    for T in [L for L in (64, 128, 256) if L < seq_len] + [seq_len]:  # the curriculum
         last, n, accs = T == seq_len, final_steps if T == seq_len else phase_steps, []
         for i in range(n):
             f = min(1, (step + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * i / n)) if last else 1)
             for group in opt.param_groups:
                 group["lr"] = lr * f
             idx, tgt, _ = task_batch(tok, tokens // T, T, rng, keys=keys)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # sdpa: plain causal, torch's fused kernel (autograd)
                 logits, loss = model(idx, tgt, attn=sdpa)
             opt.zero_grad(set_to_none=True)
             loss.backward()
