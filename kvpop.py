@@ -659,11 +659,15 @@ class Scorer(nn.Module):
             S, m = g[..., -1:, :] * S + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc, mq[..., -1, 0]
         return self.readout(i, x, torch.cat(hs, -2)), (S[..., :M, :].transpose(-1, -2), S[..., M, :], m)  # C^T, n, m
 
+    lazy = 20.0  # decoding: the log-scale m follows the forget gates until an input gate exceeds it by this much
+
     def step(self, i, m, k, v, rows):
         """Recurrent form, one token (k, v (B, H, 1, D)) for layer i's memory with log-scale m (B, H): the update
-        (k', v', f, g, m') that `settle` applies (max-stabilised as in xLSTM), and that `read` looks through."""
+        (k', v', f, g, m') that `settle` applies, and that `read` looks through. Stabilised lazily (ours): xLSTM's
+        m' = max(log f + m, log i) rescales C by f' < 1 at every token; m' = log f + m keeps f' = 1, so C is not
+        passed over, and g' <= e^lazy stays far from overflow. Only a larger input gate moves m' to log i."""
         kp, vp, li, lf = self.project(i, self.features(k, v), rows)
-        m_new = torch.maximum(lf[..., 0] + m, li[..., 0])
+        m_new = torch.where(li[..., 0] > lf[..., 0] + m + self.lazy, li[..., 0], lf[..., 0] + m)
         return kp[..., 0, :], vp[..., 0, :], (lf[..., 0] + m - m_new).exp(), (li[..., 0] - m_new).exp(), m_new
 
     def recall(self, layers, C, n, k, v):
@@ -689,7 +693,9 @@ class Scorer(nn.Module):
         g k' v'^T, n = f n + g k', m = m'."""
         kp, vp, f, g, m_new = upd
         M = C.shape[-1]
-        C.mul_(f[..., None, None]).view(-1, M, M).baddbmm_(kp.reshape(-1, M, 1), (g[..., None] * vp).reshape(-1, 1, M))
+        if (f != 1).any():  # the log-scale moved (the first token, a large input gate): rescale
+            C.mul_(f[..., None, None])
+        C.view(-1, M, M).baddbmm_(kp.reshape(-1, M, 1), (g[..., None] * vp).reshape(-1, 1, M))
         n.mul_(f[..., None]).add_(g[..., None] * kp)
         m.copy_(m_new)
 
