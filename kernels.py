@@ -164,7 +164,7 @@ _flex = None  # FlexAttention, compiled once (eager it builds the T x T scores; 
 def _attention_flex(q, k, v, evict_at, sinks, scale):
     """Training on CUDA: PyTorch's FlexAttention, block-sparse from the same visibility rule, with its backward."""
     global _flex
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
     (B, Hq, T, D), G = q.shape, q.shape[1] // k.shape[1]
     e = evict_at if evict_at is not None else torch.full((B, k.shape[1], T), T, device=q.device)
 
@@ -174,8 +174,8 @@ def _attention_flex(q, k, v, evict_at, sinks, scale):
     if q.is_cuda and _flex is None:
         _flex = torch.compile(flex_attention)
     flex = _flex if q.is_cuda else flex_attention
-    out, lse = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=G > 1, return_lse=True)
-    return out, lse.float()
+    out, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=G > 1, return_aux=AuxRequest(lse=True))
+    return out, aux.lse.float()
 
 
 # -------------------------------------------------------------------------------------- future attention

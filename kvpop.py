@@ -612,20 +612,21 @@ class Scorer(nn.Module):
 
     def project(self, i, x, rows=None):
         """-> k', v' (B, H, T, M) and the log input and log forget gates (B, H, T). Decoding passes `rows`, the same
-        weights and biases as one (in, out) matrix per head: one token's projections are one vector-matrix product."""
+        weights and biases as one (out, in) matrix per head: one token's projections are one matrix-vector product."""
         if rows is None:
             kp, vp = x @ self.wk[i] / math.sqrt(self.d_mem), x @ self.wv[i]
             li, lf = (x * self.wi[i][:, None]).sum(-1) + self.bi[i][:, None], (x * self.wf[i][:, None]).sum(-1)
             lf = lf + self.bf[i][:, None]
         else:
-            z = x @ rows[0][i] + rows[1][i][:, None]  # (B, H, T, 2M + 2)
+            z = (rows[0][i] @ x.transpose(-1, -2)).transpose(-1, -2) + rows[1][i][:, None]  # (B, H, T, 2M + 2)
             kp, vp, li, lf = z.split([self.d_mem, self.d_mem, 1, 1], -1)
             li, lf = li[..., 0], lf[..., 0]
         return kp, vp, li, F.logsigmoid(lf)  # exponential input gate: log i = li; sigmoid forget gate
 
-    def rows(self):  # decoding: [W_k / sqrt(M), W_v, w_i, w_f] (L, H, 2D, 2M + 2) and its bias (L, H, 2M + 2)
-        return (torch.cat([self.wk / math.sqrt(self.d_mem), self.wv, self.wi[..., None], self.wf[..., None]], -1),
-                F.pad(torch.stack([self.bi, self.bf], -1), (2 * self.d_mem, 0)))
+    def rows(self):  # decoding: [W_k / sqrt(M), W_v, w_i, w_f] (L, H, 2M + 2, 2D), its bias, W_r (L, H, M, 2D)
+        return (torch.cat([self.wk / math.sqrt(self.d_mem), self.wv, self.wi[..., None], self.wf[..., None]], -1)
+                .transpose(-1, -2).contiguous(), F.pad(torch.stack([self.bi, self.bf], -1), (2 * self.d_mem, 0)),
+                self.wr.transpose(-1, -2).contiguous())
 
     def readout(self, i, x, h):  # r = w_o . norm(h) + w_s . x + b
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -657,26 +658,21 @@ class Scorer(nn.Module):
             y = y + g[..., :-1, :] * (uc @ S.transpose(-1, -2)) if c0 else y  # + the carried part (none at c0 = 0)
             hs.append(y[..., :M] / torch.maximum(y[..., M:].abs(), (-mq[..., :-1, :]).exp()))  # C u / max(|n . u|, 1)
             S, m = g[..., -1:, :] * S + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc, mq[..., -1, 0]
-        return self.readout(i, x, torch.cat(hs, -2)), (S[..., :M, :].transpose(-1, -2), S[..., M, :], m)  # C^T, n, m
-
-    lazy = 20.0  # decoding: the log-scale m follows the forget gates until an input gate exceeds it by this much
+        return self.readout(i, x, torch.cat(hs, -2)), (S[..., :M, :], S[..., M, :], m)
 
     def step(self, i, m, k, v, rows):
         """Recurrent form, one token (k, v (B, H, 1, D)) for layer i's memory with log-scale m (B, H): the update
-        (k', v', f, g, m') that `settle` applies, and that `read` looks through. Stabilised lazily (ours): xLSTM's
-        m' = max(log f + m, log i) rescales C by f' < 1 at every token; m' = log f + m keeps f' = 1, so C is not
-        passed over, and g' <= e^lazy stays far from overflow. Only a larger input gate moves m' to log i."""
+        (k', v', f, g, m') that `settle` applies (max-stabilised as in xLSTM), and that `read` looks through."""
         kp, vp, li, lf = self.project(i, self.features(k, v), rows)
-        m_new = torch.where(li[..., 0] > lf[..., 0] + m + self.lazy, li[..., 0], lf[..., 0] + m)
+        m_new = torch.maximum(lf[..., 0] + m, li[..., 0])
         return kp[..., 0, :], vp[..., 0, :], (lf[..., 0] + m - m_new).exp(), (li[..., 0] - m_new).exp(), m_new
 
-    def recall(self, layers, C, n, k, v):
-        """What reading the tokens (k, v (l, B, H, 1, D)) of `layers` (a slice) needs from the memories C^T (l, B, H,
-        M, M), n as they are: x, u = W_r x, C u and n . u, a list per layer. One batched pass, before the update.
-        Vector-matrix products (u^T C^T, x^T W_r): a batch of them streams memory 2x faster than matrix-vector."""
+    def recall(self, layers, C, n, k, v, rows):
+        """What reading the tokens (k, v (l, B, H, 1, D)) of `layers` (a slice) needs from the memories C (l, B, H,
+        M, M), n as they are: x, u = W_r x, C u and n . u, a list per layer. One batched pass, before the update."""
         x = self.features(k, v)  # (l, B, H, 1, 2D)
-        u = (x @ self.wr[layers][:, None])[..., 0, :]  # (l, B, H, M)
-        return [y.unbind(0) for y in (x, u, (u[..., None, :] @ C)[..., 0, :], (n * u).sum(-1, keepdim=True))]
+        u = (rows[2][layers][:, None] @ x.transpose(-1, -2))[..., 0]  # (l, B, H, M)
+        return [y.unbind(0) for y in (x, u, (C @ u[..., None])[..., 0], (n * u).sum(-1, keepdim=True))]
 
     def read(self, i, upd, x, u, Cu, nu, pos):
         """Priority (B, H, 1) of layer i's token at pos from its recall (x, u, C u, n . u) and the memory after the
@@ -689,13 +685,11 @@ class Scorer(nn.Module):
 
     @staticmethod
     def settle(C, n, m, upd):
-        """Apply updates in place, batched over all leading dims (a layer's heads, or every layer's): C^T = f C^T +
-        g k' v'^T, n = f n + g k', m = m'."""
+        """Apply updates in place, batched over all leading dims (a layer's heads, or every layer's): C = f C +
+        g v' k'^T, n = f n + g k', m = m'."""
         kp, vp, f, g, m_new = upd
         M = C.shape[-1]
-        if (f != 1).any():  # the log-scale moved (the first token, a large input gate): rescale
-            C.mul_(f[..., None, None])
-        C.view(-1, M, M).baddbmm_(kp.reshape(-1, M, 1), (g[..., None] * vp).reshape(-1, 1, M))
+        C.mul_(f[..., None, None]).view(-1, M, M).baddbmm_((g[..., None] * vp).reshape(-1, M, 1), kp.reshape(-1, 1, M))
         n.mul_(f[..., None]).add_(g[..., None] * kp)
         m.copy_(m_new)
 
@@ -748,7 +742,7 @@ class KVCache:
         if isinstance(policy, Scorer):
             policy.check(c, window)
         self.delayed = isinstance(policy, Scorer) and policy.kind == "kvpop"
-        if self.delayed:  # the memory of every layer and head: C^T (M, M) (read as u^T C^T), n (M,), log-scale m
+        if self.delayed:  # the memory of every layer and head: C (M, M), n (M,), log-scale m
             M = policy.d_mem
             self.C, self.n = torch.zeros(*shape[:3], M, M, device=p.device), torch.zeros(*shape[:3], M, device=p.device)
             self.m = torch.full(shape[:3], -math.inf, device=p.device)
@@ -801,7 +795,7 @@ class KVCache:
         D = self.k.shape[-1]
         k = self.k[layers].gather(3, j[..., None].expand(-1, -1, -1, 1, D))
         v = self.v[layers].gather(4, j[..., None, :].expand(-1, -1, -1, D, 1)).transpose(-1, -2)
-        return [j.unbind(0), *self.policy.recall(layers, self.C[layers], self.n[layers], k, v)]
+        return [j.unbind(0), *self.policy.recall(layers, self.C[layers], self.n[layers], k, v, self.rows)]
 
     def step(self, i, q, k, v, pos, p, batched=False):  # one new token at position p (pos = [p] on the device)
         (B, H, _, D), S, P, sc = k.shape, self.size, self.pos[i], self.score[i]  # P, sc (B, Hkv, S)
@@ -833,12 +827,12 @@ class KVCache:
         sc.scatter_(2, slot, torch.as_tensor(new, device=k.device).float().expand(B, H, 1))
         n, G = min(p + 1, S), q.shape[1] // H  # attention over the filled slots, in slot order, in the cache dtype
         s = self.k[i, :, :, :n] @ q.view(B, H, G, D).transpose(-1, -2).to(self.k.dtype)  # (B, Hkv, n, G)
-        a = (s.transpose(-1, -2).contiguous().float() / math.sqrt(D)).softmax(-1)  # (B, Hkv, G, n), see below
+        a = (s.float() / math.sqrt(D)).softmax(-2)
         if self.policy == "h2o":  # accumulated attention (group mean)
-            sc[..., :n] += a.mean(-2)
+            sc[..., :n] += a.mean(-1)
         elif self.policy == "tova":  # the current query's attention (group mean)
-            sc[..., :n] = a.mean(-2)
-        y = a.to(self.v.dtype) @ self.v[i, :, :, :, :n].transpose(-1, -2)
+            sc[..., :n] = a.mean(-1)
+        y = a.transpose(-1, -2).contiguous().to(self.v.dtype) @ self.v[i, :, :, :, :n].transpose(-1, -2)
         return y.to(q.dtype).view(B, H * G, 1, D)  # (B, Hkv, G, D) -> (B, Hq, 1, D)
 
 
