@@ -166,10 +166,9 @@ def _attention_flex(q, k, v, evict_at, sinks, scale):
     global _flex
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
     (B, Hq, T, D), G = q.shape, q.shape[1] // k.shape[1]
-    e = evict_at if evict_at is not None else torch.full((B, k.shape[1], T), T, device=q.device)
 
     def visible(b, h, i, t):
-        return (t <= i) & ((t < sinks) | (i < e[b, h // G, t]))
+        return (t <= i) if evict_at is None else (t <= i) & ((t < sinks) | (i < evict_at[b, h // G, t]))
     mask = create_block_mask(visible, B, Hq, T, T, device=q.device)
     if q.is_cuda and _flex is None:
         _flex = torch.compile(flex_attention)

@@ -1712,12 +1712,12 @@ def test_training_attention_gradients_equal_dense_masked_reference():
 
 def test_flex_attention_mask_is_the_visibility_rule():
     """The CUDA training path (FlexAttention, whose backward needs CUDA) builds its block mask from the same rule:
-    its forward on CPU equals the torch path's, with and without eviction times."""
+    its forward on CPU equals the dense masked softmax, with and without eviction times."""
     q, k, v = _k_qkv(1, 2, 96, 16, "cpu", 3)
     e = kernels.eviction_times(torch.randn(1, 2, 96), 2, 8, 20)
     for ev in (e, None):
         out, lse = kernels._attention_flex(q, k, v, ev, 2, 0.25)
-        ref, ref_lse = kernels._attention_torch(q, k, v, ev, 2, 0.25)
+        ref, ref_lse = _k_dense_attention(q, k, v, ev, 2, 0.25)
         assert (out - ref).abs().max().item() <= 1e-5 and (lse - ref_lse).abs().max().item() <= 1e-5
 
 
