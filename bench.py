@@ -339,7 +339,7 @@ def fill(cache, C):
     cache.k[..., :n, :].normal_(), cache.v[..., :n].normal_()  # values are stored transposed
     cache.pos[..., :n], cache.score[..., :n], cache.t = pos.to(cache.pos.device), torch.rand(n), C
     if cache.delayed:
-        cache.C.normal_(0, 0.01), cache.n.normal_(), cache.m.zero_()
+        cache.S.normal_(0, 0.01), cache.m.zero_()
     return n
 
 

@@ -315,6 +315,10 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
+def rms(x):  # x / RMS(x) over the last dim (the scorer's; the model's RMSNorm keeps HF's order of casts)
+    return F.rms_norm(x, x.shape[-1:], eps=1e-6)
+
+
 def rope(x, cos, sin):  # x (B, H, T, D); split-halves rotation
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -594,8 +598,7 @@ class Scorer(nn.Module):
 
     @staticmethod
     def features(k, v):  # (B, H, T, 2D) fp32: the cached (post-RoPE) key and value, detached, RMS-normalised
-        x = torch.cat([k, v], -1).detach().float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return rms(torch.cat([k, v], -1).detach().float())
 
     def forward(self, i, k, v, pos, memory=None):
         """Priorities (B, H, T) of layer i's tokens at positions pos; kvpop: a whole sequence from 0 (parallel
@@ -610,27 +613,23 @@ class Scorer(nn.Module):
                 memory.append(state)
         return r + F.softplus(self.theta[i])[:, None] * pos.float()
 
-    def project(self, i, x, rows=None):
-        """-> k', v' (B, H, T, M) and the log input and log forget gates (B, H, T). Decoding passes `rows`, the same
-        weights and biases as one (out, in) matrix per head: one token's projections are one matrix-vector product."""
-        if rows is None:
-            kp, vp = x @ self.wk[i] / math.sqrt(self.d_mem), x @ self.wv[i]
-            li, lf = (x * self.wi[i][:, None]).sum(-1) + self.bi[i][:, None], (x * self.wf[i][:, None]).sum(-1)
-            lf = lf + self.bf[i][:, None]
-        else:
-            z = (rows[0][i] @ x.transpose(-1, -2)).transpose(-1, -2) + rows[1][i][:, None]  # (B, H, T, 2M + 2)
-            kp, vp, li, lf = z.split([self.d_mem, self.d_mem, 1, 1], -1)
-            li, lf = li[..., 0], lf[..., 0]
-        return kp, vp, li, F.logsigmoid(lf)  # exponential input gate: log i = li; sigmoid forget gate
+    def project(self, i, x):  # -> k', v' (B, H, T, M), log input gate and log forget gate (B, H, T)
+        kp, vp = x @ self.wk[i] / math.sqrt(self.d_mem), x @ self.wv[i]
+        li, lf = (x * self.wi[i][:, None]).sum(-1) + self.bi[i][:, None], (x * self.wf[i][:, None]).sum(-1)
+        return kp, vp, li, F.logsigmoid(lf + self.bf[i][:, None])  # exponential input gate; sigmoid forget gate
 
-    def rows(self):  # decoding: [W_k / sqrt(M), W_v, w_i, w_f] (L, H, 2M + 2, 2D), its bias, W_r (L, H, M, 2D)
-        return (torch.cat([self.wk / math.sqrt(self.d_mem), self.wv, self.wi[..., None], self.wf[..., None]], -1)
-                .transpose(-1, -2).contiguous(), F.pad(torch.stack([self.bi, self.bf], -1), (2 * self.d_mem, 0)),
-                self.wr.transpose(-1, -2).contiguous())
+    def rows(self):
+        """Decoding's weights, laid out so that one token's products are matrix-vector products (rows read in
+        order): per layer, [W_k / sqrt(M), W_v, 0, w_i, w_f]^T (H, 2M + 3, 2D) with the bias [0, 0, 1, b_i, b_f]
+        (H, 2M + 3, 1), so that z = [k', v', 1, log i, f's pre-activation] ([v', 1] is what S = [C; n] takes), and
+        w_o (H, 1, M); W_r^T (L, H, M, 2D) for every layer at once. Views made once: a step indexes nothing."""
+        w = torch.cat([self.wk / math.sqrt(self.d_mem), self.wv, torch.zeros_like(self.wi[..., None]),
+                       self.wi[..., None], self.wf[..., None]], -1).transpose(-1, -2).contiguous()
+        b = F.pad(torch.stack([torch.ones_like(self.bi), self.bi, self.bf], -1), (2 * self.d_mem, 0))[..., None]
+        return list(zip(w, b, self.wo[:, :, None])), self.wr.transpose(-1, -2).contiguous()
 
-    def readout(self, i, x, h):  # r = w_o . norm(h) + w_s . x + b
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return (h * self.wo[i][:, None]).sum(-1) + (x * self.ws[i][:, None]).sum(-1) + self.b[i][:, None]
+    def readout(self, h, wo, skip):  # r = w_o . norm(h) + skip; skip = w_s . x + b (decoding: + the position term)
+        return (rms(h) * wo).sum(-1) + skip
 
     chunk = 128  # parallel's chunk length c: O(T (M + c)) memory; up to c tokens, one chunk (the T x T form)
 
@@ -658,40 +657,45 @@ class Scorer(nn.Module):
             y = y + g[..., :-1, :] * (uc @ S.transpose(-1, -2)) if c0 else y  # + the carried part (none at c0 = 0)
             hs.append(y[..., :M] / torch.maximum(y[..., M:].abs(), (-mq[..., :-1, :]).exp()))  # C u / max(|n . u|, 1)
             S, m = g[..., -1:, :] * S + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc, mq[..., -1, 0]
-        return self.readout(i, x, torch.cat(hs, -2)), (S[..., :M, :], S[..., M, :], m)
+        skip = (x * self.ws[i][:, None]).sum(-1) + self.b[i][:, None]
+        return self.readout(torch.cat(hs, -2), self.wo[i][:, None], skip), (S, m)
 
     def step(self, i, m, k, v, rows):
-        """Recurrent form, one token (k, v (B, H, 1, D)) for layer i's memory with log-scale m (B, H): the update
-        (k', v', f, g, m') that `settle` applies (max-stabilised as in xLSTM), and that `read` looks through."""
-        kp, vp, li, lf = self.project(i, self.features(k, v), rows)
-        m_new = torch.maximum(lf[..., 0] + m, li[..., 0])
-        return kp[..., 0, :], vp[..., 0, :], (lf[..., 0] + m - m_new).exp(), (li[..., 0] - m_new).exp(), m_new
+        """Recurrent form, one token (k, v (B, H, 1, D)) for layer i's state with log-scale m (B, H): the update
+        (k', [v', 1] (B, H, M (+ 1), 1), f, g, m' (B, H, 1, 1)) that `settle` applies (max-stabilised as in
+        xLSTM), and that `read` looks through. Column vectors: a matrix-vector product per head."""
+        w, b, _ = rows[0][i]
+        kp, vq, li, lf = (w @ self.features(k, v).transpose(-1, -2) + b).split([self.d_mem, self.d_mem + 1, 1, 1], -2)
+        lf = F.logsigmoid(lf) + m[..., None, None]  # log f + m
+        m_new = torch.maximum(lf, li)
+        return kp, vq, (lf - m_new).exp(), (li - m_new).exp(), m_new
 
-    def recall(self, layers, C, n, k, v, rows):
-        """What reading the tokens (k, v (l, B, H, 1, D)) of `layers` (a slice) needs from the memories C (l, B, H,
-        M, M), n as they are: x, u = W_r x, C u and n . u, a list per layer. One batched pass, before the update."""
+    def recall(self, layers, S, k, v, t, rows):
+        """What reading the token at position t (k, v (l, B, H, 1, D)) of `layers` (a slice) needs from the states
+        S (l, B, H, M + 1, M) as they are: u = W_r x, S u = [C u, n . u] (columns) and its skip term w_s . x + b +
+        softplus(theta) t (l, B, H, 1), a list per layer. One batched pass over every layer, before the update."""
         x = self.features(k, v)  # (l, B, H, 1, 2D)
-        u = (rows[2][layers][:, None] @ x.transpose(-1, -2))[..., 0]  # (l, B, H, M)
-        return [y.unbind(0) for y in (x, u, (C @ u[..., None])[..., 0], (n * u).sum(-1, keepdim=True))]
+        u = rows[1][layers][:, None] @ x.transpose(-1, -2)  # (l, B, H, M, 1)
+        skip = ((x[..., 0, :] * self.ws[layers][:, None]).sum(-1) + self.b[layers][:, None]
+                + F.softplus(self.theta[layers])[:, None] * t)[..., None]
+        return [y.unbind(0) for y in (u, S @ u, skip)]
 
-    def read(self, i, upd, x, u, Cu, nu, pos):
-        """Priority (B, H, 1) of layer i's token at pos from its recall (x, u, C u, n . u) and the memory after the
-        pending update upd: C' u = f C u + g v' (k' . u), so the update can wait and C is passed over once."""
-        kp, vp, f, g, m_new = upd
-        gku = g[..., None] * (kp * u).sum(-1, keepdim=True)  # (B, H, 1)
-        h = f[..., None] * Cu + gku * vp
-        den = torch.maximum((f[..., None] * nu + gku).abs(), (-m_new)[..., None].exp())
-        return self.readout(i, x, (h / den)[..., None, :]) + F.softplus(self.theta[i])[:, None] * pos.float()
+    def read(self, i, upd, u, Su, skip, rows):
+        """Priority (B, H, 1) of layer i's token from its recall (u, S u, skip) and the state after the pending
+        update upd: S' u = f S u + g [v', 1] (k' . u), so the update can wait and S is passed over once."""
+        kp, vq, f, g, m_new = upd
+        h, nu = torch.addcmul(f * Su, g * (kp * u).sum(-2, keepdim=True), vq).split([self.d_mem, 1], -2)
+        den = torch.maximum(nu.abs(), (-m_new).exp())  # (B, H, 1, 1); h = C' u (B, H, M, 1)
+        return self.readout((h / den).transpose(-1, -2), rows[0][i][2], skip)
 
     @staticmethod
-    def settle(C, n, m, upd):
-        """Apply updates in place, batched over all leading dims (a layer's heads, or every layer's): C = f C +
-        g v' k'^T, n = f n + g k', m = m'."""
-        kp, vp, f, g, m_new = upd
-        M = C.shape[-1]
-        C.mul_(f[..., None, None]).view(-1, M, M).baddbmm_((g[..., None] * vp).reshape(-1, M, 1), kp.reshape(-1, 1, M))
-        n.mul_(f[..., None]).add_(g[..., None] * kp)
-        m.copy_(m_new)
+    def settle(S, m, upd):
+        """Apply updates in place, batched over all leading dims (a layer's heads, or every layer's): S = f S +
+        g [v', 1] k'^T (C = f C + g v' k'^T, n = f n + g k'), m = m'."""
+        kp, vq, f, g, m_new = upd
+        M = S.shape[-1]
+        S.mul_(f).view(-1, M + 1, M).baddbmm_((g * vq).reshape(-1, M + 1, 1), kp.reshape(-1, 1, M))
+        m.copy_(m_new.view(m.shape))
 
     def save_pretrained(self, folder):
         """scorer.safetensors + scorer.json (every setting needed to rebuild it, and what it was trained for)."""
@@ -742,16 +746,15 @@ class KVCache:
         if isinstance(policy, Scorer):
             policy.check(c, window)
         self.delayed = isinstance(policy, Scorer) and policy.kind == "kvpop"
-        if self.delayed:  # the memory of every layer and head: C (M, M), n (M,), log-scale m
+        if self.delayed:  # the memory of every layer and head: S = [C; n] (M + 1, M), log-scale m
             M = policy.d_mem
-            self.C, self.n = torch.zeros(*shape[:3], M, M, device=p.device), torch.zeros(*shape[:3], M, device=p.device)
-            self.m = torch.full(shape[:3], -math.inf, device=p.device)
+            self.S, self.m = torch.zeros(*shape[:3], M + 1, M, device=p.device), torch.full(shape[:3], -math.inf, device=p.device)
             self.pending = []  # this step's updates, layer by layer, applied after the last layer
             with torch.no_grad():
                 self.rows = policy.rows()
 
     def nbytes(self):  # keys, values and a delayed scorer's state
-        state = sum(x.numel() * x.element_size() for x in (self.C, self.n, self.m)) if self.delayed else 0
+        state = sum(x.numel() * x.element_size() for x in (self.S, self.m)) if self.delayed else 0
         return 2 * self.k.numel() * self.k.element_size() + state
 
     @torch.no_grad()  # inference only: a learned scorer's priorities carry no graph
@@ -774,7 +777,7 @@ class KVCache:
             pi = priority(self.policy, i, k, v, pos) if not self.delayed else self.policy(i, k, v, pos, mem)
             if self.delayed:  # tokens still in the window are not scored yet; the memory has read them all
                 pi = pi.masked_fill(pos > T - 1 - self.window, 0.0)
-                self.C[i], self.n[i], self.m[i] = mem[0]
+                self.S[i], self.m[i] = mem[0]
         if T <= S:  # nothing is evicted yet
             y, lse = kernels.attention(q, k, v)
             keep = torch.arange(T, device=k.device).expand(k.shape[:3])
@@ -791,40 +794,50 @@ class KVCache:
         return y
 
     def recall(self, layers, t):  # token t's slot (B, Hkv, 1) and the scorer's recall of it, per layer of a slice
-        j = (self.pos[layers] == t).byte().argmax(-1, keepdim=True)
-        D = self.k.shape[-1]
-        k = self.k[layers].gather(3, j[..., None].expand(-1, -1, -1, 1, D))
-        v = self.v[layers].gather(4, j[..., None, :].expand(-1, -1, -1, D, 1)).transpose(-1, -2)
-        return [j.unbind(0), *self.policy.recall(layers, self.C[layers], self.n[layers], k, v, self.rows)]
+        j = (self.pos[layers] == t).byte().argmax(-1, keepdim=True)  # (l, B, Hkv, 1)
+        r, shape = (torch.arange(j.numel(), device=j.device), j.view(-1)), (*j.shape, self.k.shape[-1])
+        k, v = self.k[layers].flatten(0, 2)[r].view(shape), self.v[layers].flatten(0, 2)[r[0], :, r[1]].view(shape)
+        return [j.unbind(0), *self.policy.recall(layers, self.S[layers], k, v, t, self.rows)]
+
+    def victims(self, layers, p):
+        """Per layer of a slice: the slot (l, B, Hkv, 1) of the lowest (score, position) in the eligible pool
+        s <= t <= p - w, and that score. A delayed scorer's token p - w is left out: its layer reads it later."""
+        P, sc = self.pos[layers], self.score[layers]
+        ok = (P >= self.sinks) & (P <= p - self.window - int(self.delayed))
+        low = sc.masked_fill(~ok, math.inf)
+        least = low.amin(-1, keepdim=True)
+        return P.masked_fill(~ok | (low > least), 2**62).argmin(-1, keepdim=True).unbind(0), least.unbind(0)
 
     def step(self, i, q, k, v, pos, p, batched=False):  # one new token at position p (pos = [p] on the device)
         (B, H, _, D), S, P, sc = k.shape, self.size, self.pos[i], self.score[i]  # P, sc (B, Hkv, S)
         if self.delayed:  # the memory reads token p; token p - w leaves the window and is scored now
-            upd, L = self.policy.step(i, self.m[i], k, v, self.rows), len(self.C)
+            upd, L = self.policy.step(i, self.m[i], k, v, self.rows), len(self.S)
             if p >= self.window:
                 if i == 0 or not batched:  # from the memories as they are (every layer's at once when batched)
                     self.recalled = self.recall(slice(None) if batched else slice(i, i + 1), p - self.window)
                 j, *rd = [x[i if batched else 0] for x in self.recalled]
-                sc.scatter_(2, j, self.policy.read(i, upd, *rd, pos - self.window))
+                r = self.policy.read(i, upd, *rd, self.rows)
+                sc.scatter_(2, j, r)
             if not batched:
-                Scorer.settle(self.C[i], self.n[i], self.m[i], upd)
+                Scorer.settle(self.S[i], self.m[i], upd)
             else:  # the memories take token p after the last layer, every layer's at once
                 self.pending.append(upd)
                 if i == L - 1:
-                    Scorer.settle(self.C, self.n, self.m, [torch.stack(x) for x in zip(*self.pending)])
+                    Scorer.settle(self.S, self.m, [torch.stack(x) for x in zip(*self.pending)])
                     self.pending.clear()
         if p < S:
             slot = P.new_full((B, H, 1), p)
         else:  # evict the lowest (score, position) of the eligible pool s <= t <= p - w
-            ok = (P >= self.sinks) & (P <= p - self.window)
-            low = sc.masked_fill(~ok, math.inf)
-            slot = P.masked_fill(~ok | (low > low.amin(-1, keepdim=True)), 2**62).argmin(-1, keepdim=True)
+            if i == 0 or not batched:  # every layer's candidate at once: a layer's scores change only at that layer
+                self.low = self.victims(slice(None) if batched else slice(i, i + 1), p)
+            slot, least = [x[i if batched else 0] for x in self.low]
+            if self.delayed:  # token p - w goes if it scored below the rest (on a tie the older token goes)
+                slot = torch.where(r < least, j, slot)
         # the newcomer takes the slot in place (B, Hkv, 1): among equal scores the older token went
         self.k[i].scatter_(2, slot[..., None].expand(-1, -1, 1, D), k)
         self.v[i].scatter_(3, slot[..., None, :].expand(-1, -1, D, 1), v.transpose(-1, -2))
         P.scatter_(2, slot, p)
-        new = priority(self.policy, i, k, v, pos) if self.kind == "static" and not self.delayed else 0.0
-        sc.scatter_(2, slot, torch.as_tensor(new, device=k.device).float().expand(B, H, 1))
+        sc.scatter_(2, slot, priority(self.policy, i, k, v, pos) if self.kind == "static" and not self.delayed else 0.0)
         n, G = min(p + 1, S), q.shape[1] // H  # attention over the filled slots, in slot order, in the cache dtype
         s = self.k[i, :, :, :n] @ q.view(B, H, G, D).transpose(-1, -2).to(self.k.dtype)  # (B, Hkv, n, G)
         a = (s.float() / math.sqrt(D)).softmax(-2)

@@ -1500,7 +1500,7 @@ def test_prefill_equals_token_by_token(small_model, T):
             assert torch.equal(pa, pb) and (t > T or torch.equal(pc, pb)), (policy, t)
             torch.testing.assert_close(sa, sb, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
             if a.delayed:
-                for x, y, z in zip((a.C, a.n, a.m), (b.C, b.n, b.m), (c.C, c.n, c.m)):
+                for x, y, z in zip((a.S, a.m), (b.S, b.m), (c.S, c.m)):
                     torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
                     if t == T:  # c decoded nothing yet
                         torch.testing.assert_close(z, y, rtol=1e-5, atol=1e-5)
@@ -1527,14 +1527,14 @@ def test_scorer_parallel_equals_recurrent():
     for i in range(2):
         mem = []
         pi = s(i, k, v, pos, mem)  # parallel form
-        st = (torch.zeros(B, H, 12, 12), torch.zeros(B, H, 12), torch.full((B, H), -math.inf))
+        st = (torch.zeros(B, H, 13, 12), torch.full((B, H), -math.inf))  # S = [C; n], m
         rec = []
         for q in range(T):  # recurrent form: read token q - w with the memory that took token q
-            upd = s.step(i, st[2], k[:, :, q:q + 1], v[:, :, q:q + 1], s.rows())
+            upd = s.step(i, st[1], k[:, :, q:q + 1], v[:, :, q:q + 1], s.rows())
             if q >= w:
-                rd = s.recall(slice(i, i + 1), st[0][None], st[1][None], k[None, :, :, q - w:q - w + 1],
-                              v[None, :, :, q - w:q - w + 1], s.rows())
-                rec.append(s.read(i, upd, *[x[0] for x in rd], pos[q - w:q - w + 1]))  # rd: a list per layer
+                rd = s.recall(slice(i, i + 1), st[0][None], k[None, :, :, q - w:q - w + 1],
+                              v[None, :, :, q - w:q - w + 1], q - w, s.rows())
+                rec.append(s.read(i, upd, *[x[0] for x in rd], s.rows()))  # rd: a list per layer
             s.settle(*st, upd)
         assert (torch.cat(rec, -1) - pi[..., :T - w]).abs().max().item() <= 1e-5
         assert all((x - y).abs().max().item() <= 1e-5 for x, y in zip(mem[0], st))
@@ -1549,6 +1549,21 @@ def test_scorer_online_equals_masked(small_model, budget, sinks, window):
         off = kvpop.evaluate(small_model, idx, s, budget, sinks, window, online=False)
         assert (on - off).abs().max().item() <= 1e-4, s.kind
         assert ((on - full).abs().max().item() <= 1e-4) == (budget == 1.0)  # eviction happened, or not at all
+
+
+def test_delayed_scorer_ties_evict_the_older_token(small_model):
+    """Every priority equal (w_o = w_s = 0, softplus(theta) t lost to rounding): the older token goes, so the pool
+    is StreamingLLM's. The cache compares the newly read token with the rest of the pool; a tie must not evict it."""
+    s = _scorers(small_model.config, 8)[0]
+    with torch.no_grad():
+        s.wo.zero_(), s.ws.zero_(), s.b.fill_(0.5), s.theta.fill_(-100.0)
+    idx = torch.randint(0, 384, (2, 90), generator=torch.Generator().manual_seed(5))
+    a, b = kvpop.KVCache(small_model, 2, 40, s, 4, 8), kvpop.KVCache(small_model, 2, 40, "streaming", 4, 8)
+    for t in range(90):
+        small_model(idx[:, t:t + 1], cache=a), small_model(idx[:, t:t + 1], cache=b)
+        assert torch.equal(_held(a)[0], _held(b)[0]), t
+    held, score = _held(a)
+    assert (score[(held >= 4) & (held <= 89 - 8)] == 0.5).all()  # the pool was scored, all alike
 
 
 @pytest.mark.parametrize("kind", ["kvpop", "kvpop-mlp"])
@@ -1587,7 +1602,7 @@ def test_state_charge_comes_off_the_pool(small_model):
     assert kvpop.budget_size(50, 200, 4, 16, s.charge) == (50, 28)
     cache = kvpop.KVCache(small_model, 1, 48, s, 4, 16)
     kv = 2 * cache.k.numel() * cache.k.element_size()
-    assert cache.nbytes() - kv == 4 * (cache.C.numel() + cache.n.numel() + cache.m.numel())
+    assert cache.nbytes() - kv == 4 * (cache.S.numel() + cache.m.numel())
 
 
 # ---------------------------------------------------------------------------------------------------------
