@@ -316,7 +316,7 @@ class RMSNorm(nn.Module):
 
 
 def rms(x):  # x / RMS(x) over the last dim (the scorer's; the model's RMSNorm keeps HF's order of casts)
-    return F.rms_norm(x, x.shape[-1:], eps=1e-6)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 def rope(x, cos, sin):  # x (B, H, T, D); split-halves rotation
@@ -664,8 +664,9 @@ class Scorer(nn.Module):
         """Recurrent form, one token (k, v (B, H, 1, D)) for layer i's state with log-scale m (B, H): the update
         (k', [v', 1] (B, H, M (+ 1), 1), f, g, m' (B, H, 1, 1)) that `settle` applies (max-stabilised as in
         xLSTM), and that `read` looks through. Column vectors: a matrix-vector product per head."""
-        w, b, _ = rows[0][i]
-        kp, vq, li, lf = (w @ self.features(k, v).transpose(-1, -2) + b).split([self.d_mem, self.d_mem + 1, 1, 1], -2)
+        (w, b, _), M = rows[0][i], self.d_mem
+        z = w @ self.features(k, v).transpose(-1, -2) + b  # (B, H, 2M + 3, 1); slices: fewer calls than split
+        kp, vq, li, lf = z[..., :M, :], z[..., M:2 * M + 1, :], z[..., 2 * M + 1:2 * M + 2, :], z[..., 2 * M + 2:, :]
         lf = F.logsigmoid(lf) + m[..., None, None]  # log f + m
         m_new = torch.maximum(lf, li)
         return kp, vq, (lf - m_new).exp(), (li - m_new).exp(), m_new
@@ -684,9 +685,9 @@ class Scorer(nn.Module):
         """Priority (B, H, 1) of layer i's token from its recall (u, S u, skip) and the state after the pending
         update upd: S' u = f S u + g [v', 1] (k' . u), so the update can wait and S is passed over once."""
         kp, vq, f, g, m_new = upd
-        h, nu = torch.addcmul(f * Su, g * (kp * u).sum(-2, keepdim=True), vq).split([self.d_mem, 1], -2)
-        den = torch.maximum(nu.abs(), (-m_new).exp())  # (B, H, 1, 1); h = C' u (B, H, M, 1)
-        return self.readout((h / den).transpose(-1, -2), rows[0][i][2], skip)
+        y, M = torch.addcmul(f * Su, g * (kp * u).sum(-2, keepdim=True), vq), self.d_mem  # [C' u, n' . u]
+        den = torch.maximum(y[..., M:, :].abs(), (-m_new).exp())  # (B, H, 1, 1)
+        return self.readout((y[..., :M, :] / den).transpose(-1, -2), rows[0][i][2], skip)
 
     @staticmethod
     def settle(S, m, upd):
