@@ -1530,7 +1530,7 @@ def test_scorer_parallel_equals_recurrent():
         st = (torch.zeros(B, H, 13, 12), torch.full((B, H), -math.inf))  # S = [C; n], m
         rec = []
         for q in range(T):  # recurrent form: read token q - w with the memory that took token q
-            upd = s.step(i, st[1], k[:, :, q:q + 1], v[:, :, q:q + 1], s.rows())
+            upd = s.step(i, st[1][..., None, None], k[:, :, q:q + 1], v[:, :, q:q + 1], s.rows())
             if q >= w:
                 rd = s.recall(slice(i, i + 1), st[0][None], k[None, :, :, q - w:q - w + 1],
                               v[None, :, :, q - w:q - w + 1], q - w, s.rows())
