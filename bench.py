@@ -346,8 +346,8 @@ def fill(cache, C):
 def cmd_speed(argv):
     """Decoding tokens/s, KV memory and effective bandwidth of each policy and budget, side by side with full and
     with the matrix-vector limit; the scorer's share of a step; prefill time and peak memory; the parts of a
-    scorer training step. Bytes a step must read: weights (the input embedding only when tied to the head),
-    the kept keys and values, the scorer's state."""
+    scorer training step. Bytes a step must read: weights (the input embedding only when tied to the head; a
+    learned scorer's too), the kept keys and values, the scorer's state."""
     ap = argparse.ArgumentParser(prog="bench.py speed", description=cmd_speed.__doc__)
     ap.error = lambda msg: sys.exit(f"bench.py speed: {msg}")  # one line, exit status 1
     ap.add_argument("--model", help="checkpoint folder (default: a random model of --shape)")
@@ -420,10 +420,11 @@ def cmd_speed(argv):
         for (p, b), (cache, n, times) in runs.items():  # full first: its seconds and bytes are the context's yardstick
             sec = med(times)
             kv = cache.nbytes() - 2 * cache.k.numel() * cache.k.element_size() + per_tok * n  # held + state
+            w = W + sum(t.numel() * t.element_size() for t in make[p].parameters()) if p in make else W  # + a scorer's
             full = (sec, W + kv) if p == "full" else full
             r = dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3), kv_mib=kv / 2**20,
-                     gbps=(W + kv) / sec / 1e9, limit_gbps=limit, speedup=full[0] / sec,
-                     ideal_speedup=full[1] / (W + kv))
+                     gbps=(w + kv) / sec / 1e9, limit_gbps=limit, speedup=full[0] / sec,
+                     ideal_speedup=full[1] / (w + kv))
             if p in kvpop.SCORERS and ("streaming", b) in runs:  # the scorer's share: against streaming's step in the
                 r["scorer_share"] = 1 - med([x / y for x, y in zip(runs["streaming", b][2], times)])  # same round
             share = f"{r['scorer_share']:.1%}" if "scorer_share" in r else "-"

@@ -1263,14 +1263,17 @@ def test_bench_speed_rows_count_the_bytes_a_step_reads(tmp_path, monkeypatch, ca
     W = 4 * sum(x.numel() for name, x in sd.items() if name != "lm_head.weight")  # tied: the head is the embedding
     tok = 2 * L * H * D * 4  # fp32 key + value of one token, every layer
     state = L * H * (M * M + M + 1) * 4  # C, n, m per layer and head
+    X, Dh = 2 * D, 128  # the scorers' input (key and value) and kvpop-mlp's hidden width: their weights are read too
+    sw = {"kvpop": 3 * X * M + 3 * X + M + 4, "kvpop-mlp": X * Dh + 2 * Dh + 2}  # per layer and head
     dec = {(r["policy"], r["budget"]): r for r in rows if "context" in r}
     assert list(dec) == [("full", 1)] + [(p, b) for b in (0.5, 0.25) for p in ("streaming", "kvpop", "kvpop-mlp")]
     for (p, b), r in dec.items():
         B = math.ceil(b * C) if p != "full" else C
         kv = (B - math.ceil((M * M + M + 1) / (2 * D))) * tok + state if p == "kvpop" else B * tok
         assert r["kv_mib"] == pytest.approx(kv / 2**20, abs=1e-4) and kv <= B * tok  # the state is inside the budget
-        assert r["ideal_speedup"] == pytest.approx((W + C * tok) / (W + kv), abs=1e-3)
-        assert r["gbps"] == pytest.approx((W + kv) * r["tokens_per_s"] / 1e9, rel=1e-2) and r["limit_gbps"] > 0
+        w = W + 4 * L * H * sw.get(p, 0)
+        assert r["ideal_speedup"] == pytest.approx((W + C * tok) / (w + kv), abs=1e-3)
+        assert r["gbps"] == pytest.approx((w + kv) * r["tokens_per_s"] / 1e9, rel=1e-2) and r["limit_gbps"] > 0
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / dec["full", 1]["tokens_per_s"], rel=1e-2)
         assert ("scorer_share" in r) == (p in ("kvpop", "kvpop-mlp"))
     pre = [r for r in rows if "prefill" in r]
