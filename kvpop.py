@@ -619,11 +619,9 @@ class Scorer(nn.Module):
         return kp, vp, li, F.logsigmoid(lf + self.bf[i][:, None])  # exponential input gate; sigmoid forget gate
 
     def rows(self):
-        """Decoding's weights, stored so that one token's products are matrix-vector products (rows read in
-        order; measured in a decoding step, faster on CPU than a vector times the stored matrix): per layer, as
-        views made once, [W_k / sqrt(M), W_v, 0, w_i, w_f]^T (H, 2M + 3, 2D), so that z = [k', v', 1, log i, f's
-        pre-activation] ([v', 1] is what S = [C; n] takes), the bias [0, 0, 1, b_i, b_f] (H, 1, 2M + 3) and w_o
-        (H, 1, M); and W_r^T (L, H, M, 2D) for every layer at once."""
+        """Decoding's weights as matrix-vector products (on CPU, in a step, faster than vector times matrix): per
+        layer, views made once, [W_k / sqrt(M), W_v, 0, w_i, w_f]^T (H, 2M + 3, 2D) and the bias [0, 0, 1, b_i, b_f]
+        (z = [k', v', 1, log i, f's pre-activation]; S = [C; n] takes [v', 1]) and w_o; W_r^T (L, H, M, 2D)."""
         w = torch.cat([self.wk / math.sqrt(self.d_mem), self.wv, torch.zeros_like(self.wi[..., None]),
                        self.wi[..., None], self.wf[..., None]], -1).transpose(-1, -2).contiguous()
         b = F.pad(torch.stack([torch.ones_like(self.bi), self.bi, self.bf], -1), (2 * self.d_mem, 0))[:, :, None]
@@ -662,9 +660,8 @@ class Scorer(nn.Module):
         return self.readout(torch.cat(hs, -2), self.wo[i][:, None], skip), (S, m)
 
     def step(self, i, m, k, v, rows):
-        """Recurrent form, one token (k, v (B, H, 1, D)) for layer i's state with log-scale m (B, H, 1, 1): the update
-        (k', [v', 1] (B, H, 1, M (+ 1)), f, g, m' (B, H, 1, 1)) that `settle` applies (max-stabilised as in
-        xLSTM), and that `read` looks through."""
+        """Recurrent form, one token (k, v (B, H, 1, D)), log-scale m (B, H, 1, 1): the update (k', [v', 1] (B, H, 1,
+        M (+ 1)), f, g, m' (B, H, 1, 1)) that `settle` applies (max-stabilised as in xLSTM) and `read` looks through."""
         (w, b, _), M = rows[0][i], self.d_mem
         z = (w @ self.features(k, v).transpose(-1, -2)).transpose(-1, -2) + b  # (B, H, 1, 2M + 3); slices, not split
         kp, vq, li, lf = z[..., :M], z[..., M:2 * M + 1], z[..., 2 * M + 1:2 * M + 2], z[..., 2 * M + 2:]
@@ -673,9 +670,8 @@ class Scorer(nn.Module):
         return kp, vq, (lf - m_new).exp(), (li - m_new).exp(), m_new
 
     def recall(self, layers, S, k, v, t, rows):
-        """What reading the token at position t (k, v (l, B, H, 1, D)) of `layers` (a slice) needs from the states
-        S (l, B, H, M + 1, M) as they are: u = W_r x, S u = [C u, n . u] (l, B, H, 1, M (+ 1)) and its skip term
-        w_s . x + b + softplus(theta) t (l, B, H, 1), a list per layer. One batched pass over every layer."""
+        """What reading the token at t (k, v (l, B, H, 1, D)) of `layers` (a slice) needs from the states S as they
+        are, one pass for all: u = W_r x, S u = [C u, n . u] and w_s . x + b + softplus(theta) t, lists per layer."""
         x = self.features(k, v)  # (l, B, H, 1, 2D)
         u = (rows[1][layers][:, None] @ x.transpose(-1, -2)).transpose(-1, -2)  # (l, B, H, 1, M)
         skip = ((x[..., 0, :] * self.ws[layers][:, None]).sum(-1) + self.b[layers][:, None]
@@ -692,8 +688,7 @@ class Scorer(nn.Module):
 
     @staticmethod
     def settle(S, m, upd):
-        """Apply updates in place, batched over all leading dims (a layer's heads, or every layer's): S = f S +
-        g [v', 1] k'^T (C = f C + g v' k'^T, n = f n + g k'), m = m'."""
+        """In place, batched over the leading dims (a layer's heads, or every layer's): S = f S + g [v', 1] k'^T."""
         kp, vq, f, g, m_new = upd
         S.mul_(f).addcmul_(vq.transpose(-1, -2), g * kp)
         m.copy_(m_new.view(m.shape))
@@ -799,10 +794,8 @@ class KVCache:
 
     def recall(self, layers, t):  # token t's slot (B, Hkv, 1) and the scorer's recall of it, per layer of a slice
         j = (self.pos[layers] == t).byte().argmax(-1, keepdim=True)  # (l, B, Hkv, 1)
-        (S, D), n = self.k.shape[-2:], torch.arange(j.numel(), device=j.device)[:, None]  # flat indices: index_select
-        k = self.k[layers].reshape(-1).index_select(0, ((n * S + j.view(-1, 1)) * D + torch.arange(D)).view(-1))
-        v = self.v[layers].reshape(-1).index_select(0, ((n * D + torch.arange(D)) * S + j.view(-1, 1)).view(-1))
-        k, v = k.view(*j.shape, D), v.view(*j.shape, D)
+        r, shape = (torch.arange(j.numel(), device=j.device), j.view(-1)), (*j.shape, self.k.shape[-1])
+        k, v = self.k[layers].flatten(0, 2)[r].view(shape), self.v[layers].flatten(0, 2)[r[0], :, r[1]].view(shape)
         return [j.unbind(0), *self.policy.recall(layers, self.S[layers], k, v, t, self.rows)]
 
     def victims(self, layers, p):
