@@ -613,11 +613,7 @@ class Scorer(nn.Module):
                 memory.append(state)
         return r + F.softplus(self.theta[i])[:, None] * pos.float()
 
-    def project(self, i, x):  # -> k', v' (B, H, T, M), log input gate and log forget gate (B, H, T)
-        kp, vp = x @ self.wk[i] / math.sqrt(self.d_mem), x @ self.wv[i]
-        li, lf = (x * self.wi[i][:, None]).sum(-1) + self.bi[i][:, None], (x * self.wf[i][:, None]).sum(-1)
-        return kp, vp, li, F.logsigmoid(lf + self.bf[i][:, None])  # exponential input gate; sigmoid forget gate
-
+    @torch.no_grad()
     def rows(self):
         """Decoding's weights as matrix-vector products (on CPU, in a step, faster than vector times matrix): per
         layer, views made once, [W_k / sqrt(M), W_v, 0, w_i, w_f]^T (H, 2M + 3, 2D) and the bias [0, 0, 1, b_i, b_f]
@@ -627,7 +623,7 @@ class Scorer(nn.Module):
         b = F.pad(torch.stack([torch.ones_like(self.bi), self.bi, self.bf], -1), (2 * self.d_mem, 0))[:, :, None]
         return list(zip(w, b, self.wo[:, :, None])), self.wr.transpose(-1, -2).contiguous()
 
-    def readout(self, h, wo, skip):  # r = w_o . norm(h) + skip; skip = w_s . x + b (decoding: + the position term)
+    def readout(self, h, wo, skip):  # r = w_o . norm(h) + skip: w_s . x (+ b, and decoding's position term)
         return (rms(h) * wo).sum(-1) + skip
 
     chunk = 128  # parallel's chunk length c: O(T (M + c)) memory; up to c tokens, one chunk (the T x T form)
@@ -638,7 +634,9 @@ class Scorer(nn.Module):
         over q: reads with q in [c0, c0 + c) add the state S = [C; n] after token c0 - 1 (log-scale m + F_q - F_{c0-1})
         to tokens c0..q decay-masked, under one max per row; S then moves to the chunk's last token the same way."""
         (B, H, T, _), M, W, c = x.shape, self.d_mem, self.window, self.chunk
-        kp, vp, li, lf = self.project(i, x)
+        kp, vp = x @ self.wk[i] / math.sqrt(M), x @ self.wv[i]  # (B, H, T, M); exponential input gate, sigmoid forget
+        li, lf = (x * self.wi[i][:, None]).sum(-1) + self.bi[i][:, None], (x * self.wf[i][:, None]).sum(-1)
+        lf = F.logsigmoid(lf + self.bf[i][:, None])
         vq, Fc = F.pad(vp, (0, 1), value=1.0), F.pad(lf.double().cumsum(-1), (1, 0))  # Fc[..., j + 1] = F_j
         r = [max(c0 - W, 0) for c0 in range(0, T, c)] + [T]  # the reads t with q in chunk k: [r[k], r[k + 1])
         u = (x @ self.wr[i]).split([b - a for a, b in zip(r, r[1:])], -2)  # split, not slices: backward is a cat
@@ -656,8 +654,8 @@ class Scorer(nn.Module):
             y = y + g[..., :-1, :] * (uc @ S.transpose(-1, -2)) if c0 else y  # + the carried part (none at c0 = 0)
             hs.append(y[..., :M] / torch.maximum(y[..., M:].abs(), (-mq[..., :-1, :]).exp()))  # C u / max(|n . u|, 1)
             S, m = g[..., -1:, :] * S + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc, mq[..., -1, 0]
-        skip = (x * self.ws[i][:, None]).sum(-1) + self.b[i][:, None]
-        return self.readout(torch.cat(hs, -2), self.wo[i][:, None], skip), (S, m)
+        r = self.readout(torch.cat(hs, -2), self.wo[i][:, None], (x * self.ws[i][:, None]).sum(-1)) + self.b[i][:, None]
+        return r, (S, m)
 
     def step(self, i, m, k, v, rows):
         """Recurrent form, one token (k, v (B, H, 1, D)), log-scale m (B, H, 1, 1): the update (k', [v', 1] (B, H, 1,
@@ -744,13 +742,11 @@ class KVCache:
             policy.check(c, window)
         self.delayed = isinstance(policy, Scorer) and policy.kind == "kvpop"
         if self.delayed:  # the memory of every layer and head: S = [C; n] (M + 1, M), log-scale m
-            M = policy.d_mem
-            self.S = torch.zeros(*shape[:3], M + 1, M, device=p.device)
+            self.S = torch.zeros(*shape[:3], policy.d_mem + 1, policy.d_mem, device=p.device)
             self.m = torch.full(shape[:3], -math.inf, device=p.device)
             self.ms = [m[..., None, None] for m in self.m]  # (B, Hkv, 1, 1) views, as the recurrent step takes m
             self.pending, self.recalled = [], (-1, None)  # this step's updates; the recall and its step
-            with torch.no_grad():
-                self.rows = policy.rows()
+            self.rows = policy.rows()
 
     def nbytes(self):  # keys, values and a delayed scorer's state
         state = sum(x.numel() * x.element_size() for x in (self.S, self.m)) if self.delayed else 0
