@@ -617,11 +617,11 @@ class Scorer(nn.Module):
     def rows(self):
         """Decoding's weights as matrix-vector products (on CPU, in a step, faster than vector times matrix): per
         layer, views made once, [W_k / sqrt(M), W_v, 0, w_i, w_f]^T (H, 2M + 3, 2D) and the bias [0, 0, 1, b_i, b_f]
-        (z = [k', v', 1, log i, f's pre-activation]; S = [C; n] takes [v', 1]) and w_o; W_r^T (L, H, M, 2D)."""
+        (z = [k', v', 1, log i, f's pre-activation]; S = [C; n] takes [v', 1]); W_r^T (L, H, M, 2D)."""
         w = torch.cat([self.wk / math.sqrt(self.d_mem), self.wv, torch.zeros_like(self.wi[..., None]),
                        self.wi[..., None], self.wf[..., None]], -1).transpose(-1, -2).contiguous()
         b = F.pad(torch.stack([torch.ones_like(self.bi), self.bi, self.bf], -1), (2 * self.d_mem, 0))[:, :, None]
-        return list(zip(w, b, self.wo[:, :, None])), self.wr.transpose(-1, -2).contiguous()
+        return list(zip(w, b)), self.wr.transpose(-1, -2).contiguous()
 
     def readout(self, h, wo, skip):  # r = w_o . norm(h) + skip: w_s . x (+ b, and decoding's position term)
         return (rms(h) * wo).sum(-1) + skip
@@ -660,7 +660,7 @@ class Scorer(nn.Module):
     def step(self, i, m, k, v, rows):
         """Recurrent form, one token (k, v (B, H, 1, D)), log-scale m (B, H, 1, 1): the update (k', [v', 1] (B, H, 1,
         M (+ 1)), f, g, m' (B, H, 1, 1)) that `settle` applies (max-stabilised as in xLSTM) and `read` looks through."""
-        (w, b, _), M = rows[0][i], self.d_mem
+        (w, b), M = rows[0][i], self.d_mem
         z = (w @ self.features(k, v).transpose(-1, -2)).transpose(-1, -2) + b  # (B, H, 1, 2M + 3); slices, not split
         kp, vq, li, lf = z[..., :M], z[..., M:2 * M + 1], z[..., 2 * M + 1:2 * M + 2], z[..., 2 * M + 2:]
         lf = F.logsigmoid(lf) + m  # log f + m
@@ -676,13 +676,13 @@ class Scorer(nn.Module):
                 + F.softplus(self.theta[layers])[:, None] * t)[..., None]
         return [y.unbind(0) for y in (u, u @ S.transpose(-1, -2), skip)]  # u S^T: 6-7x faster than S u on CPU
 
-    def read(self, i, upd, u, Su, skip, rows):
+    def read(self, i, upd, u, Su, skip):
         """Priority (B, H, 1) of layer i's token from its recall (u, S u, skip) and the state after the pending
         update upd: S' u = f S u + g [v', 1] (k' . u), so the update can wait and S is passed over once."""
         kp, vq, f, g, m_new = upd
         y, M = torch.addcmul(f * Su, g * (kp * u).sum(-1, keepdim=True), vq), self.d_mem  # [C' u, n' . u]
         den = torch.maximum(y[..., M:].abs(), (-m_new).exp())  # (B, H, 1, 1)
-        return self.readout(y[..., :M] / den, rows[0][i][2], skip)
+        return self.readout(y[..., :M] / den, self.wo[i][:, None], skip)
 
     @staticmethod
     def settle(S, m, upd):
@@ -811,7 +811,7 @@ class KVCache:
                 if self.recalled[0] != p or not batched:  # from the states as they are (batched: every layer's)
                     self.recalled = p, self.recall(slice(None) if batched else slice(i, i + 1), p - self.window)
                 j, *rd = [x[i if batched else 0] for x in self.recalled[1]]
-                r = self.policy.read(i, upd, *rd, self.rows)
+                r = self.policy.read(i, upd, *rd)
                 sc.scatter_(2, j, r)
             if not batched:
                 Scorer.settle(self.S[i], self.m[i], upd)
@@ -831,7 +831,7 @@ class KVCache:
         P.scatter_(2, slot, p)
         sc.scatter_(2, slot, priority(self.policy, i, k, v, pos) if self.kind == "static" and not self.delayed else 0.0)
         n, G = min(p + 1, S), q.shape[1] // H  # attention over the filled slots, in slot order, in the cache dtype
-        K, V = (K, V) if n == S else (K[:, :, :n], V[..., :n])
+        K, V = K[:, :, :n], V[..., :n]
         s = K @ q.view(B, H, G, D).transpose(-1, -2).to(K.dtype)  # (B, Hkv, n, G)
         a = (s.float() / math.sqrt(D)).softmax(-2)
         if self.policy == "h2o":  # accumulated attention (group mean)
