@@ -1,12 +1,5 @@
-"""Benchmarks: `python bench.py <command> [options]`, one function per command (`-h` lists its options).
-
-kernels: each kernels.py operation vs its naive dense version (T x T matrices), and vs PyTorch's
-         scaled_dot_product_attention on CUDA; prints time and peak extra memory as a markdown table.
-quality: every eviction policy on held-out sequences of the baby's long-range recall task (defined here,
-         train.py trains on it): answer accuracy, far accuracy, accuracy relative to full, KL to full.
-speed:   decoding tokens/s and bandwidth per policy and budget against full and a matrix-vector product;
-         prefill time and peak memory; a scorer training step, part by part.
-"""
+"""Benchmarks: `python bench.py {kernels,quality,speed} [options]`, one cmd_ function per command (its docstring
+and options: `-h` after the command). The baby's long-range recall task is defined here too: train.py trains on it."""
 import argparse
 import math
 import os
@@ -68,12 +61,11 @@ class LiveBytes(TorchDispatchMode):
         ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}  # views, in-place
         for x in out if isinstance(out, (tuple, list)) else [out]:
             s = x.untyped_storage() if isinstance(x, torch.Tensor) else None
-            if s is None or s.nbytes() == 0 or s.data_ptr() in ins or s.data_ptr() in self.live:
-                continue
-            self.live.add(s.data_ptr())
-            self.now += s.nbytes()
-            self.peak = max(self.peak, self.now)
-            weakref.finalize(s, self._free, s.data_ptr(), s.nbytes())
+            if s is not None and s.nbytes() and s.data_ptr() not in ins and s.data_ptr() not in self.live:
+                self.live.add(s.data_ptr())
+                self.now += s.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(s, self._free, s.data_ptr(), s.nbytes())
         return out
 
     def _free(self, ptr, n):
@@ -81,32 +73,23 @@ class LiveBytes(TorchDispatchMode):
         self.now -= n
 
 
-def sync(dev):
-    if dev == "cuda":
-        torch.cuda.synchronize()
-
-
-def clock(fn, dev):  # wall seconds of one run
-    sync(dev)
+def clock(fn, dev):  # wall seconds of one run: CUDA runs asynchronously, so wait for the GPU before and after
+    sync = torch.cuda.synchronize if dev == "cuda" else lambda: None
+    sync()
     t0 = time.perf_counter()
     fn()
-    sync(dev)
+    sync()
     return time.perf_counter() - t0
 
 
 def peak(fn, dev):
     """(seconds, peak bytes allocated above what was live before) of one run of fn."""
-    sync(dev)
     if dev == "cpu":
         with LiveBytes() as meter:
             return clock(fn, dev), meter.peak
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     return clock(fn, dev), torch.cuda.max_memory_allocated() - base
-
-
-def measure(fn, dev):  # kernels: best ms of 3 runs after a warm-up, and peak extra MiB
-    return min([clock(fn, dev) for _ in range(4)][1:]) * 1e3, peak(fn, dev)[1] / 2**20
 
 
 def check_flags(ap, a, least):
@@ -142,6 +125,7 @@ def cmd_kernels(argv):
         ap.error(f"--T {a.T!r}: use comma-separated lengths >= 1, e.g. 1024,2048")
     if a.D < 1 or dev == "cuda" and a.D > 256:
         ap.error(f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)")
+    measure = lambda fn: (min([clock(fn, dev) for _ in range(4)][1:]) * 1e3, peak(fn, dev)[1] / 2**20)  # noqa: E731
     print(f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads, sinks {sinks}, window {window}, pool T/4\n")
     print(table("op", "T", "ours ms", "naive ms", "naive/ours", "SDPA ms", "ours MiB", "naive MiB", "naive/ours"))
     for T in map(int, a.T.split(",")):
@@ -154,8 +138,8 @@ def cmd_kernels(argv):
                 ("attention+evict", kernels.attention, naive_attention, (q, k, v, e, sinks)),
                 ("future_attention", kernels.future_attention, naive_future, (q, k, lse, window)),
                 ("eviction_times", kernels.eviction_times, naive_eviction_times, (pri, sinks, window, T // 4))]:
-            (to, mo), (tn, mn) = measure(lambda: ours(*x), dev), measure(lambda: naive(*x), dev)
-            ts = f"{measure(sdpa, dev)[0]:.1f}" if name == "attention" and dev == "cuda" else "-"
+            (to, mo), (tn, mn) = measure(lambda: ours(*x)), measure(lambda: naive(*x))  # best ms of 3 after a warm-up
+            ts = f"{measure(sdpa)[0]:.1f}" if name == "attention" and dev == "cuda" else "-"
             print(f"| {name} | {T} | {to:.1f} | {tn:.1f} | {tn / to:.2f} | {ts} | {mo:.1f} | {mn:.1f} | "
                   f"{mn / max(mo, 1e-3):.0f} |", flush=True)
 
@@ -310,13 +294,6 @@ def cmd_quality(argv):
 SHAPES = {"0.6B": (28, 1024, 3072, 16, True), "4B": (36, 2560, 9728, 32, True), "8B": (36, 4096, 12288, 32, False)}
 
 
-def shape_config(shape, layers):  # a named Qwen3 shape: layers, hidden, MLP width, query heads, tied head
-    L, E, F_, Hq, tied = SHAPES[shape]
-    return kvpop.Qwen3Config(vocab_size=151936, hidden_size=E, intermediate_size=F_, num_hidden_layers=layers or L,
-                             num_attention_heads=Hq, num_key_value_heads=8, head_dim=128, tie_word_embeddings=tied,
-                             max_position_embeddings=131072, rope_theta=1e6)
-
-
 def shape_model(c, device, dtype):
     """A Qwen3 with random weights, built without initialising twice."""
     with torch.device("meta"):
@@ -326,7 +303,7 @@ def shape_model(c, device, dtype):
         net.lm_head.weight = net.model.embed_tokens.weight
     for p in net.parameters():
         p.data.normal_(0, 0.02) if p.dim() > 1 else p.data.fill_(1.0)
-    return net.to(dtype).eval().requires_grad_(False)
+    return net.to(dtype).eval()
 
 
 def fill(cache, C):
@@ -344,10 +321,9 @@ def fill(cache, C):
 
 
 def cmd_speed(argv):
-    """Decoding tokens/s, KV memory and effective bandwidth of each policy and budget, side by side with full and
-    with the matrix-vector limit; the scorer's share of a step; prefill time and peak memory; the parts of a
-    scorer training step. Bytes a step must read: weights (the input embedding only when tied to the head; a
-    learned scorer's too), the kept keys and values, the scorer's state."""
+    """Decoding tokens/s, KV memory and bandwidth of each policy and budget beside full and the matrix-vector limit,
+    the scorer's share of a step; prefill time and peak memory; a scorer training step, part by part. A step reads
+    the weights (the input embedding only when tied to the head; a learned scorer's too), kept keys, values, state."""
     ap = argparse.ArgumentParser(prog="bench.py speed", description=cmd_speed.__doc__)
     ap.error = lambda msg: sys.exit(f"bench.py speed: {msg}")  # one line, exit status 1
     ap.add_argument("--model", help="checkpoint folder (default: a random model of --shape)")
@@ -379,8 +355,13 @@ def cmd_speed(argv):
     budgets = [kvpop.parse_value(ap.prog, "budgets", b, float) for b in a.budgets.split(",")]
     contexts = [int(x) for x in a.contexts.split(",") if a.contexts]
     try:  # every check first: the weights load or are drawn last
-        c = (kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json")) if a.model
-             else shape_config(a.shape, a.layers))
+        if a.model:
+            c = kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json"))
+        else:  # a named shape: layers, hidden, MLP width, query heads, tied head
+            L, E, F_, Hq, tied = SHAPES[a.shape]
+            c = kvpop.Qwen3Config(vocab_size=151936, hidden_size=E, intermediate_size=F_, num_attention_heads=Hq,
+                                  num_hidden_layers=a.layers or L, num_key_value_heads=8, head_dim=128,
+                                  tie_word_embeddings=tied, max_position_embeddings=131072, rope_theta=1e6)
         torch.manual_seed(0)
         make = {k: kvpop.Scorer(c, k, a.window, a.d_mem).eval().to(dev) for k in kvpop.SCORERS}
         for C, b in [(C, b) for C in contexts for b in budgets] + [(T, budgets[0]) for T in (a.prefill, a.train) if T]:
@@ -388,6 +369,7 @@ def cmd_speed(argv):
         net = kvpop.Qwen3.from_pretrained(a.model, dev, dt) if a.model else shape_model(c, dev, dt)
     except (OSError, ValueError) as e:
         ap.error(str(e))
+    net.requires_grad_(False)  # frozen: the timed passes build no graph
     pol = lambda p: make.get(p, p)  # noqa: E731
 
     def empty_cache(p, b, T, full):  # `full` entries for full, else the budget's less those the scorer's state takes
@@ -400,6 +382,7 @@ def cmd_speed(argv):
     print(f"{a.model or f'Qwen3-{a.shape} shape, {c.num_hidden_layers} layers, random weights'}; {dev} "
           f"({torch.cuda.get_device_name() if dev == 'cuda' else f'{torch.get_num_threads()} threads'}), "
           f"{str(dt)[6:]}; weights read per step {W / 1e9:.2f} GB; sinks {a.sinks}, window {a.window}\n")
+    med = lambda t: sorted(t[1:])[len(t) // 2 - 1]  # noqa: E731 (after the warm-up round)
     rows = []
     if contexts:
         print(table("policy", "budget", "context", "tokens/s", "speedup", "ideal", "of ideal", "KV+state MiB", "GB/s",
@@ -410,27 +393,24 @@ def cmd_speed(argv):
         for p, b in [("full", 1)] + [(p, b) for b in budgets for p in policies]:
             cache = empty_cache(p, b, C, C + a.steps + 1)
             runs[p, b] = cache, fill(cache, C), []  # the cache, the entries it holds, its step times
-        with torch.no_grad():
-            for _ in range(a.steps + 1):  # the first round warms up
-                lim.append(clock(lambda: M @ x, dev))
-                for cache, n, sec in runs.values():
-                    sec.append(clock(lambda: net(tok, cache=cache), dev))
-        med = lambda t: sorted(t[1:])[len(t) // 2 - 1]  # noqa: E731 (after the warm-up round)
+        for _ in range(a.steps + 1):  # the first round warms up
+            lim.append(clock(lambda: M @ x, dev))
+            for cache, n, sec in runs.values():
+                sec.append(clock(lambda: net(tok, cache=cache), dev))
         limit = M.numel() * dt.itemsize / med(lim) / 1e9
         for (p, b), (cache, n, times) in runs.items():  # full first: its seconds and bytes are the context's yardstick
             sec = med(times)
             kv = cache.nbytes() - 2 * cache.k.numel() * cache.k.element_size() + per_tok * n  # held + state
             w = W + sum(t.numel() * t.element_size() for t in make[p].parameters()) if p in make else W  # + a scorer's
             full = (sec, W + kv) if p == "full" else full
-            r = dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3), kv_mib=kv / 2**20,
-                     gbps=(w + kv) / sec / 1e9, limit_gbps=limit, speedup=full[0] / sec,
-                     ideal_speedup=full[1] / (w + kv))
+            su, ideal, gbps = full[0] / sec, full[1] / (w + kv), (w + kv) / sec / 1e9
+            r = dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3), kv_mib=kv / 2**20, gbps=gbps,
+                     limit_gbps=limit, speedup=su, ideal_speedup=ideal)
             if p in kvpop.SCORERS and ("streaming", b) in runs:  # the scorer's share: against streaming's step in the
                 r["scorer_share"] = 1 - med([x / y for x, y in zip(runs["streaming", b][2], times)])  # same round
             share = f"{r['scorer_share']:.1%}" if "scorer_share" in r else "-"
-            print(f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x | "
-                  f"{r['speedup'] / r['ideal_speedup']:.0%} | {r['kv_mib']:.0f} | {r['gbps']:.1f} | {limit:.1f} | "
-                  f"{r['gbps'] / limit:.0%} | {share} |", flush=True)
+            print(f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {su:.2f}x | {ideal:.2f}x | {su / ideal:.0%} | "
+                  f"{kv / 2**20:.0f} | {gbps:.1f} | {limit:.1f} | {gbps / limit:.0%} | {share} |", flush=True)
             rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
         del runs, M
     for T in [a.prefill] * bool(a.prefill):  # a prompt into an empty cache: full, then each policy at budgets[0]
@@ -439,8 +419,7 @@ def cmd_speed(argv):
               "vs full", "cache MiB", "peak extra MiB", "peak MiB", "full's extra + budget's share MiB"))
         for p in ["full"] + [p for p in policies if kvpop.policy_kind(pol(p)) == "static"]:
             cache = empty_cache(p, b, T, T)
-            with torch.no_grad():
-                (sec, extra), mem = peak(lambda: net(idx, cache=cache), dev), cache.nbytes()
+            (sec, extra), mem = peak(lambda: net(idx, cache=cache), dev), cache.nbytes()
             full = (sec, mem, extra) if p == "full" else full  # full's extra: one layer's working set
             rows.append(dict(policy=p, budget=1 if p == "full" else b, prefill=T, seconds=round(sec, 2),
                              cache_mib=round(mem / 2**20, 1), peak_mib=round((mem + extra) / 2**20, 1)))
@@ -448,37 +427,30 @@ def cmd_speed(argv):
                   f"{extra / 2**20:.0f} | {(mem + extra) / 2**20:.0f} | "
                   f"{'-' if p == 'full' else round((b * full[1] + full[2]) / 2**20)} |", flush=True)
             del cache
-    if a.train:
-        rows += train_rows(net, a, dev, make["kvpop"].train().requires_grad_(True), budgets[0])
+    if a.train:  # one kvpop scorer training step, through train.py's own functions, timed by part
+        import train  # here, not at the top: train.py imports this file
+        T, b, scorer = a.train, budgets[0], make["kvpop"].train()
+        spent = {"future_attention": 0.0, "eviction_times": 0.0}
+        train.sinks, train.window, train.device, train.queries = a.sinks, a.window, dev, 0
+        train.pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge)[1]
+        for f, g in [(f, getattr(kernels, f)) for f in spent]:  # the kernels' time, wherever they are called from
+            def timed(*x, f=f, g=g, **kw):
+                out = []
+                spent[f] += clock(lambda: out.append(g(*x, **kw)), dev)
+                return out[0]
+            setattr(kernels, f, timed)
+        idx, kv_r = torch.randint(0, net.config.vocab_size, (1, T), device=dev), []
+        t = [clock(lambda: kv_r.extend(kvpop.dense_targets(net, idx, a.window)), dev)]
+        t.append(clock(lambda: train.boundary_loss(scorer, *kv_r, 0), dev))  # forward and backward, layer by layer
+        fut, ev = spent.values()
+        parts = {"frozen forward": t[0] - fut, "future-attention targets": fut, "eviction times": ev,
+                 "scorer forward + backward": t[1] - ev}
+        print(f"\nkvpop scorer training step, 1 x {T} tokens, budget {b:g}\n\n" + table("part", "seconds", "share"))
+        for k, v in parts.items():
+            print(f"| {k} | {v:.2f} | {v / sum(t):.0%} |")
+        rows += [dict(train=T, part=k, seconds=round(v, 3)) for k, v in parts.items()]
     if a.json:
         kvpop.write_json(rows, a.json)
-
-
-def train_rows(net, a, dev, scorer, b):
-    """One kvpop scorer training step on a.train tokens, through train.py's own functions, timed by part."""
-    import train  # here, not at the top: train.py imports this file
-    T, spent = a.train, {"future_attention": 0.0, "eviction_times": 0.0}
-    train.sinks, train.window, train.device, train.queries = a.sinks, a.window, dev, 0
-    train.pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge)[1]
-    for f, g in [(f, getattr(kernels, f)) for f in spent]:  # the kernels' time, wherever they are called from
-        def timed(*x, f=f, g=g, **kw):
-            out = []
-            spent[f] += clock(lambda: out.append(g(*x, **kw)), dev)
-            return out[0]
-        setattr(kernels, f, timed)
-    idx, t = torch.randint(0, net.config.vocab_size, (1, T), device=dev), [time.perf_counter()]
-    kv, r = kvpop.dense_targets(net, idx, a.window)
-    t.append(time.perf_counter())
-    train.boundary_loss(scorer, kv, r, 0)  # forward and backward, layer by layer
-    sync(dev)
-    t.append(time.perf_counter())
-    fut, ev = spent.values()
-    parts = {"frozen forward": t[1] - t[0] - fut, "future-attention targets": fut, "eviction times": ev,
-             "scorer forward + backward": t[2] - t[1] - ev}
-    print(f"\nkvpop scorer training step, 1 x {T} tokens, budget {b:g}\n\n" + table("part", "seconds", "share"))
-    for k, v in parts.items():
-        print(f"| {k} | {v:.2f} | {v / (t[2] - t[0]):.0%} |")
-    return [dict(train=T, part=k, seconds=round(v, 3)) for k, v in parts.items()]
 
 
 if __name__ == "__main__":

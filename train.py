@@ -8,9 +8,8 @@
   python train.py --stage pretrain --out_dir baby      # the baby Qwen3 itself, from scratch on the recall task
   torchrun --nproc_per_node=2 train.py ...             # several processes: DDP (scorer), FSDP2 (--finetune)
 
-The scorer learns the keep-or-drop decisions of a teacher whose priorities are the future-attention target of
-the model (README, Method: boundary loss). By default the model is frozen; --finetune trains it too, under the
-scorer's eviction, by KL to the frozen dense model (README, Method: fine-tune).
+The scorer learns the keep-or-drop decisions of a teacher that ranks tokens by the model's future attention (README,
+Method: boundary loss); --finetune trains the model too, under that eviction, by KL to the dense model (fine-tune).
 """
 import contextlib
 import glob
@@ -131,9 +130,8 @@ need(stage == "pretrain" or B_train < seq_len, f"--budget {budget} keeps all {se
 
 
 def boundary(pi, e, q, sinks, window):
-    """The teacher's decision for t_new = q - window at each query position q (Q,): keep (B, H, Q), and the
-    cutoff token t_bnd (B, H, Q): the k-th best eligible token at q, or the (k+1)-th (the best one dropped)
-    when the k-th is t_new itself. pi: teacher priorities, e: their eviction times (B, H, T)."""
+    """The teacher's decision for t_new = q - window at each query q (Q,): keep (B, H, Q), and the cutoff t_bnd: the
+    k-th best eligible token, or the best dropped one when that is t_new. pi: priorities, e: their eviction times."""
     T = pi.shape[-1]
     u, tn = torch.arange(T, device=pi.device), q - window
     rank = torch.empty_like(e).scatter_(-1, pi.sort(stable=True).indices, u.expand_as(e))  # by (pi, t)
@@ -152,9 +150,8 @@ def allsum(x):  # in place: the sum over processes, each holding its share of th
 
 
 def boundary_loss(scorer, kv, target, it, ddp=None):
-    """Mean over layers of the balanced boundary loss; backward per layer so one layer's graph is alive. Training
-    passes `ddp`, the scorer (in DDP on several processes): the keep/drop weights count the global batch and the
-    gradients are reduced once, in the last layer's backward."""
+    """Mean over layers of the balanced boundary loss, backward per layer (one layer's graph alive). `ddp`: training's
+    scorer; the keep/drop weights count the global batch, gradients are reduced once, in the last layer's backward."""
     T = target[0].shape[-1]
     g = torch.Generator().manual_seed(seed * 1_000_003 + it)  # query positions: a function of the step
     q = torch.arange(sinks + window + pool, T)  # the pool is over-full: every step decides one token
@@ -180,10 +177,8 @@ def boundary_loss(scorer, kv, target, it, ddp=None):
 
 
 def finetune_loss(net, teacher, scorer, ddp, idx, it):
-    """One --finetune step's backward (README, Method: fine-tune): the model runs under the student's eviction
-    (priorities without gradient; streaming: pi[t] = t) and learns by KL to the dense teacher's top_logits next
-    tokens; the scorer learns by the boundary loss on the future attention of this evicting pass (its lse).
-    -> KL, boundary loss, keep/drop accuracy (of the global batch)."""
+    """One --finetune step's backward: the model learns under the student's eviction by KL to the dense teacher, the
+    scorer by the boundary loss on this evicting pass's future attention -> KL, boundary loss, keep/drop accuracy."""
     with torch.no_grad():
         top = teacher(idx).float().topk(min(top_logits, teacher.config.vocab_size), -1)  # (B, T, K)
     lt, kv, target = top.values.log_softmax(-1), [], []
@@ -204,8 +199,8 @@ def finetune_loss(net, teacher, scorer, ddp, idx, it):
 
 
 def batch(tok, it, n):
-    """Training sequences (n, seq_len) of step `it`: a pure function of (seed, it), so the data position of a
-    checkpoint is its step. The baby task draws fresh ones; files are packed once and drawn in a seeded order."""
+    """Training sequences (n, seq_len) of step `it`: a function of (seed, it), so a checkpoint's data position is its
+    step. The baby task draws fresh ones; files are packed once and drawn in a seeded order."""
     if data == "baby":
         return task_batch(tok, n, seq_len, random.Random(f"scorer-train-{seed}-{it}"), keys=keys)[0]
     N = len(chunks) - n_valid  # the last n_valid chunks are held out
@@ -246,8 +241,7 @@ def evaluate(net, tok, pol):
 
 
 def save(it, folder, scorer, opt, student, opt_m):
-    """Everything to resume, each file written atomically by rank 0: the scorer (usable as is), with --finetune
-    the model as a checkpoint folder beside it (every process joins the gathering of its shards), train_state.pt."""
+    """Everything to resume, written atomically by rank 0 (every process joins the gathering of --finetune's shards)."""
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     sd, osd = get_state_dict(student, opt_m, options=full) if student is not None else (None, None)
     if rank:
@@ -277,21 +271,19 @@ def train():
         need(seq_len <= (P := config.max_position_embeddings), f"--seq_len {seq_len}: the model has only {P} positions")
         chunks, n_valid = pack_files(tok) if data != "baby" else (None, 0)
         torch.manual_seed(seed)
-        scorer = kvpop.Scorer(config, kind, window, d_mem, d_hidden, gamma) if learned else None
+        scorer = kvpop.Scorer(config, kind, window, d_mem, d_hidden, gamma).to(device) if learned else None
         ck = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
         if resume and learned:
-            scorer = kvpop.Scorer.from_pretrained(out_dir).requires_grad_(True).train()
+            scorer = kvpop.Scorer.from_pretrained(out_dir).to(device).requires_grad_(True).train()
             scorer.load_state_dict(ck["scorer"])
         charge = scorer.charge if learned else 0
         B_eval, pool = kvpop.budget_size(budget, seq_len, sinks, window, charge)  # the scorer's state comes off it
         need(pool >= 1, f"--budget {budget}: B = {B_eval} leaves no pool after sinks + window + the scorer's "
              f"state ({charge}); raise --budget or lower --window/--d_mem")
-        for b in (0.25, 0.125) if data == "baby" and final_seqs else ():  # the final table's budgets fit too
-            try:
-                kvpop.budget_size(b, seq_len, sinks, window, charge)
-            except ValueError:
-                need(False, f"--final_seqs {final_seqs}: the final table's budget {b} leaves no room at --seq_len "
-                     f"{seq_len}, --window {window}; use --final_seqs 0 or a longer --seq_len")
+        for b in (0.25, 0.125) if data == "baby" and final_seqs else ():  # the final table's B = ceil(b T) fits too
+            need(math.ceil(b * seq_len) >= sinks + window + charge, f"--final_seqs {final_seqs}: the final table's "
+                 f"budget {b} leaves no room at --seq_len {seq_len}, --window {window}; use --final_seqs 0 or a longer "
+                 "--seq_len")
         dt = None if dtype == "auto" and device != "cpu" else "float32" if dtype == "auto" else dtype
         net = kvpop.Qwen3.from_pretrained(folder, device, dt).requires_grad_(False)  # frozen, dense
         student = kvpop.Qwen3.from_pretrained(folder, device, dt).train() if finetune else None
@@ -299,8 +291,6 @@ def train():
             student.load_state_dict(ck["model"])
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         sys.exit(f"train.py: {e}")
-    if learned:
-        scorer.to(device)
     ddp = DDP(scorer) if learned and world > 1 else scorer  # the model is frozen or sharded: the scorer is replicated
     for m in (*net.model.layers, net, *student.model.layers, student) if finetune and world > 1 else ():
         fully_shard(m)  # FSDP2: each block's weights split over the processes, gathered for its forward/backward
@@ -360,11 +350,9 @@ def train():
 
 
 def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
-    """Hand-built layer 0 (stated in the README). Embeddings live in the lower half of the residual, with dim 0
-    a constant 1 for every token. Head 0's query and key read only dim 0, so q.k depends on distance alone;
-    the query is the key rotated back by one step of the nf highest RoPE frequencies, so q.k peaks at distance
-    1 (>= 99.9% of the attention for g = 2.5). Its value is the normalised embedding, written to the empty
-    upper half: the residual holds [this token, previous token]. Head 1 is switched off."""
+    """Hand-built layer 0 (README, The baby): head 0's q and k read only dim 0 (a constant 1), the query rotated back
+    one step of the nf highest RoPE frequencies, so it attends to distance 1 and writes the previous token's
+    embedding into the empty upper half of the residual. Head 1 is switched off."""
     c, a = model.config, model.model.layers[0].self_attn
     D, E = c.head_dim, model.model.embed_tokens.weight
     th = c.rope_theta ** (-torch.arange(0, D, 2).float() / D)[:nf]  # highest frequencies
