@@ -615,16 +615,14 @@ class Scorer(nn.Module):
 
     @torch.no_grad()
     def rows(self):
-        """Decoding's weights as matrix-vector products (on CPU, in a step, faster than vector times matrix): per
-        layer, views made once, [W_k / sqrt(M), W_v, 0, w_i, w_f]^T (H, 2M + 3, 2D) and the bias [0, 0, 1, b_i, b_f]
-        (z = [k', v', 1, log i, f's pre-activation]; S = [C; n] takes [v', 1]); W_r^T (L, H, M, 2D)."""
-        w = torch.cat([self.wk / math.sqrt(self.d_mem), self.wv, torch.zeros_like(self.wi[..., None]),
-                       self.wi[..., None], self.wf[..., None]], -1).transpose(-1, -2).contiguous()
-        b = F.pad(torch.stack([torch.ones_like(self.bi), self.bi, self.bf], -1), (2 * self.d_mem, 0))[:, :, None]
-        return list(zip(w, b)), self.wr.transpose(-1, -2).contiguous()
-
-    def readout(self, h, wo, skip):  # r = w_o . norm(h) + skip: w_s . x (+ b, and decoding's position term)
-        return (rms(h) * wo).sum(-1) + skip
+        """Decoding's weights, per layer views made once: W = sqrt(2D) [W_k / sqrt(M), W_v, 0, w_i, w_f, 0]^T (H,
+        2M + 4, 2D) and b = [0, 0, 1, b_i, b_f, 0], so z = W x rsqrt(|x|^2 + 2D eps) + b = [k', v', 1, log i, f's
+        pre-activation, 0] for the RMS-normalised x; sqrt(M) w_o (H, 1, M); and W_r^T (L, H, M, 2D)."""
+        X, M = 2 * self.shape["head_dim"], self.d_mem
+        w = torch.cat([self.wk / math.sqrt(M), self.wv, torch.zeros_like(self.wi[..., None]), self.wi[..., None],
+                       self.wf[..., None], torch.zeros_like(self.wi[..., None])], -1).transpose(-1, -2) * math.sqrt(X)
+        b = F.pad(torch.stack([torch.ones_like(self.bi), self.bi, self.bf, torch.zeros_like(self.bi)], -1), (2 * M, 0))
+        return list(zip(w.contiguous(), b[:, :, None], self.wo[:, :, None] * math.sqrt(M))), self.wr.mT.contiguous()
 
     chunk = 128  # parallel's chunk length c: O(T (M + c)) memory; up to c tokens, one chunk (the T x T form)
 
@@ -654,41 +652,45 @@ class Scorer(nn.Module):
             y = y + g[..., :-1, :] * (uc @ S.transpose(-1, -2)) if c0 else y  # + the carried part (none at c0 = 0)
             hs.append(y[..., :M] / torch.maximum(y[..., M:].abs(), (-mq[..., :-1, :]).exp()))  # C u / max(|n . u|, 1)
             S, m = g[..., -1:, :] * S + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc, mq[..., -1, 0]
-        r = self.readout(torch.cat(hs, -2), self.wo[i][:, None], (x * self.ws[i][:, None]).sum(-1)) + self.b[i][:, None]
-        return r, (S, m)
+        r = (rms(torch.cat(hs, -2)) * self.wo[i][:, None]).sum(-1) + (x * self.ws[i][:, None]).sum(-1)  # + w_s . x
+        return r + self.b[i][:, None], (S, m)
 
     def step(self, i, m, k, v, rows):
-        """Recurrent form, one token (k, v (B, H, 1, D)), log-scale m (B, H, 1, 1): the update (k', [v', 1] (B, H, 1,
-        M (+ 1)), f, g, m' (B, H, 1, 1)) that `settle` applies (max-stabilised as in xLSTM) and `read` looks through."""
-        (w, b), M = rows[0][i], self.d_mem
-        z = (w @ self.features(k, v).transpose(-1, -2)).transpose(-1, -2) + b  # (B, H, 1, 2M + 3); slices, not split
-        kp, vq, li, lf = z[..., :M], z[..., M:2 * M + 1], z[..., 2 * M + 1:2 * M + 2], z[..., 2 * M + 2:]
-        lf = F.logsigmoid(lf) + m  # log f + m
-        m_new = torch.maximum(lf, li)
-        return kp, vq, (lf - m_new).exp(), (li - m_new).exp(), m_new
+        """Recurrent form, one token (k, v (B, H, 1, D)), log-scale m (B, H, 1, 1): the update (z, and e = [g, f,
+        exp(-m')] (B, H, 1, 3), m' (B, H, 1, 1)), max-stabilised as in xLSTM, that `settle` applies and `read`
+        looks through: g = i exp(-m'), f = exp(log f + m - m'), m' = max(log f + m, log i)."""
+        (w, b, _), x = rows[0][i], torch.cat([k, v], -1).float()  # (B, H, 1, 2D)
+        s = torch.rsqrt((x * x).sum(-1, keepdim=True) + x.shape[-1] * 1e-6)  # rms(x) = sqrt(2D) x s
+        z = torch.addcmul(b, (w @ x.mT).mT, s)  # (B, H, 1, 2M + 4)
+        lf = z[..., -2:-1]
+        torch.add(F.logsigmoid(lf), m, out=lf)  # in place: z[..., -3:] = [log i, log f + m, 0]
+        m_new = z[..., -3:-1].amax(-1, keepdim=True)
+        return z, (z[..., -3:] - m_new).exp(), m_new
 
     def recall(self, layers, S, k, v, t, rows):
         """What reading the token at t (k, v (l, B, H, 1, D)) of `layers` (a slice) needs from the states S as they
         are, one pass for all: u = W_r x, S u = [C u, n . u] and w_s . x + b + softplus(theta) t, lists per layer."""
         x = self.features(k, v)  # (l, B, H, 1, 2D)
-        u = (rows[1][layers][:, None] @ x.transpose(-1, -2)).transpose(-1, -2)  # (l, B, H, 1, M)
+        u = (rows[1][layers][:, None] @ x.mT).mT  # (l, B, H, 1, M)
         skip = ((x[..., 0, :] * self.ws[layers][:, None]).sum(-1) + self.b[layers][:, None]
                 + F.softplus(self.theta[layers])[:, None] * t)[..., None]
-        return [y.unbind(0) for y in (u, u @ S.transpose(-1, -2), skip)]  # u S^T: 6-7x faster than S u on CPU
+        return [y.unbind(0) for y in (u, u @ S.mT, skip)]  # u S^T: 6-7x faster than S u on CPU
 
-    def read(self, i, upd, u, Su, skip):
+    def read(self, i, upd, u, Su, skip, rows):
         """Priority (B, H, 1) of layer i's token from its recall (u, S u, skip) and the state after the pending
-        update upd: S' u = f S u + g [v', 1] (k' . u), so the update can wait and S is passed over once."""
-        kp, vq, f, g, m_new = upd
-        y, M = torch.addcmul(f * Su, g * (kp * u).sum(-1, keepdim=True), vq), self.d_mem  # [C' u, n' . u]
-        den = torch.maximum(y[..., M:].abs(), (-m_new).exp())  # (B, H, 1, 1)
-        return self.readout(y[..., :M] / den, self.wo[i][:, None], skip)
+        update: S' u = f S u + g [v', 1] (k' . u), so the update can wait and S is passed over once. Then r = skip +
+        w_o . rms(h), h = y / d = C' u / max(|n' . u|, exp(-m')), as sqrt(M) w_o . y rsqrt(|y|^2 + M eps d^2)."""
+        (z, e, _), M = upd, self.d_mem
+        y = torch.addcmul(e[..., 1:2] * Su, z[..., M:2 * M + 1], e[..., :1] * (z[..., :M] * u).sum(-1, keepdim=True))
+        d, y = torch.maximum(y[..., M:].abs(), e[..., 2:]), y[..., :M]  # (B, H, 1, 1), (B, H, 1, M)
+        s = torch.rsqrt(torch.addcmul((y * y).sum(-1, keepdim=True), d, d, value=M * 1e-6))
+        return torch.addcmul(skip, (y * rows[0][i][2]).sum(-1), s[..., 0])
 
     @staticmethod
     def settle(S, m, upd):
         """In place, batched over the leading dims (a layer's heads, or every layer's): S = f S + g [v', 1] k'^T."""
-        kp, vq, f, g, m_new = upd
-        S.mul_(f).addcmul_(vq.transpose(-1, -2), g * kp)
+        (z, e, m_new), M = upd, S.shape[-1]
+        S.mul_(e[..., 1:2]).addcmul_(z[..., M:2 * M + 1].mT, e[..., :1] * z[..., :M])
         m.copy_(m_new.view(m.shape))
 
     def save_pretrained(self, folder):
@@ -811,7 +813,7 @@ class KVCache:
                 if self.recalled[0] != p or not batched:  # from the states as they are (batched: every layer's)
                     self.recalled = p, self.recall(slice(None) if batched else slice(i, i + 1), p - self.window)
                 j, *rd = [x[i if batched else 0] for x in self.recalled[1]]
-                r = self.policy.read(i, upd, *rd)
+                r = self.policy.read(i, upd, *rd, self.rows)
                 sc.scatter_(2, j, r)
             if not batched:
                 Scorer.settle(self.S[i], self.m[i], upd)

@@ -1537,7 +1537,7 @@ def test_scorer_parallel_equals_recurrent():
             if q >= w:
                 rd = s.recall(slice(i, i + 1), st[0][None], k[None, :, :, q - w:q - w + 1],
                               v[None, :, :, q - w:q - w + 1], q - w, s.rows())
-                rec.append(s.read(i, upd, *[x[0] for x in rd]))  # rd: a list per layer
+                rec.append(s.read(i, upd, *[x[0] for x in rd], s.rows()))  # rd: a list per layer
             s.settle(*st, upd)
         assert (torch.cat(rec, -1) - pi[..., :T - w]).abs().max().item() <= 1e-5
         assert all((x - y).abs().max().item() <= 1e-5 for x, y in zip(mem[0], st))
