@@ -791,19 +791,19 @@ class KVCache:
         return y
 
     def recall(self, layers, t):  # token t's slot (B, Hkv, 1) and the scorer's recall of it, per layer of a slice
-        j = (self.pos[layers] == t).byte().argmax(-1, keepdim=True)  # (l, B, Hkv, 1)
+        j = (self.pos[layers] == t).max(-1, keepdim=True).indices  # (l, B, Hkv, 1): the one slot holding t
         r, shape = (torch.arange(j.numel(), device=j.device), j.view(-1)), (*j.shape, self.k.shape[-1])
         k, v = self.k[layers].flatten(0, 2)[r].view(shape), self.v[layers].flatten(0, 2)[r[0], :, r[1]].view(shape)
         return [j.unbind(0), *self.policy.recall(layers, self.S[layers], k, v, t, self.rows)]
 
     def victims(self, layers, p):
-        """Per layer of a slice: the slot (l, B, Hkv, 1) of the lowest (score, position) in the eligible pool
-        s <= t <= p - w, and that score. A delayed scorer's token p - w is left out: its layer reads it later."""
-        P, sc = self.pos[layers], self.score[layers]
-        ok = (P >= self.sinks) & (P <= p - self.window - int(self.delayed))
-        low = sc.masked_fill(~ok, math.inf)
-        least = low.amin(-1, keepdim=True)
-        return P.masked_fill(~ok | (low > least), 2**62).argmin(-1, keepdim=True).unbind(0), least.unbind(0)
+        """Per layer of a slice of a full cache: the slot (l, B, Hkv, 1) of the lowest (score, position) in the
+        eligible pool s <= t <= p - w, and that score. The sinks hold slots [0, s) for good, so the search starts
+        after them. A delayed scorer's token p - w is left out: its layer reads it later."""
+        P, s = self.pos[layers, ..., self.sinks:], self.sinks
+        low = self.score[layers, ..., s:].masked_fill(P > p - self.window - int(self.delayed), math.inf)
+        least = low.amin(-1, keepdim=True)  # ineligible tokens are at inf, above any eligible one
+        return (P.masked_fill(low > least, 2**62).argmin(-1, keepdim=True) + s).unbind(0), least.unbind(0)
 
     def step(self, i, q, k, v, pos, p, batched=False):  # one new token at position p (pos = [p] on the device)
         (B, H, _, D), S, L, (K, V, P, sc) = k.shape, self.size, len(self.layer), self.layer[i]  # P, sc (B, Hkv, S)
