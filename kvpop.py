@@ -748,6 +748,7 @@ class KVCache:
             self.m = torch.full(shape[:3], -math.inf, device=p.device)
             self.ms = [m[..., None, None] for m in self.m]  # (B, Hkv, 1, 1) views, as the recurrent step takes m
             self.pending, self.recalled = [], (-1, None)  # this step's updates; the recall and its step
+            self.ring = torch.zeros(*shape[:3], window, dtype=torch.long, device=p.device)  # slot of t at t % w
             self.rows = policy.rows()
 
     def nbytes(self):  # keys, values and a delayed scorer's state
@@ -788,11 +789,14 @@ class KVCache:
         self.k[i, :, :, :n] = k.gather(2, keep[..., None].expand(-1, -1, -1, D))
         self.v[i, :, :, :, :n] = v.gather(2, keep[..., None].expand(-1, -1, -1, D)).transpose(-1, -2)
         self.pos[i, :, :, :n], self.score[i, :, :, :n] = pos[keep], pi.gather(2, keep)
+        if self.delayed:  # kept in position order: the last m tokens, still in the window, fill the last m slots
+            m, a = min(T, self.window), torch.arange(n, device=k.device)
+            self.ring[i][..., (a[-m:] + T - n) % self.window] = a[-m:]
         return y
 
     def recall(self, layers, t):  # token t's slot (B, Hkv, 1) and the scorer's recall of it, per layer of a slice
-        j = (self.pos[layers] == t).max(-1, keepdim=True).indices  # (l, B, Hkv, 1): the one slot holding t
-        r, shape = (torch.arange(j.numel(), device=j.device), j.view(-1)), (*j.shape, self.k.shape[-1])
+        j = self.ring[layers, ..., t % self.window, None]  # (l, B, Hkv, 1): t is still in the window
+        r, shape = (torch.arange(j.numel(), device=j.device), j.reshape(-1)), (*j.shape, self.k.shape[-1])
         k, v = self.k[layers].flatten(0, 2)[r].view(shape), self.v[layers].flatten(0, 2)[r[0], :, r[1]].view(shape)
         return [j.unbind(0), *self.policy.recall(layers, self.S[layers], k, v, t, self.rows)]
 
@@ -831,6 +835,8 @@ class KVCache:
         K.scatter_(2, slot[..., None].expand(-1, -1, 1, D), k)
         V.scatter_(3, slot[..., None, :].expand(-1, -1, D, 1), v.transpose(-1, -2))
         P.scatter_(2, slot, p)
+        if self.delayed:
+            self.ring[i, ..., p % self.window] = slot[..., 0]
         sc.scatter_(2, slot, priority(self.policy, i, k, v, pos) if self.kind == "static" and not self.delayed else 0.0)
         n, G = min(p + 1, S), q.shape[1] // H  # attention over the filled slots, in slot order, in the cache dtype
         K, V = K[:, :, :n], V[..., :n]
