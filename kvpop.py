@@ -615,9 +615,8 @@ class Scorer(nn.Module):
 
     @torch.no_grad()
     def rows(self):
-        """Decoding's weights, per layer views made once: W = sqrt(2D) [W_k / sqrt(M), W_v, 0, w_i, w_f, 0]^T (H,
-        2M + 4, 2D) and b = [0, 0, 1, b_i, b_f, 0], so z = W x rsqrt(|x|^2 + 2D eps) + b = [k', v', 1, log i, f's
-        pre-activation, 0] for the RMS-normalised x; sqrt(M) w_o (H, 1, M); and W_r^T (L, H, M, 2D)."""
+        """Decoding's weights, per layer: W = sqrt(2D) [W_k / sqrt(M), W_v, 0, w_i, w_f, 0]^T (H, 2M + 4, 2D), b =
+        [0, 0, 1, b_i, b_f, 0] (z = W x rsqrt(|x|^2 + 2D eps) + b), sqrt(M) w_o (H, 1, M); W_r^T (L, H, M, 2D)."""
         X, M = 2 * self.shape["head_dim"], self.d_mem
         w = torch.cat([self.wk / math.sqrt(M), self.wv, torch.zeros_like(self.wi[..., None]), self.wi[..., None],
                        self.wf[..., None], torch.zeros_like(self.wi[..., None])], -1).transpose(-1, -2) * math.sqrt(X)
@@ -656,9 +655,8 @@ class Scorer(nn.Module):
         return r + self.b[i][:, None], (S, m)
 
     def step(self, i, m, k, v, rows):
-        """Recurrent form, one token (k, v (B, H, 1, D)), log-scale m (B, H, 1, 1): the update (z, and e = [g, f,
-        exp(-m')] (B, H, 1, 3), m' (B, H, 1, 1)), max-stabilised as in xLSTM, that `settle` applies and `read`
-        looks through: g = i exp(-m'), f = exp(log f + m - m'), m' = max(log f + m, log i)."""
+        """Recurrent form, one token (k, v (B, H, 1, D)), log-scale m (B, H, 1, 1): the update (z = [k', v', 1, ..],
+        e = [g, f, exp(-m')], m' = max(log f + m, log i)), max-stabilised as in xLSTM, for `settle` and `read`."""
         (w, b, _), x = rows[0][i], torch.cat([k, v], -1).float()  # (B, H, 1, 2D)
         s = torch.rsqrt((x * x).sum(-1, keepdim=True) + x.shape[-1] * 1e-6)  # rms(x) = sqrt(2D) x s
         z = torch.addcmul(b, (w @ x.mT).mT, s)  # (B, H, 1, 2M + 4)
@@ -677,9 +675,9 @@ class Scorer(nn.Module):
         return [y.unbind(0) for y in (u, u @ S.mT, skip)]  # u S^T: 6-7x faster than S u on CPU
 
     def read(self, i, upd, u, Su, skip, rows):
-        """Priority (B, H, 1) of layer i's token from its recall (u, S u, skip) and the state after the pending
-        update: S' u = f S u + g [v', 1] (k' . u), so the update can wait and S is passed over once. Then r = skip +
-        w_o . rms(h), h = y / d = C' u / max(|n' . u|, exp(-m')), as sqrt(M) w_o . y rsqrt(|y|^2 + M eps d^2)."""
+        """Priority (B, H, 1) of layer i's token from its recall and the pending update (S waits): y = S' u =
+        f S u + g [v', 1] (k' . u), d = max(|n' . u|, exp(-m')), r = skip + w_o . rms(y / d), computed as
+        sqrt(M) w_o . y rsqrt(|y|^2 + M eps d^2)."""
         (z, e, _), M = upd, self.d_mem
         y = torch.addcmul(e[..., 1:2] * Su, z[..., M:2 * M + 1], e[..., :1] * (z[..., :M] * u).sum(-1, keepdim=True))
         d, y = torch.maximum(y[..., M:].abs(), e[..., 2:]), y[..., :M]  # (B, H, 1, 1), (B, H, 1, M)
@@ -801,9 +799,8 @@ class KVCache:
         return [j.unbind(0), *self.policy.recall(layers, self.S[layers], k, v, t, self.rows)]
 
     def victims(self, layers, p):
-        """Per layer of a slice of a full cache: the slot (l, B, Hkv, 1) of the lowest (score, position) in the
-        eligible pool s <= t <= p - w, and that score. The sinks hold slots [0, s) for good, so the search starts
-        after them. A delayed scorer's token p - w is left out: its layer reads it later."""
+        """Per layer of a slice of a full cache: the slot (l, B, Hkv, 1) of the lowest (score, position) in the pool
+        s <= t <= p - w (the sinks hold slots [0, s)), and that score. A delayed scorer's p - w is read later."""
         P, s = self.pos[layers, ..., self.sinks:], self.sinks
         low = self.score[layers, ..., s:].masked_fill(P > p - self.window - int(self.delayed), math.inf)
         least = low.amin(-1, keepdim=True)  # ineligible tokens are at inf, above any eligible one
