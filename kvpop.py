@@ -315,10 +315,6 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rms(x):  # x / RMS(x) over the last dim (the scorer's; the model's RMSNorm keeps HF's order of casts)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-
 def rope(x, cos, sin):  # x (B, H, T, D); split-halves rotation
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -561,6 +557,11 @@ def attention_received(policy, q, k, lse):
 # learned scorers (README, Method: scorers)
 
 SCORERS = ("kvpop", "kvpop-mlp")
+EPS = 1e-6  # the RMS epsilon of the scorers' features and read-out, in training and in decoding
+
+
+def rms(x):  # x / RMS(x) over the last dim (the model's RMSNorm keeps HF's order of casts)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
 
 
 class Scorer(nn.Module):
@@ -658,7 +659,7 @@ class Scorer(nn.Module):
         """Recurrent form, one token (k, v (B, H, 1, D)), log-scale m (B, H, 1, 1): the update (z = [k', v', 1, ..],
         e = [g, f, exp(-m')], m' = max(log f + m, log i)), max-stabilised as in xLSTM, for `settle` and `read`."""
         (w, b, _), x = rows[0][i], torch.cat([k, v], -1).float()  # (B, H, 1, 2D)
-        s = torch.rsqrt((x * x).sum(-1, keepdim=True) + x.shape[-1] * 1e-6)  # rms(x) = sqrt(2D) x s
+        s = torch.rsqrt((x * x).sum(-1, keepdim=True) + x.shape[-1] * EPS)  # rms(x) = sqrt(2D) x s
         z = torch.addcmul(b, (w @ x.mT).mT, s)  # (B, H, 1, 2M + 4)
         lf = z[..., -2:-1]
         torch.add(F.logsigmoid(lf), m, out=lf)  # in place: z[..., -3:] = [log i, log f + m, 0]
@@ -681,7 +682,7 @@ class Scorer(nn.Module):
         (z, e, _), M = upd, self.d_mem
         y = torch.addcmul(e[..., 1:2] * Su, z[..., M:2 * M + 1], e[..., :1] * (z[..., :M] * u).sum(-1, keepdim=True))
         d, y = torch.maximum(y[..., M:].abs(), e[..., 2:]), y[..., :M]  # (B, H, 1, 1), (B, H, 1, M)
-        s = torch.rsqrt(torch.addcmul((y * y).sum(-1, keepdim=True), d, d, value=M * 1e-6))
+        s = torch.rsqrt(torch.addcmul((y * y).sum(-1, keepdim=True), d, d, value=M * EPS))
         return torch.addcmul(skip, (y * rows[0][i][2]).sum(-1), s[..., 0])
 
     @staticmethod
@@ -801,7 +802,8 @@ class KVCache:
     def victims(self, layers, p):
         """Per layer of a slice of a full cache: the slot (l, B, Hkv, 1) of the lowest (score, position) in the pool
         s <= t <= p - w (the sinks hold slots [0, s)), and that score. A delayed scorer's p - w is read later."""
-        P, s = self.pos[layers, ..., self.sinks:], self.sinks
+        s = self.sinks
+        P = self.pos[layers, ..., s:]
         low = self.score[layers, ..., s:].masked_fill(P > p - self.window - int(self.delayed), math.inf)
         least = low.amin(-1, keepdim=True)  # ineligible tokens are at inf, above any eligible one
         return (P.masked_fill(low > least, 2**62).argmin(-1, keepdim=True) + s).unbind(0), least.unbind(0)

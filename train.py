@@ -280,10 +280,12 @@ def train():
         B_eval, pool = kvpop.budget_size(budget, seq_len, sinks, window, charge)  # the scorer's state comes off it
         need(pool >= 1, f"--budget {budget}: B = {B_eval} leaves no pool after sinks + window + the scorer's "
              f"state ({charge}); raise --budget or lower --window/--d_mem")
-        for b in (0.25, 0.125) if data == "baby" and final_seqs else ():  # the final table's B = ceil(b T) fits too
-            need(math.ceil(b * seq_len) >= sinks + window + charge, f"--final_seqs {final_seqs}: the final table's "
-                 f"budget {b} leaves no room at --seq_len {seq_len}, --window {window}; use --final_seqs 0 or a longer "
-                 "--seq_len")
+        for b in (0.25, 0.125) if data == "baby" and final_seqs else ():  # the final table's budgets fit too
+            try:
+                kvpop.budget_size(b, seq_len, sinks, window, charge)
+            except ValueError:
+                need(False, f"--final_seqs {final_seqs}: the final table's budget {b} leaves no room at --seq_len "
+                     f"{seq_len}, --window {window}; use --final_seqs 0 or a longer --seq_len")
         dt = None if dtype == "auto" and device != "cpu" else "float32" if dtype == "auto" else dtype
         net = kvpop.Qwen3.from_pretrained(folder, device, dt).requires_grad_(False)  # frozen, dense
         student = kvpop.Qwen3.from_pretrained(folder, device, dt).train() if finetune else None
