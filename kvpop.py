@@ -485,9 +485,8 @@ def budget_size(budget, total, sinks=4, window=256, state=0):
 
 
 def priority(policy, i, k, v, pos):
-    """Static priorities (B, Hkv, n) of new tokens in layer i: k, v (B, Hkv, n, D) cached after
-    RoPE, at positions pos (n,). A callable policy (oracle, learned scorers) is asked directly. The online
-    cache and the masked forward both call this, which is what makes them agree."""
+    """Static priorities (B, Hkv, n) of layer i's new k, v (B, Hkv, n, D) (after RoPE) at positions pos (n,). Callables
+    (oracle, learned scorers) are asked directly. Shared by the online cache and the masked forward, so they agree."""
     if callable(policy):
         return policy(i, k, v, pos)
     if policy == "streaming":  # pi[t] = t: the pool holds the most recent eligible tokens
@@ -541,9 +540,8 @@ def oracle_policy(model, idx, window):  # pi = r*
 
 
 def attention_received(policy, q, k, lse):
-    """(B, Hkv, T): what h2o (every query) or tova (the last query) holds after feeding a prompt token by
-    token, without eviction: the group-mean attention each key received, from a causal pass's log-normalisers
-    lse (B, Hq, T), a block of queries at a time (never T x T)."""
+    """(B, Hkv, T): what h2o (every query) or tova (the last query) holds after a prompt fed token by token without
+    eviction, the group-mean attention each key received: from a causal pass's lse (B, Hq, T), 128 queries at a time."""
     (B, Hq, T, D), H = q.shape, k.shape[1]
     G, sc, t = Hq // H, torch.zeros(B, H, T, device=q.device), torch.arange(T, device=q.device)
     for j in range(0 if policy == "h2o" else T - 1, T, 128):
@@ -769,12 +767,12 @@ class KVCache:
         """An empty cache takes a whole prompt at once and ends exactly as if fed token by token."""
         T, S = k.shape[2], self.size
         pi = torch.zeros(k.shape[:3], device=k.device)
-        if self.kind == "static":
+        if self.delayed:  # tokens still in the window are not scored yet; the memory has read them all
             mem = []
-            pi = priority(self.policy, i, k, v, pos) if not self.delayed else self.policy(i, k, v, pos, mem)
-            if self.delayed:  # tokens still in the window are not scored yet; the memory has read them all
-                pi = pi.masked_fill(pos > T - 1 - self.window, 0.0)
-                self.S[i], self.m[i] = mem[0]
+            pi = self.policy(i, k, v, pos, mem).masked_fill(pos > T - 1 - self.window, 0.0)
+            self.S[i], self.m[i] = mem[0]
+        elif self.kind == "static":
+            pi = priority(self.policy, i, k, v, pos)
         if T <= S:  # nothing is evicted yet
             y, lse = kernels.attention(q, k, v)
             keep = torch.arange(T, device=k.device).expand(k.shape[:3])
@@ -830,8 +828,7 @@ class KVCache:
             slot, least = [x[i if batched else 0] for x in self.low]
             if self.delayed:  # token p - w goes if it scored below the rest (on a tie the older token goes)
                 slot = torch.where(r < least, j, slot)
-        # the newcomer takes the slot in place (B, Hkv, 1): among equal scores the older token went
-        K.scatter_(2, slot[..., None].expand(-1, -1, 1, D), k)
+        K.scatter_(2, slot[..., None].expand(-1, -1, 1, D), k)  # the newcomer takes the slot (B, Hkv, 1) in place
         V.scatter_(3, slot[..., None, :].expand(-1, -1, D, 1), v.transpose(-1, -2))
         P.scatter_(2, slot, p)
         if self.delayed:
@@ -856,9 +853,8 @@ class KVCache:
 
 @torch.no_grad()
 def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True):
-    """Teacher-forced logits (B, T, vocab) of idx (B, T) under eviction with a per-head budget.
-    online=True feeds the tokens one at a time through the physically evicting KVCache; online=False runs
-    one forward pass with the eviction-time mask (static policies only). The two must agree."""
+    """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True, token by token through
+    the evicting KVCache; online=False (static policies only), one pass with the eviction-time mask. The two agree."""
     B, T = idx.shape
     if isinstance(policy, Scorer):
         policy.check(model.config, window)
