@@ -8,6 +8,7 @@ import sys
 import time
 import weakref
 
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch loads: large tensors on 2 MB pages, see README
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch loads: large tensors on 2 MB pages, see README
 import torch
 
 from kvpop import (DTYPES, SCORERS, KVCache, Qwen3, Qwen3Config, Scorer, Tokenizer, budget_size, checkpoint_dir,
