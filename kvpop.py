@@ -628,18 +628,17 @@ class Scorer(nn.Module):
         """Decay-masked form: C_q u = sum_{j<=q} exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum log f,
         for every token t at q = min(t + window, T - 1), max-stabilised per row like the recurrent form. Chunkwise
         over q: reads with q in [c0, c0 + c) add the state S = [C; n] after token c0 - 1 (log-scale m + F_q - F_{c0-1})
-        to tokens c0..q decay-masked, under one max per row; S then moves to the chunk's last token the same way."""
-        (B, H, T, _), M, W, c = x.shape, self.d_mem, self.window, self.chunk
-        kp, vp = x @ self.wk[i] / math.sqrt(M), x @ self.wv[i]  # (B, H, T, M); exponential input gate, sigmoid forget
-        li, lf = (x * self.wi[i][:, None]).sum(-1) + self.bi[i][:, None], (x * self.wf[i][:, None]).sum(-1)
-        lf = F.logsigmoid(lf + self.bf[i][:, None])
-        vq, Fc = F.pad(vp, (0, 1), value=1.0), F.pad(lf.double().cumsum(-1), (1, 0))  # Fc[..., j + 1] = F_j
+        to tokens c0..q decay-masked, under one max per row; S then moves to the chunk's last token the same way.
+        Every (T, M) projection and (T, 2D) product is made a chunk at a time: a long prefill holds only x at full T."""
+        (B, H, T, _), M, W, c, xs = x.shape, self.d_mem, self.window, self.chunk, x.split(self.chunk, -2)
+        li, lf = [torch.cat([(xc * w[i][:, None]).sum(-1) for xc in xs], -1) for w in (self.wi, self.wf)]
+        li, lf = li + self.bi[i][:, None], F.logsigmoid(lf + self.bf[i][:, None])  # exponential input, sigmoid forget
+        Fc = F.pad(lf.double().cumsum(-1), (1, 0))  # Fc[..., j + 1] = F_j
         r = [max(c0 - W, 0) for c0 in range(0, T, c)] + [T]  # the reads t with q in chunk k: [r[k], r[k + 1])
-        u = (x @ self.wr[i]).split([b - a for a, b in zip(r, r[1:])], -2)  # split, not slices: backward is a cat
-        S, m, hs = x.new_zeros(B, H, M + 1, M), x.new_full((B, H), -math.inf), []  # S = sum w [v'; 1] k'^T
-        for c0, r0, r1, kc, vc, lc, uc in zip(range(0, T, c), r, r[1:], kp.split(c, -2), vq.split(c, -2),
-                                              li.split(c, -1), u):
-            c1, t = c0 + lc.shape[-1], torch.arange(r0, r1, device=x.device)
+        S, m, out = x.new_zeros(B, H, M + 1, M), x.new_full((B, H), -math.inf), []  # S = sum w [v'; 1] k'^T
+        for c0, r0, r1, xc, lc in zip(range(0, T, c), r, r[1:], xs, li.split(c, -1)):
+            kc, vc, xr = xc @ self.wk[i] / math.sqrt(M), F.pad(xc @ self.wv[i], (0, 1), value=1.0), x[..., r0:r1, :]
+            c1, t, uc = c0 + lc.shape[-1], torch.arange(r0, r1, device=x.device), xr @ self.wr[i]  # (B, H, R, M)
             q = torch.cat([(t + W).clamp(max=T - 1), t.new_tensor([c1 - 1])]) + 1  # + the last token; Fc index
             logw = ((Fc[..., q, None] - Fc[..., None, c0 + 1:c1 + 1]).float() + lc[..., None, :]).masked_fill(
                 torch.arange(c0 + 1, c1 + 1, device=x.device) > q[:, None], -math.inf)  # fp64 sums; (B, H, R + 1, c)
@@ -648,10 +647,10 @@ class Scorer(nn.Module):
             e, g = (logw - mq).exp(), (lo - mq).exp()
             y = (e[..., :-1, :] * (uc @ kc.transpose(-1, -2))) @ vc  # (B, H, R, M + 1): C u, n . u
             y = y + g[..., :-1, :] * (uc @ S.transpose(-1, -2)) if c0 else y  # + the carried part (none at c0 = 0)
-            hs.append(y[..., :M] / torch.maximum(y[..., M:].abs(), (-mq[..., :-1, :]).exp()))  # C u / max(|n . u|, 1)
+            h = y[..., :M] / torch.maximum(y[..., M:].abs(), (-mq[..., :-1, :]).exp())  # C u / max(|n . u|, 1)
+            out.append((rms(h) * self.wo[i][:, None]).sum(-1) + (xr * self.ws[i][:, None]).sum(-1))  # + w_s . x
             S, m = g[..., -1:, :] * S + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc, mq[..., -1, 0]
-        r = (rms(torch.cat(hs, -2)) * self.wo[i][:, None]).sum(-1) + (x * self.ws[i][:, None]).sum(-1)  # + w_s . x
-        return r + self.b[i][:, None], (S, m)
+        return torch.cat(out, -1) + self.b[i][:, None], (S, m)
 
     def step(self, i, m, k, v, rows):
         """Recurrent form, one token (k, v (B, H, 1, D)), log-scale m (B, H, 1, 1): the update (z = [k', v', 1, ..],

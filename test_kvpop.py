@@ -1543,6 +1543,17 @@ def test_scorer_parallel_equals_recurrent():
         assert all((x - y).abs().max().item() <= 1e-5 for x, y in zip(mem[0], st))
 
 
+def test_scorer_parallel_memory_is_linear():
+    """A long prefill runs the parallel form over the whole prompt: beyond the features x (T, 2D) and one RMS
+    temporary while making them, it may hold only one chunk's working set, never a (T, M) projection or read-out."""
+    c = kvpop.Qwen3Config(num_hidden_layers=1, num_key_value_heads=2, head_dim=64)
+    s, T = kvpop.Scorer(c, "kvpop", window=256, d_mem=128), 4096  # M = 2D: each full-length projection is one x more
+    k, v = torch.randn(1, 2, T, 64), torch.randn(1, 2, T, 64)
+    with torch.no_grad(), bench.LiveBytes() as meter:
+        s(0, k, v, torch.arange(T))
+    assert meter.peak <= 2 * (2 * k.numel() * 4) + 2**20  # 2 x (1 MiB each) + 1 MiB, whatever T is
+
+
 @pytest.mark.parametrize("budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (60, 2, 32), (1.0, 4, 16)])
 def test_scorer_online_equals_masked(small_model, budget, sinks, window):
     idx = torch.randint(0, 384, (2, 200), generator=torch.Generator().manual_seed(7))
