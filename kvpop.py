@@ -622,7 +622,7 @@ class Scorer(nn.Module):
         b = F.pad(torch.stack([torch.ones_like(self.bi), self.bi, self.bf, torch.zeros_like(self.bi)], -1), (2 * M, 0))
         return list(zip(w.contiguous(), b[:, :, None], self.wo[:, :, None] * math.sqrt(M))), self.wr.mT.contiguous()
 
-    chunk = 128  # parallel's chunk length c: O(T (M + c)) memory; up to c tokens, one chunk (the T x T form)
+    chunk = 128  # parallel's chunk length c: O(c (M + c)) memory a chunk (all chunks' under autograd)
 
     def parallel(self, i, x):
         """Decay-masked form: C_q u = sum_{j<=q} exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum log f,
