@@ -1551,7 +1551,7 @@ def test_scorer_parallel_memory_is_linear():
     k, v = torch.randn(1, 2, T, 64), torch.randn(1, 2, T, 64)
     with torch.no_grad(), bench.LiveBytes() as meter:
         s(0, k, v, torch.arange(T))
-    assert meter.peak <= 2 * (2 * k.numel() * 4) + 2**20  # 2 x (1 MiB each) + 1 MiB, whatever T is
+    assert meter.peak <= 2 * (2 * k.numel() * 4) + 2**20  # 2 x the features (4 MiB each) + 1 MiB, whatever T is
 
 
 @pytest.mark.parametrize("budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (60, 2, 32), (1.0, 4, 16)])
