@@ -379,6 +379,10 @@ class Qwen3(nn.Module):
         """idx (B, T) -> logits (B, T, vocab), or (logits, loss) with targets (-1 = ignored), or with head=False
         the last layer's output (B, T, hidden). attn(i, q, k, v, pos) is layer i's attention; with a cache the
         tokens continue the cached sequence and only the last position's logits are computed."""
+        if cache is not None and idx.shape[1] > 1 and not cache.whole(idx.shape[1]):  # then token by token, each
+            for t in range(idx.shape[1] - 1):  # through every layer: exactly the sequence of decoding steps
+                self(idx[:, t:t + 1], cache=cache, head=False)
+            idx = idx[:, -1:]
         t0, attn = (0, attn) if cache is None else (cache.t, cache.attend)
         pos = torch.arange(t0, t0 + idx.shape[1], device=idx.device)
         x = self.model.embed_tokens(idx)
@@ -751,16 +755,12 @@ class KVCache:
         state = sum(x.numel() * x.element_size() for x in (self.S, self.m)) if self.delayed else 0
         return 2 * self.k.numel() * self.k.element_size() + state
 
+    def whole(self, T):  # can T > 1 tokens come in one pass? (else the model feeds them one at a time)
+        return self.t == 0 and (T <= self.size or self.kind == "static")
+
     @torch.no_grad()  # inference only: a learned scorer's priorities carry no graph
     def attend(self, i, q, k, v, pos):  # layer i: q (B, Hq, T, D), new k, v (B, Hkv, T, D) at positions pos
-        T = k.shape[2]
-        if self.t == 0 and T > 1 and (T <= self.size or self.kind == "static"):
-            return self.prefill(i, q, k, v, pos)
-        if T == 1:  # a decoding step
-            return self.step(i, q, k, v, pos, self.t, batched=True)
-        # token by token: layer i's cache sees exactly the sequence of one-token decoding steps
-        return torch.cat([self.step(i, q[:, :, j:j + 1], k[:, :, j:j + 1], v[:, :, j:j + 1], pos[j:j + 1], self.t + j)
-                          for j in range(T)], dim=2)
+        return self.prefill(i, q, k, v, pos) if k.shape[2] > 1 else self.step(i, q, k, v, pos, self.t)
 
     def prefill(self, i, q, k, v, pos):
         """An empty cache takes a whole prompt at once and ends exactly as if fed token by token."""
@@ -790,41 +790,38 @@ class KVCache:
             self.ring[i][..., (a[-m:] + T - n) % self.window] = a[-m:]
         return y
 
-    def recall(self, layers, t):  # token t's slot (B, Hkv, 1) and the scorer's recall of it, per layer of a slice
-        j = self.ring[layers, ..., t % self.window, None]  # (l, B, Hkv, 1): t is still in the window
+    def recall(self, t):  # token t's slot (B, Hkv, 1) and the scorer's recall of it, lists over the layers
+        j = self.ring[..., t % self.window, None]  # (L, B, Hkv, 1): t is still in the window
         r, shape = (torch.arange(j.numel(), device=j.device), j.reshape(-1)), (*j.shape, self.k.shape[-1])
-        k, v = self.k[layers].flatten(0, 2)[r].view(shape), self.v[layers].flatten(0, 2)[r[0], :, r[1]].view(shape)
-        return [j.unbind(0), *self.policy.recall(layers, self.S[layers], k, v, t, self.rows)]
+        k, v = self.k.flatten(0, 2)[r].view(shape), self.v.flatten(0, 2)[r[0], :, r[1]].view(shape)
+        return [j.unbind(0), *self.policy.recall(slice(None), self.S, k, v, t, self.rows)]
 
-    def victims(self, layers, p):
-        """Per layer of a slice of a full cache: the slot (l, B, Hkv, 1) of the lowest (score, position) in the pool
-        s <= t <= p - w (the sinks hold slots [0, s)), and that score. A delayed scorer's p - w is read later."""
-        s, P = self.sinks, self.pos[layers, ..., self.sinks:]
+    def victims(self, p):
+        """Per layer of a full cache: the slot (L, B, Hkv, 1) of the lowest (score, position) in the pool s <= t <=
+        p - w (the sinks hold slots [0, s)), and that score. A delayed scorer's p - w is read later."""
+        s, P = self.sinks, self.pos[..., self.sinks:]
         # torch.where, not masked_fill (a copy, then a fill): one pass over each table (8.1 -> 4.8 ms a step at 32k)
-        low = torch.where(P > p - self.window - int(self.delayed), math.inf, self.score[layers, ..., s:])
+        low = torch.where(P > p - self.window - int(self.delayed), math.inf, self.score[..., s:])
         least = low.amin(-1, keepdim=True)  # ineligible tokens are at inf, above any eligible one
         return (torch.where(low > least, 2**62, P).argmin(-1, keepdim=True) + s).unbind(0), least.unbind(0)
 
-    def step(self, i, q, k, v, pos, p, batched=False):  # one new token at position p (pos = [p] on the device)
+    def step(self, i, q, k, v, pos, p):  # one new token at position p (pos = [p] on the device)
         (B, H, _, D), S, L, (K, V, P, sc) = k.shape, self.size, len(self.layer), self.layer[i]  # P, sc (B, Hkv, S)
         if self.delayed:  # the memory reads token p; token p - w leaves the window and is scored now
             upd = self.policy.step(i, self.ms[i], k, v, self.rows)
             if p >= self.window:
-                if self.recalled[0] != p or not batched:  # from the states as they are (batched: every layer's)
-                    self.recalled = p, self.recall(slice(None) if batched else slice(i, i + 1), p - self.window)
-                j, *rd = [x[i if batched else 0] for x in self.recalled[1]]
+                if self.recalled[0] != p:  # from the states as they are, every layer's at once
+                    self.recalled = p, self.recall(p - self.window)
+                j, *rd = [x[i] for x in self.recalled[1]]
                 r = self.policy.read(i, upd, *rd, self.rows)
                 sc.scatter_(2, j, r)
-            if not batched:
-                Scorer.settle(self.S[i], self.m[i], upd)
-            else:  # the memories take token p after the last layer (below), every layer's at once
-                self.pending.append(upd)
+            self.pending.append(upd)  # the memories take token p after the last layer (below), every layer's at once
         if p < S:
             slot = P.new_full((B, H, 1), p)
         else:  # evict the lowest (score, position) of the eligible pool s <= t <= p - w
-            if i == 0 or not batched:  # every layer's candidate at once: a layer's scores change only at that layer
-                self.low = self.victims(slice(None) if batched else slice(i, i + 1), p)
-            slot, least = [x[i if batched else 0] for x in self.low]
+            if i == 0:  # every layer's candidate at once: a layer's scores change only at that layer
+                self.low = self.victims(p)
+            slot, least = [x[i] for x in self.low]
             if self.delayed:  # token p - w goes if it scored below the rest (on a tie the older token goes)
                 slot = torch.where(r < least, j, slot)
         K.scatter_(2, slot[..., None].expand(-1, -1, 1, D), k)  # the newcomer takes the slot (B, Hkv, 1) in place
@@ -842,11 +839,11 @@ class KVCache:
         elif self.policy == "tova":  # the current query's attention (group mean)
             sc[..., :n] = a.mean(-2)
         y = a.to(V.dtype) @ V.transpose(-1, -2)
-        if self.delayed and batched and i == L - 1:  # the step's last layer: every memory takes token p at once,
+        if self.delayed and i == L - 1:  # the step's last layer: every memory takes token p at once,
             Scorer.settle(self.S, self.m, [torch.stack(x) for x in zip(*self.pending)])
             self.pending.clear()
             if p + 1 >= self.window:  # and the next step's recall is made now, while the states are in cache
-                self.recalled = p + 1, self.recall(slice(None), p + 1 - self.window)
+                self.recalled = p + 1, self.recall(p + 1 - self.window)
         return y.to(q.dtype).view(B, H * G, 1, D)  # (B, Hkv, G, D) -> (B, Hq, 1, D)
 
 
