@@ -152,8 +152,7 @@ def allsum(x):  # in place: the sum over processes, each holding its share of th
 def boundary_loss(scorer, kv, target, it, ddp=None):
     """Mean over layers of the balanced boundary loss, backward per layer (one layer's graph alive). `ddp`: training's
     scorer; the keep/drop weights count the global batch, gradients are reduced once, in the last layer's backward."""
-    T = target[0].shape[-1]
-    g = torch.Generator().manual_seed(seed * 1_000_003 + it)  # query positions: a function of the step
+    T, g = target[0].shape[-1], torch.Generator().manual_seed(seed * 1_000_003 + it)  # g: the queries, per step
     q = torch.arange(sinks + window + pool, T)  # the pool is over-full: every step decides one token
     if queries and queries < len(q):
         q = q[torch.randperm(len(q), generator=g)[:queries].sort().values]
@@ -316,8 +315,7 @@ def train():
         sched = min_lr + (lr - min_lr) * f * 0.5 * (1 + math.cos(math.pi * it / max_iters))
         for o in opts.values():
             o.zero_grad(set_to_none=True)
-            for group in o.param_groups:
-                group["lr"] = sched * (o.defaults["lr"] / lr)  # defaults["lr"]: its peak, --lr or --model_lr
+            o.param_groups[0]["lr"] = sched * (o.defaults["lr"] / lr)  # defaults["lr"]: its peak, --lr or --model_lr
         idx = batch(tok, it, batch_size)[rank * n:(rank + 1) * n].to(device)  # this process's share
         kl, loss, acc = (finetune_loss(student, net, scorer, ddp, idx, it) if finetune
                          else (0.0, *boundary_loss(scorer, *kvpop.dense_targets(net, idx, window), it, ddp)))
@@ -329,16 +327,14 @@ def train():
                 f"accuracy {acc:.3f}, {(it + 1 - it0) * batch_size * seq_len / (time.time() - t0):.0f} tokens/s")
         if (it + 1) % eval_interval == 0 or it + 1 == max_iters:
             save(it + 1, folder, scorer, opts.get(scorer), student, opts.get(student))
-            if rank == 0:
+            if rank == 0:  # the scorer as it trains: it has no dropout, so eval mode would change nothing
                 ev = kvpop.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
-                log(f"step {it + 1}: {evaluate(ev, tok, scorer.eval() if learned else 'streaming')}; saved {out_dir}/")
-            if learned:
-                scorer.train()
+                log(f"step {it + 1}: {evaluate(ev, tok, scorer or 'streaming')}; saved {out_dir}/")
     log(f"trained in {time.time() - t0:.0f}s")
     if data == "baby" and final_seqs and rank == 0:  # the quality table, as bench.py quality prints it
         idx, tgt, dist_ = task_batch(tok, final_seqs, seq_len, random.Random("test-0"))
         ref = kvpop.Qwen3.from_pretrained(folder, dtype="float32") if finetune else None  # the dense start
-        pols = [scorer.eval() if learned else "streaming"] if finetune else ["oracle", "streaming", "h2o", scorer]
+        pols = [scorer or "streaming"] if finetune else ["oracle", "streaming", "h2o", scorer]
         rows, far, n = quality_runs(kvpop.Qwen3.from_pretrained(out_dir) if finetune else net, idx, tgt, dist_, pols,
                                     [0.25, 0.125], sinks, window, ref=ref)  # --finetune: the model as saved
         for r in rows[1:] if finetune else []:
@@ -353,11 +349,9 @@ def train():
 
 def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
     """Hand-built layer 0 (README, The baby): head 0's q and k read only dim 0 (a constant 1), the query rotated back
-    one step of the nf highest RoPE frequencies, so it attends to distance 1 and writes the previous token's
-    embedding into the empty upper half of the residual. Head 1 is switched off."""
-    c, a = model.config, model.model.layers[0].self_attn
-    D, E = c.head_dim, model.model.embed_tokens.weight
-    th = c.rope_theta ** (-torch.arange(0, D, 2).float() / D)[:nf]  # highest frequencies
+    one RoPE step: it attends to distance 1 and copies the previous token to the residual's upper half; head 1 off."""
+    a, E, D = model.model.layers[0].self_attn, model.model.embed_tokens.weight, model.config.head_dim
+    th = model.config.rope_theta ** (-torch.arange(0, D, 2).float() / D)[:nf]  # the nf highest RoPE frequencies
     with torch.no_grad():
         E.normal_()
         E[:, 0], E[:, D:] = 1.0, 0.0
@@ -408,8 +402,7 @@ def pretrain():
         last, n, accs = T == seq_len, final_steps if T == seq_len else phase_steps, []
         for i in range(n):
             f = min(1, (step + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * i / n)) if last else 1)
-            for group in opt.param_groups:
-                group["lr"] = lr * f
+            opt.param_groups[0]["lr"] = lr * f
             idx, tgt, _ = task_batch(tok, tokens // T, T, rng, keys=keys)
             with torch.autocast("cpu", dtype=torch.bfloat16):  # sdpa: plain causal, torch's fused kernel (autograd)
                 logits, loss = model(idx, tgt, attn=sdpa)
