@@ -52,10 +52,9 @@ def naive_eviction_times(priority, sinks, window, k):
 
 class LiveBytes(TorchDispatchMode):
     """CPU peak meter: bytes of the storages ops create while active, dropped from the count when freed."""
-
     def __init__(self):
         super().__init__()
-        self.live, self.now, self.peak = set(), 0, 0
+        self.live, self.now, self.peak = {}, 0, 0  # live: data pointer -> bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -63,15 +62,14 @@ class LiveBytes(TorchDispatchMode):
         for x in out if isinstance(out, (tuple, list)) else [out]:
             s = x.untyped_storage() if isinstance(x, torch.Tensor) else None
             if s is not None and s.nbytes() and s.data_ptr() not in ins and s.data_ptr() not in self.live:
-                self.live.add(s.data_ptr())
+                self.live[s.data_ptr()] = s.nbytes()
                 self.now += s.nbytes()
                 self.peak = max(self.peak, self.now)
-                weakref.finalize(s, self._free, s.data_ptr(), s.nbytes())
+                weakref.finalize(s, self._free, s.data_ptr())
         return out
 
-    def _free(self, ptr, n):
-        self.live.discard(ptr)
-        self.now -= n
+    def _free(self, ptr):
+        self.now -= self.live.pop(ptr)
 
 
 def clock(fn, dev):  # wall seconds of one run: CUDA runs asynchronously, so wait for the GPU before and after
@@ -83,8 +81,7 @@ def clock(fn, dev):  # wall seconds of one run: CUDA runs asynchronously, so wai
     return time.perf_counter() - t0
 
 
-def peak(fn, dev):
-    """(seconds, peak bytes allocated above what was live before) of one run of fn."""
+def peak(fn, dev):  # (seconds, peak bytes allocated above what was live before) of one run of fn
     if dev == "cpu":
         with LiveBytes() as meter:
             return clock(fn, dev), meter.peak
@@ -93,11 +90,10 @@ def peak(fn, dev):
     return clock(fn, dev), torch.cuda.max_memory_allocated() - base
 
 
-def check_flags(ap, a, least):
-    """A GPU for --device cuda, integer flags' lower bounds, and --json: a file name in an existing, writable folder."""
+def check_flags(ap, a, **least):  # a GPU for --device cuda, flag >= least[flag], --json: a file in a writable folder
     if getattr(a, "device", None) == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU is visible; use --device cpu")
-    for flag, n in least:
+    for flag, n in least.items():
         if getattr(a, flag) < n:
             ap.error(f"--{flag} {getattr(a, flag)}: use {n} or more")
     json = getattr(a, "json", None)
@@ -119,7 +115,7 @@ def cmd_kernels(argv):
     ap.add_argument("--D", type=int, default=128, help="head dim")
     ap.add_argument("--group", type=int, default=2, help="query heads of the one KV head timed")
     a = ap.parse_args(argv)
-    check_flags(ap, a, [("group", 1)])
+    check_flags(ap, a, group=1)
     dev, dt, sinks, window = a.device, torch.bfloat16 if a.device == "cuda" else torch.float32, 4, 256
     a.T = ("4096,16384,32768" if dev == "cuda" else "1024,2048,4096") if a.T is None else a.T
     if not all(x.strip().isdecimal() and int(x) >= 1 for x in a.T.split(",")):
@@ -160,15 +156,12 @@ FILLERS = ("the of and to in is for on with that it as at by or be we you are wa
 TASK_RANKS = 1974  # Qwen3 ranks a cut vocabulary must keep so that every word above is one token (" order": 1973)
 
 
-def task_ids(tok):
-    """Word -> token id for every task word (each must be one token), and the bos id."""
-    ids = {}
-    for w in KEYS + VALUES + FILLERS:
-        t = tok.encode(" " + w)
+def task_ids(tok):  # word -> token id of every task word (each must be one token), and the bos id
+    ids = {w: tok.encode(" " + w) for w in KEYS + VALUES + FILLERS}
+    for w, t in ids.items():
         if len(t) != 1:
             raise ValueError(f"task word {w!r} is {len(t)} tokens for this tokenizer; the task needs one each")
-        ids[w] = t[0]
-    return ids, tok.special["<|endoftext|>"]
+    return {w: t[0] for w, t in ids.items()}, tok.special["<|endoftext|>"]
 
 
 def task(rng, T, keys=8, p_mention=0.06, p_reassign=0.1, p_oldest=0.7):
@@ -259,11 +252,10 @@ def cmd_quality(argv):
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (tiny ops: a second one mostly waits)")
     a = ap.parse_args(argv)
     policies = a.policies.split(",")
-    for p in policies:
-        if p not in kvpop.POLICIES:
-            ap.error(f"--policies: unknown policy {p!r}; choose from {','.join(kvpop.POLICIES)}")
+    if bad := [p for p in policies if p not in kvpop.POLICIES]:
+        ap.error(f"--policies: unknown policy {bad[0]!r}; choose from {','.join(kvpop.POLICIES)}")
     budgets = [kvpop.parse_value(ap.prog, "budgets", b, float) for b in a.budgets.split(",")]  # not inf, nan, ''
-    check_flags(ap, a, [("n", 1), ("T", 64), ("sinks", 0), ("window", 1), ("threads", 1)])
+    check_flags(ap, a, n=1, T=64, sinks=0, window=1, threads=1)
     try:
         limit = kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json"))
         scorers = [kvpop.Scorer.from_pretrained(d) for d in a.scorer.split(",") if d]
@@ -282,9 +274,7 @@ def cmd_quality(argv):
     t0 = time.time()
     rows, far, n = quality_runs(net, idx, tgt, dist, policies + scorers, budgets, a.sinks, a.window)
     print(f"{a.model}: {a.n} held-out sequences of {a.T} tokens (seed {a.seed}), {n} queries ({far:.0%} far), "
-          f"sinks {a.sinks}, window {a.window}\n")
-    print(quality_table(rows))
-    print(f"\n{time.time() - t0:.0f}s")
+          f"sinks {a.sinks}, window {a.window}\n\n{quality_table(rows)}\n\n{time.time() - t0:.0f}s")
     if a.json:
         kvpop.write_json(rows, a.json)
 
@@ -295,8 +285,7 @@ def cmd_quality(argv):
 SHAPES = {"0.6B": (28, 1024, 3072, 16, True), "4B": (36, 2560, 9728, 32, True), "8B": (36, 4096, 12288, 32, False)}
 
 
-def shape_model(c, device, dtype):
-    """A Qwen3 with random weights, built without initialising twice."""
+def shape_model(c, device, dtype):  # a Qwen3 with random weights, built without initialising twice
     with torch.device("meta"):
         net = kvpop.Qwen3(c)
     net.to_empty(device=device)  # unties the head, and the memory may hold denormals that slow a CPU: fill it
@@ -343,26 +332,23 @@ def cmd_speed(argv):
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: bf16 on cuda")
     ap.add_argument("--json", help="also write the rows to this file")
     a = ap.parse_args(argv)
-    check_flags(ap, a, [("layers", 0), ("steps", 1), ("prefill", 0), ("train", 0), ("sinks", 0), ("window", 1),
-                        ("d_mem", 1)])
+    check_flags(ap, a, layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1)
     dev, policies = a.device, [p for p in a.policies.split(",") if p]
     online = kvpop.STATIC[:3] + kvpop.DYNAMIC + kvpop.SCORERS  # every policy but full and the oracle
     dt = getattr(torch, a.dtype if a.dtype != "auto" else "bfloat16" if dev == "cuda" else "float32")
     if not all(x.isdecimal() and int(x) >= 1 for x in a.contexts.split(",") if a.contexts):
         ap.error(f"--contexts {a.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768")
-    for p in policies:
-        if p not in online:
-            ap.error(f"--policies: {p!r} is not a policy that decodes online; choose from {', '.join(online)}")
+    if bad := [p for p in policies if p not in online]:
+        ap.error(f"--policies: {bad[0]!r} is not a policy that decodes online; choose from {', '.join(online)}")
     budgets = [kvpop.parse_value(ap.prog, "budgets", b, float) for b in a.budgets.split(",")]
     contexts = [int(x) for x in a.contexts.split(",") if a.contexts]
     try:  # every check first: the weights load or are drawn last
         if a.model:
             c = kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json"))
-        else:  # a named shape: layers, hidden, MLP width, query heads, tied head
-            L, E, F_, Hq, tied = SHAPES[a.shape]
-            c = kvpop.Qwen3Config(vocab_size=151936, hidden_size=E, intermediate_size=F_, num_attention_heads=Hq,
-                                  num_hidden_layers=a.layers or L, num_key_value_heads=8, head_dim=128,
-                                  tie_word_embeddings=tied, max_position_embeddings=131072, rope_theta=1e6)
+        else:  # a named shape: layers, hidden, MLP width, query heads, tied head; the rest, shared by every shape,
+            L, E, F_, Hq, tied = SHAPES[a.shape]  # are Qwen3Config's defaults (vocab, 8 KV heads of 128, rope_theta)
+            c = kvpop.Qwen3Config(num_hidden_layers=a.layers or L, hidden_size=E, intermediate_size=F_,
+                                  num_attention_heads=Hq, tie_word_embeddings=tied, max_position_embeddings=131072)
         torch.manual_seed(0)
         make = {k: kvpop.Scorer(c, k, a.window, a.d_mem).eval().to(dev) for k in kvpop.SCORERS}
         for C, b in [(C, b) for C in contexts for b in budgets] + [(T, budgets[0]) for T in (a.prefill, a.train) if T]:
@@ -434,8 +420,8 @@ def cmd_speed(argv):
         spent = {"future_attention": 0.0, "eviction_times": 0.0}
         train.sinks, train.window, train.device, train.queries = a.sinks, a.window, dev, 0
         train.pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge)[1]
-        for f, g in [(f, getattr(kernels, f)) for f in spent]:  # the kernels' time, wherever they are called from
-            def timed(*x, f=f, g=g, **kw):
+        for f in spent:  # the kernels' time, wherever they are called from
+            def timed(*x, f=f, g=getattr(kernels, f), **kw):
                 out = []
                 spent[f] += clock(lambda: out.append(g(*x, **kw)), dev)
                 return out[0]
@@ -446,9 +432,8 @@ def cmd_speed(argv):
         fut, ev = spent.values()
         parts = {"frozen forward": t[0] - fut, "future-attention targets": fut, "eviction times": ev,
                  "scorer forward + backward": t[1] - ev}
-        print(f"\nkvpop scorer training step, 1 x {T} tokens, budget {b:g}\n\n" + table("part", "seconds", "share"))
-        for k, v in parts.items():
-            print(f"| {k} | {v:.2f} | {v / sum(t):.0%} |")
+        print(f"\nkvpop scorer training step, 1 x {T} tokens, budget {b:g}\n\n" + table("part", "seconds", "share")
+              + "".join(f"\n| {k} | {v:.2f} | {v / sum(t):.0%} |" for k, v in parts.items()))
         rows += [dict(train=T, part=k, seconds=round(v, 3)) for k, v in parts.items()]
     if a.json:
         kvpop.write_json(rows, a.json)
