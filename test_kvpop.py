@@ -1,5 +1,6 @@
 """KVpop tests: the model against transformers, the evicting cache against the masked forward, the kernels
 against dense references (and under TRITON_INTERPRET=1), the tokenizer against tokenizers, checkpoint I/O."""
+import copy
 import http.server
 import importlib.util
 import json
@@ -443,6 +444,27 @@ def test_cache_never_exceeds_budget(small_model, policy):
                 want = (torch.arange(t + 1) < sinks) | (t < e[i][..., : t + 1])  # (B, Hkv, t+1)
                 got = (cache.pos[i][..., None, :] == torch.arange(t + 1)[:, None]).any(-1)
                 assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "tova", "kvpop", "kvpop-mlp"])
+def test_decoding_step_copies_no_cache(small_model, policy, dtype):
+    """A decoding step works in the buffers allocated once: the memory it allocates grows with the entries held by
+    less than one key's bytes per entry and head (a score or two per query), so it never copies, upcasts or
+    concatenates a layer's keys or values, and the buffers stay where they were."""
+    net = copy.deepcopy(small_model).to(dtype)  # the fixture is shared
+    pol = kvpop.Scorer(net.config, policy, window=8) if policy in kvpop.SCORERS else policy
+    peaks, D, H = [], net.config.head_dim, net.config.num_key_value_heads
+    for n in (1024, 4096):
+        cache = kvpop.KVCache(net, 1, n, pol, 4, 8)
+        bench.fill(cache, n - 1 if policy == "full" else 4 * n)
+        bufs = [x.data_ptr() for x in (cache.k, cache.v, cache.pos, cache.score)]
+        with torch.no_grad(), bench.LiveBytes() as meter:
+            for _ in range(2):
+                net(torch.tensor([[5]]), cache=cache)
+        assert bufs == [x.data_ptr() for x in (cache.k, cache.v, cache.pos, cache.score)]
+        peaks.append(meter.peak)
+    assert 0 < peaks[1] - peaks[0] < (4096 - 1024) * H * D * dtype.itemsize, peaks
 
 
 # =========================================================================================================
