@@ -447,7 +447,7 @@ def test_cache_never_exceeds_budget(small_model, policy):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "tova", "kvpop", "kvpop-mlp"])
+@pytest.mark.parametrize("policy", ["full", "streaming", "knorm", "random", "h2o", "tova", "kvpop", "kvpop-mlp"])
 def test_decoding_step_copies_no_cache(small_model, policy, dtype):
     """A decoding step works in the buffers allocated once: the memory it allocates grows with the entries held by
     less than one key's bytes per entry and head (a score or two per query), so it never copies, upcasts or
