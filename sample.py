@@ -53,7 +53,8 @@ baby = model == "baby"  # the demo: the recall prompt and the task's length, 399
 prompt = prompt or ("FILE:baby/prompt.txt" if baby else "The capital of France is")
 if not policy and os.path.isfile(os.path.join(scorer or "-", "scorer.json")):  # a scorer folder names its kind
     policy = str(read_json(os.path.join(scorer, "scorer.json")).get("kind", ""))
-policy, max_new_tokens = policy or ("kvpop" if baby else "streaming"), max_new_tokens or (112 if baby else 2048)
+policy = policy or ("kvpop" if baby or scorer else "streaming")  # a --scorer without scorer.json: said below
+max_new_tokens = max_new_tokens or (112 if baby else 2048)
 try:  # every flag on its own first: nothing is looked up, downloaded or loaded for a bad one
     dev = torch.device(device)
 except RuntimeError:
@@ -74,6 +75,8 @@ need(0 < budget <= 1 or budget > 1 and budget == int(budget),
      f"--budget {budget:g}: use a fraction 0 < x <= 1 of the tokens or an integer B > 1")
 need(sinks >= 0, f"--sinks {sinks}: use 0 or more")
 need(window >= 0, f"--window {window}: use 1 or more (0: the default)")
+need(not scorer or policy in SCORERS, f"--scorer {scorer}: only a learned --policy (kvpop, kvpop-mlp) reads one; "
+     f"drop --scorer or choose one of those")
 try:
     if policy in SCORERS:  # a learned scorer: small files, read before the model
         need(scorer or baby, f"--policy {policy} needs --scorer DIR, a scorer trained for this model by train.py")

@@ -212,6 +212,8 @@ BAD_FLAGS = [  # (script, args, words of the one line): every flag, each kind of
     ("sample.py", ["--window", "-2"], ["--window -2"]),  # 0: the default (the scorer's, or 32 / 256)
     ("sample.py", ["--policy", "kvpop", "--scorer", "/nonexistent/scorer"], ["--policy kvpop", "/nonexistent/scorer"]),
     ("sample.py", ["--policy", "kvpop-mlp"], ["--policy kvpop-mlp needs --scorer"]),
+    ("sample.py", ["--policy", "h2o", "--scorer", "baby/kvpop"], ["--scorer baby/kvpop", "learned --policy"]),
+    ("sample.py", ["--scorer", "/nonexistent/scorer"], ["--policy kvpop", "/nonexistent/scorer is not a scorer folder"]),
     ("sample.py", ["--window", "a"], ["--window", "integer"]),
     ("bench.py kernels", ["--bogus"], ["unrecognized arguments: --bogus"]),
     ("bench.py kernels", ["--device", "tpu"], ["--device", "invalid choice"]),
