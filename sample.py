@@ -83,7 +83,7 @@ try:
         out = "out" if os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy \
             else os.path.join("baby", policy)
         scorer = scorer or out
-        pol = Scorer.from_pretrained(scorer)
+        pol = Scorer.from_pretrained(scorer).to(dev)  # beside the model and its cache
         need(pol.kind == policy, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
         window = window or pol.window
     kind, pol = policy_kind(pol if policy in SCORERS else policy), pol if policy in SCORERS else policy
