@@ -877,18 +877,25 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True):
 
 
 def configure(g, argv=None):
-    """Override the simple module-level defaults in g from --key value / --key=value; --help lists them.
-    A bad key or value exits with one line on stderr."""
+    """Override the simple module-level defaults in g from --key value / --key=value (-> the keys given); --help lists
+    them. A bad key or value exits with one line on stderr."""
     argv, prog = list(sys.argv[1:] if argv is None else argv), os.path.basename(g.get("__file__", "kvpop"))
     keys = {k for k, v in g.items() if not k.startswith("_") and type(v) in KINDS}
     if "-h" in argv or "--help" in argv:
-        print(f"usage: python {prog} [--key value | --key=value] ...")
+        out = [f"usage: python {prog} [--key value | --key=value] ..."]
         for line in open(g["__file__"]):
+            if "configure(globals()" in line:  # the defaults end where they are read
+                break
             if line.startswith("# ---"):
-                print(f"\n{line.strip('# -').strip()}:")
+                out.append(f"\n{line.strip('# -').strip()}:")
             elif (name := line.split("=")[0].strip()) in keys and "#" in line:
-                print(f"  --{name} {g[name]!r}".ljust(36), line.split("#", 1)[1].strip())
+                out.append(f"  --{name} {g[name]!r}".ljust(36) + " " + line.split("#", 1)[1].strip())
+        try:
+            print("\n".join(out), flush=True)
+        except BrokenPipeError:  # `--help | head` closed the pipe early: not an error, and no traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+    given = set()  # the keys set on the command line
     while argv:  # our own copy: taken apart from the front
         opt, eq, val = argv.pop(0).partition("=")
         key = opt[2:].replace("-", "_")
@@ -899,6 +906,8 @@ def configure(g, argv=None):
         elif not eq:
             val = argv.pop(0) if argv else sys.exit(f"{prog}: --{key} needs a value")
         g[key] = parse_value(prog, key, val, type(g[key]))
+        given.add(key)
+    return given
 
 
 def parse_value(prog, key, val, typ):

@@ -272,7 +272,11 @@ BAD_FLAGS += [("train.py", ["--stage", "pretrain", f"--{k}", v], [f"--{k}"])
               for k, vs in PRETRAIN_BAD.items() for v in vs]
 BAD_FLAGS += [("train.py", ["--bogus"], ["unknown option '--bogus'"]), ("train.py", ["--lr"], ["--lr needs a value"])]
 BAD_FLAGS += [("train.py", ["--policy", "streaming"], ["--policy streaming", "--finetune"]),
-              ("train.py", ["--stage", "pretrain", "--finetune"], ["pretrain", "--finetune"])]
+              ("train.py", ["--stage", "pretrain", "--finetune"], ["pretrain", "--finetune"]),
+              ("train.py", ["--kind", "kvpop-mlp", "--d_mem", "8"], ["--d_mem", "other scorer kind"]),
+              ("train.py", ["--d_hidden", "32"], ["--d_hidden", "other scorer kind", "--kind kvpop"]),
+              ("train.py", ["--resume", "--out_dir", NOWHERE], ["--resume", "train_state.pt", "drop --resume"]),
+              ("train.py", ["--stage", "pretrain", "--resume", "--out_dir", "baby"], ["--resume", "drop --resume"])]
 
 
 @pytest.mark.parametrize("script, args, words", BAD_FLAGS, ids=[" ".join([s, *a]) for s, a, _ in BAD_FLAGS])
@@ -280,6 +284,28 @@ def test_bad_flags_one_line_before_any_work(monkeypatch, script, args, words):
     m = ["--model", MODEL_DIR if "quality" in script else NOWHERE] if script in ("sample.py", "bench.py quality") else []
     m = [] if "--model" in args else m
     one_line_error(exits(monkeypatch, script, *m, *args), *words)
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_help_lists_every_default_once(script):
+    """--help names every module-level default (the simple assignments before configure() reads the flags) once, in
+    file order, under non-empty headings; and a reader that closes the pipe early (`--help | head`) is no error."""
+    import ast
+    keys = []
+    for node in ast.parse(open(os.path.join(HERE, script)).read()).body:
+        if "configure(globals()" in ast.unparse(node):
+            break
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Constant, ast.IfExp)):  # x = 1, x = a if c else b
+            keys += [t.id for t in node.targets]
+    r = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, cwd=HERE, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    lines = r.stdout.splitlines()[1:]
+    assert [x.split()[0] for x in lines if x.startswith("  --")] == [f"--{k}" for k in keys]
+    heads = [x for x in lines if x and not x.startswith("  --")]
+    assert heads and all(len(x) > 1 and x.endswith(":") for x in heads), heads
+    r = subprocess.run(f"set -o pipefail; {sys.executable} {script} --help | true", shell=True, executable="/bin/bash",
+                       capture_output=True, text=True, cwd=HERE, timeout=120)  # `true` reads nothing and exits
+    assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
 def test_bad_input_end_to_end(tmp_path):

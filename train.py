@@ -82,7 +82,7 @@ tokens = 4096  # pretrain: tokens per step
 phase_steps = 500  # pretrain: most steps at each shorter curriculum length
 advance_acc = 0.9  # pretrain: move to the next length once train accuracy (mean of 20 steps) reaches this
 final_steps = 300  # pretrain: steps at seq_len, cosine decay to 0
-kvpop.configure(globals(), None if __name__ == "__main__" else [])  # imported (tests): the defaults stand
+given = kvpop.configure(globals(), None if __name__ == "__main__" else [])  # imported (tests): the defaults stand
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
 log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None  # only rank 0 logs  # noqa: E731
 need = lambda ok, msg: kvpop.need(ok, msg, "train.py")  # bad input: one line, before any heavy work  # noqa: E731
@@ -99,6 +99,10 @@ for name in "queries warmup final_seqs sinks".split():
 for name in "lr model_lr rope_theta".split():
     need(globals()[name] > 0, f"--{name} {globals()[name]}: must be positive")
 need(policy in ("scorer", "streaming"), f"--policy {policy!r}: choose scorer or streaming")
+other = {"kvpop": "d_hidden", "kvpop-mlp": "d_mem"}[kind]  # the size of the scorer kind not trained
+need(other not in given, f"--{other} sizes the other scorer kind; this run trains --kind {kind} (see --help)")
+need(not resume or stage == "scorer" and os.path.isfile(os.path.join(out_dir, "train_state.pt")), f"--resume: no "
+     f"{os.path.join(out_dir, 'train_state.pt')} to continue (--stage scorer writes it); drop --resume to start anew")
 need(finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune of the model: add --finetune")
 need(stage == "scorer" or not finetune and world == 1, "--stage pretrain runs in one process, without --finetune")
 need(batch_size % world == 0, f"--batch_size {batch_size}: the global batch must split evenly over {world} processes")
