@@ -101,8 +101,9 @@ for name in "lr model_lr rope_theta".split():
 need(policy in ("scorer", "streaming"), f"--policy {policy!r}: choose scorer or streaming")
 other = {"kvpop": "d_hidden", "kvpop-mlp": "d_mem"}[kind]  # the size of the scorer kind not trained
 need(other not in given, f"--{other} sizes the other scorer kind; this run trains --kind {kind} (see --help)")
-need(not resume or stage == "scorer" and os.path.isfile(os.path.join(out_dir, "train_state.pt")), f"--resume: no "
-     f"{os.path.join(out_dir, 'train_state.pt')} to continue (--stage scorer writes it); drop --resume to start anew")
+need(not resume or stage == "scorer", "--resume continues a --stage scorer run; pretrain starts over: drop --resume")
+need(not resume or os.path.isfile(os.path.join(out_dir, "train_state.pt")), f"--resume: no train_state.pt in {out_dir} "
+     "to continue; drop --resume to start anew")
 need(finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune of the model: add --finetune")
 need(stage == "scorer" or not finetune and world == 1, "--stage pretrain runs in one process, without --finetune")
 need(batch_size % world == 0, f"--batch_size {batch_size}: the global batch must split evenly over {world} processes")
