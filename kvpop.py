@@ -667,13 +667,13 @@ class Scorer(nn.Module):
         m_new = torch.maximum(li, lf)  # (F.logsigmoid and amax cost 2-4x more in a step: logsigmoid wakes a thread)
         return z, (z[..., -3:] - m_new).exp(), m_new
 
-    def recall(self, layers, S, k, v, t, rows):
-        """What reading the token at t (k, v (l, B, H, 1, D)) of `layers` (a slice) needs from the states S as they
-        are, one pass for all: u = W_r x, S u = [C u, n . u] and w_s . x + b + softplus(theta) t, lists per layer."""
-        x = self.features(k, v)  # (l, B, H, 1, 2D)
-        u = (rows[1][layers][:, None] @ x.mT).mT  # (l, B, H, 1, M)
-        skip = ((x[..., 0, :] * self.ws[layers][:, None]).sum(-1) + self.b[layers][:, None]
-                + F.softplus(self.theta[layers])[:, None] * t)[..., None]
+    def recall(self, S, k, v, t, rows):
+        """What reading the token at t (k, v (L, B, H, 1, D)) of every layer needs from the states S as they are, one
+        pass for all: u = W_r x, S u = [C u, n . u] and w_s . x + b + softplus(theta) t, lists per layer."""
+        x = self.features(k, v)  # (L, B, H, 1, 2D)
+        u = (rows[1][:, None] @ x.mT).mT  # (L, B, H, 1, M)
+        skip = ((x[..., 0, :] * self.ws[:, None]).sum(-1) + self.b[:, None]
+                + F.softplus(self.theta)[:, None] * t)[..., None]
         return [y.unbind(0) for y in (u, u @ S.mT, skip)]  # u S^T: 6-7x faster than S u on CPU
 
     def read(self, i, upd, u, Su, skip, rows):
@@ -794,7 +794,7 @@ class KVCache:
         j = self.ring[..., t % self.window, None]  # (L, B, Hkv, 1): t is still in the window
         r, shape = (torch.arange(j.numel(), device=j.device), j.reshape(-1)), (*j.shape, self.k.shape[-1])
         k, v = self.k.flatten(0, 2)[r].view(shape), self.v.flatten(0, 2)[r[0], :, r[1]].view(shape)
-        return [j.unbind(0), *self.policy.recall(slice(None), self.S, k, v, t, self.rows)]
+        return [j.unbind(0), *self.policy.recall(self.S, k, v, t, self.rows)]
 
     def victims(self, p):
         """Per layer of a full cache: the slot (L, B, Hkv, 1) of the lowest (score, position) in the pool s <= t <=

@@ -1577,20 +1577,21 @@ def test_scorer_parallel_equals_recurrent():
         s.wi.mul_(2), s.bf.fill_(1.0)
     B, H, T, w = 2, 3, 50, 7
     k, v, pos = torch.randn(B, H, T, 16) * 3, torch.randn(B, H, T, 16), torch.arange(T)
+    mem = []
+    pi = [s(i, k, v, pos, mem) for i in range(2)]  # parallel form, each layer
+    S, m, rec = torch.zeros(2, B, H, 13, 12), torch.full((2, B, H), -math.inf), [[], []]  # S = [C; n], m per layer
+    for q in range(T):  # recurrent form: read token q - w with the memory that took token q
+        upd = [s.step(i, m[i][..., None, None], k[:, :, q:q + 1], v[:, :, q:q + 1], s.rows()) for i in range(2)]
+        if q >= w:  # every layer's recall at once, as the cache makes it (each layer here reads the same k, v)
+            x = [y[:, :, q - w:q - w + 1].expand(2, -1, -1, -1, -1) for y in (k, v)]  # (L, B, H, 1, D)
+            rd = s.recall(S, *x, q - w, s.rows())
+            for i in range(2):
+                rec[i].append(s.read(i, upd[i], *[y[i] for y in rd], s.rows()))  # rd: lists per layer
+        for i in range(2):
+            s.settle(S[i], m[i], upd[i])
     for i in range(2):
-        mem = []
-        pi = s(i, k, v, pos, mem)  # parallel form
-        st = (torch.zeros(B, H, 13, 12), torch.full((B, H), -math.inf))  # S = [C; n], m
-        rec = []
-        for q in range(T):  # recurrent form: read token q - w with the memory that took token q
-            upd = s.step(i, st[1][..., None, None], k[:, :, q:q + 1], v[:, :, q:q + 1], s.rows())
-            if q >= w:
-                rd = s.recall(slice(i, i + 1), st[0][None], k[None, :, :, q - w:q - w + 1],
-                              v[None, :, :, q - w:q - w + 1], q - w, s.rows())
-                rec.append(s.read(i, upd, *[x[0] for x in rd], s.rows()))  # rd: a list per layer
-            s.settle(*st, upd)
-        assert (torch.cat(rec, -1) - pi[..., :T - w]).abs().max().item() <= 1e-5
-        assert all((x - y).abs().max().item() <= 1e-5 for x, y in zip(mem[0], st))
+        assert (torch.cat(rec[i], -1) - pi[i][..., :T - w]).abs().max().item() <= 1e-5
+        assert all((x - y).abs().max().item() <= 1e-5 for x, y in zip(mem[i], (S[i], m[i])))
 
 
 def test_scorer_parallel_memory_is_linear():
