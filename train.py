@@ -99,8 +99,6 @@ for name in "queries warmup final_seqs sinks".split():
 for name in "lr model_lr rope_theta".split():
     need(globals()[name] > 0, f"--{name} {globals()[name]}: must be positive")
 need(policy in ("scorer", "streaming"), f"--policy {policy!r}: choose scorer or streaming")
-other = {"kvpop": "d_hidden", "kvpop-mlp": "d_mem"}[kind]  # the size of the scorer kind not trained
-need(other not in given, f"--{other} sizes the other scorer kind; this run trains --kind {kind} (see --help)")
 need(not resume or stage == "scorer", "--resume continues a --stage scorer run; pretrain starts over: drop --resume")
 need(not resume or os.path.isfile(os.path.join(out_dir, "train_state.pt")), f"--resume: no train_state.pt in {out_dir} "
      "to continue; drop --resume to start anew")
@@ -128,6 +126,17 @@ try:
 except ValueError as e:  # (pretrain never evicts: --budget, --sinks and --window do not apply)
     sys.exit(f"train.py: --budget: {e}")
 need(stage == "pretrain" or B_train < seq_len, f"--budget {budget} keeps all {seq_len} tokens: nothing to learn")
+for why, on, names in [  # a flag that this run would ignore is an error, as an unknown one is
+        ("--stage pretrain", stage == "pretrain", "device dtype model kind d_mem d_hidden gamma data queries budget "
+         "sinks window batch_size max_iters min_lr weight_decay grad_clip log_interval eval_interval eval_seqs "
+         "final_seqs"),
+        ("--stage scorer", stage == "scorer", "vocab_ranks n_layer n_embd n_ff rope_theta tokens phase_steps "
+         "advance_acc final_steps"), ("no --finetune", not finetune, "policy model_lr top_logits"),
+        ("--policy streaming (no scorer)", policy == "streaming", "kind d_mem d_hidden gamma queries"),
+        (f"--kind {kind}", True, {"kvpop": "d_hidden", "kvpop-mlp": "d_mem"}[kind]),
+        (f"--data {data} (not the recall task)", data != "baby", "keys final_seqs")]:
+    k = next((k for k in names.split() if on and k in given), None)
+    need(k is None, f"--{k} does nothing with {why}; drop it (see --help)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -439,5 +448,7 @@ if __name__ == "__main__":
         dist.init_process_group("gloo" if device == "cpu" else "nccl")
         device = device if device == "cpu" else f"cuda:{int(os.environ['LOCAL_RANK'])}"
     pretrain() if stage == "pretrain" else train()
-    if world > 1:
-        dist.destroy_process_group()
+    if world > 1:  # DDP and FSDP keep the group's threads (gloo's run loops) alive past destroy_process_group; in
+        dist.destroy_process_group()  # 1 of 60 runs here Python's exit then aborted a worker ("terminate called
+        sys.stdout.flush()  # without an active exception"): a worker leaves without that teardown
+        os._exit(0)
