@@ -99,11 +99,8 @@ for name in "queries warmup final_seqs sinks".split():
 for name in "lr model_lr rope_theta".split():
     need(globals()[name] > 0, f"--{name} {globals()[name]}: must be positive")
 need(policy in ("scorer", "streaming"), f"--policy {policy!r}: choose scorer or streaming")
-need(not resume or stage == "scorer", "--resume continues a --stage scorer run; pretrain starts over: drop --resume")
-need(not resume or os.path.isfile(os.path.join(out_dir, "train_state.pt")), f"--resume: no train_state.pt in {out_dir} "
-     "to continue; drop --resume to start anew")
 need(finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune of the model: add --finetune")
-need(stage == "scorer" or not finetune and world == 1, "--stage pretrain runs in one process, without --finetune")
+need(stage == "scorer" or world == 1, "--stage pretrain runs in one process (not under torchrun)")
 need(batch_size % world == 0, f"--batch_size {batch_size}: the global batch must split evenly over {world} processes")
 need(0 < gamma < 1, f"--gamma {gamma}: must be in (0, 1)")
 need(0 <= min_lr <= lr, f"--min_lr {min_lr}: must be in [0, --lr]")
@@ -127,9 +124,9 @@ except ValueError as e:  # (pretrain never evicts: --budget, --sinks and --windo
     sys.exit(f"train.py: --budget: {e}")
 need(stage == "pretrain" or B_train < seq_len, f"--budget {budget} keeps all {seq_len} tokens: nothing to learn")
 for why, on, names in [  # a flag that this run would ignore is an error, as an unknown one is
-        ("--stage pretrain", stage == "pretrain", "device dtype model kind d_mem d_hidden gamma data queries budget "
-         "sinks window batch_size max_iters min_lr weight_decay grad_clip log_interval eval_interval eval_seqs "
-         "final_seqs"),
+        ("--stage pretrain", stage == "pretrain", "finetune resume device dtype model kind d_mem d_hidden gamma data "
+         "queries budget sinks window batch_size max_iters min_lr weight_decay grad_clip log_interval eval_interval "
+         "eval_seqs final_seqs"),
         ("--stage scorer", stage == "scorer", "vocab_ranks n_layer n_embd n_ff rope_theta tokens phase_steps "
          "advance_acc final_steps"), ("no --finetune", not finetune, "policy model_lr top_logits"),
         ("--policy streaming (no scorer)", policy == "streaming", "kind d_mem d_hidden gamma queries"),
@@ -137,6 +134,8 @@ for why, on, names in [  # a flag that this run would ignore is an error, as an 
         (f"--data {data} (not the recall task)", data != "baby", "keys final_seqs")]:
     k = next((k for k in names.split() if on and k in given), None)
     need(k is None, f"--{k} does nothing with {why}; drop it (see --help)")
+need(not resume or os.path.isfile(os.path.join(out_dir, "train_state.pt")), f"--resume: no train_state.pt in {out_dir} "
+     "to continue; drop --resume to start anew")
 
 
 # ----------------------------------------------------------------------------------------------------------
