@@ -42,8 +42,8 @@ def hf_checkpoint(folder, tied=True, kv=2, q=4, layers=3, dtype=torch.float32, s
     import transformers
     torch.manual_seed(seed)
     c = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
-                                 num_attention_heads=q, num_key_value_heads=kv, head_dim=32, rope_theta=1e4 * (1 + seed),
-                                 tie_word_embeddings=tied, max_position_embeddings=1024)
+                                 num_attention_heads=q, num_key_value_heads=kv, head_dim=32,
+                                 rope_theta=1e4 * (1 + seed), tie_word_embeddings=tied, max_position_embeddings=1024)
     m = transformers.Qwen3ForCausalLM(c).eval()
     with torch.no_grad():
         for n, p in m.named_parameters():
@@ -213,7 +213,8 @@ BAD_FLAGS = [  # (script, args, words of the one line): every flag, each kind of
     ("sample.py", ["--policy", "kvpop", "--scorer", "/nonexistent/scorer"], ["--policy kvpop", "/nonexistent/scorer"]),
     ("sample.py", ["--policy", "kvpop-mlp"], ["--policy kvpop-mlp needs --scorer"]),
     ("sample.py", ["--policy", "h2o", "--scorer", "baby/kvpop"], ["--scorer baby/kvpop", "learned --policy"]),
-    ("sample.py", ["--scorer", "/nonexistent/scorer"], ["--policy kvpop", "/nonexistent/scorer is not a scorer folder"]),
+    ("sample.py", ["--scorer", "/nonexistent/scorer"],
+     ["--policy kvpop", "/nonexistent/scorer is not a scorer folder"]),
     ("sample.py", ["--window", "a"], ["--window", "integer"]),
     ("bench.py kernels", ["--bogus"], ["unrecognized arguments: --bogus"]),
     ("bench.py kernels", ["--device", "tpu"], ["--device", "invalid choice"]),
@@ -286,7 +287,8 @@ BAD_FLAGS += [("train.py", a, [f"{a[-2]} does nothing with {why}", "drop it"]) f
 
 @pytest.mark.parametrize("script, args, words", BAD_FLAGS, ids=[" ".join([s, *a]) for s, a, _ in BAD_FLAGS])
 def test_bad_flags_one_line_before_any_work(monkeypatch, script, args, words):
-    m = ["--model", MODEL_DIR if "quality" in script else NOWHERE] if script in ("sample.py", "bench.py quality") else []
+    model = MODEL_DIR if "quality" in script else NOWHERE
+    m = ["--model", model] if script in ("sample.py", "bench.py quality") else []
     m = [] if "--model" in args else m
     one_line_error(exits(monkeypatch, script, *m, *args), *words)
 
@@ -1333,7 +1335,8 @@ def test_bench_speed_rows_count_the_bytes_a_step_reads(tmp_path, monkeypatch, ca
         assert ("scorer_share" in r) == (p in ("kvpop", "kvpop-mlp"))
     pre = [r for r in rows if "prefill" in r]
     assert [r["policy"] for r in pre] == ["full", "streaming", "kvpop", "kvpop-mlp"]
-    assert pre[1]["cache_mib"] == pytest.approx(128 * tok / 2**20, abs=0.1) and pre[1]["peak_mib"] >= pre[1]["cache_mib"]
+    assert pre[1]["cache_mib"] == pytest.approx(128 * tok / 2**20, abs=0.1)
+    assert pre[1]["peak_mib"] >= pre[1]["cache_mib"]
     parts = [r["part"] for r in rows if "train" in r]
     assert parts == ["frozen forward", "future-attention targets", "eviction times", "scorer forward + backward"]
 
