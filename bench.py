@@ -418,8 +418,7 @@ def cmd_speed(argv):
         import train  # here, not at the top: train.py imports this file
         T, b, scorer = a.train, budgets[0], make["kvpop"].train()
         spent = {"future_attention": 0.0, "eviction_times": 0.0}
-        train.sinks, train.window, train.device, train.queries = a.sinks, a.window, dev, 0
-        train.pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge)[1]
+        pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge)[1]
         for f in spent:  # the kernels' time, wherever they are called from
             def timed(*x, f=f, g=getattr(kernels, f), **kw):
                 out = []
@@ -428,7 +427,8 @@ def cmd_speed(argv):
             setattr(kernels, f, timed)
         idx, kv_r = torch.randint(0, net.config.vocab_size, (1, T), device=dev), []
         t = [clock(lambda: kv_r.extend(kvpop.dense_targets(net, idx, a.window)), dev)]
-        t.append(clock(lambda: train.boundary_loss(scorer, *kv_r, 0), dev))  # forward and backward, layer by layer
+        q = torch.arange(a.sinks + a.window + pool, T)  # every query at which the pool is over-full
+        t.append(clock(lambda: train.boundary_loss(scorer, *kv_r, q, a.sinks, a.window, pool), dev))  # fwd + bwd
         fut, ev = spent.values()
         parts = {"frozen forward": t[0] - fut, "future-attention targets": fut, "eviction times": ev,
                  "scorer forward + backward": t[1] - ev}

@@ -133,7 +133,8 @@ for n in range(num_samples):
     print(f"\n---\nprefill {len(ids)} tokens in {t[1] - t[0]:.2f} s; decode {len(out)} tokens at {rate:.1f} tokens/s")
     full = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size() * total  # every position, every layer
     state = f" + scorer state worth {charge}" if charge and S < total else ""
-    print(f"KV cache: {min(cache.t, cache.size)} entries kept per head{state} of {cache.t} tokens; "
+    held = int((cache.pos >= 0).sum(-1).max())  # the most entries any (layer, row, head) holds
+    print(f"KV cache: {held} entries kept per head{state} of {cache.t} tokens; "
           f"{cache.nbytes() / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * S / total:.1f}%), "
           f"policy {policy if S < total else 'full'}" + (f" ({scorer})" if policy in SCORERS and S < total else ""))
     if show:

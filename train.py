@@ -162,14 +162,22 @@ def allsum(x):  # in place: the sum over processes, each holding its share of th
     return x
 
 
-def boundary_loss(scorer, kv, target, it, ddp=None):
-    """Mean over layers of the balanced boundary loss, backward per layer (one layer's graph alive). `ddp`: training's
-    scorer; the keep/drop weights count the global batch, gradients are reduced once, in the last layer's backward."""
-    T, g = target[0].shape[-1], torch.Generator().manual_seed(seed * 1_000_003 + it)  # g: the queries, per step
+def query_positions(T, it):
+    """The loss's queries: every q at which the pool is over-full (q >= sinks + window + pool), or --queries of them
+    drawn at random, a draw per step."""
     q = torch.arange(sinks + window + pool, T)  # the pool is over-full: every step decides one token
     if queries and queries < len(q):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + it)
         q = q[torch.randperm(len(q), generator=g)[:queries].sort().values]
-    q, pos, L, total, hits = q.to(device), torch.arange(T, device=device), len(kv), 0.0, 0.0
+    return q
+
+
+def boundary_loss(scorer, kv, target, q, sinks, window, pool, ddp=None):
+    """Mean over layers of the balanced boundary loss at queries q (Q,) (README, Method: boundary loss), backward per
+    layer (one layer's graph alive) when grad is enabled -> (loss, keep/drop accuracy). `ddp`: training's scorer; the
+    keep/drop weights count the global batch, gradients are reduced once, in the last layer's backward."""
+    T, L = target[0].shape[-1], len(kv)
+    q, pos, total, hits = q.to(target[0].device), torch.arange(T, device=target[0].device), 0.0, 0.0
     for i, ((k, v), r) in enumerate(zip(kv, target)):
         with ddp.no_sync() if isinstance(ddp, DDP) and i < L - 1 else contextlib.nullcontext():
             teacher = r + F.softplus(scorer.theta[i]).detach()[:, None] * pos  # (B, H, T); -inf past T - window
@@ -182,15 +190,17 @@ def boundary_loss(scorer, kv, target, it, ddp=None):
             loss = (w * F.softplus(-(2 * y.float() - 1) * d)).sum() / L  # this process's part of the global loss
             if torch.is_grad_enabled():
                 (loss * world).backward()  # DDP averages gradients over the processes
-        total, hits = total + loss.item(), hits + ((d > 0) == y).float().mean().item() / L
+        right = (d > 0) == y  # the student ranks t_new on the teacher's side of t_bnd
+        total, hits = total + loss.item(), hits + (w * right).sum().item() / L  # balanced: chance is 0.5
     if ddp is not None:
-        total, hits = allsum(torch.tensor([total, hits / world], dtype=torch.float64)).tolist()
+        total, hits = allsum(torch.tensor([total, hits], dtype=torch.float64)).tolist()
     return total, hits
 
 
-def finetune_loss(net, teacher, scorer, ddp, idx, it):
-    """One --finetune step's backward: the model learns under the student's eviction by KL to the dense teacher, the
-    scorer by the boundary loss on this evicting pass's future attention -> KL, boundary loss, keep/drop accuracy."""
+def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, top_logits, ddp=None):
+    """One --finetune step's backward: the model learns under the student's eviction by KL to the dense teacher's top
+    `top_logits`, the scorer by the boundary loss at queries qpos on this evicting pass's future attention -> KL,
+    boundary loss, keep/drop accuracy."""
     with torch.no_grad():
         top = teacher(idx).float().topk(min(top_logits, teacher.config.vocab_size), -1)  # (B, T, K)
     lt, kv, target = top.values.log_softmax(-1), [], []
@@ -206,8 +216,13 @@ def finetune_loss(net, teacher, scorer, ddp, idx, it):
     lp = net(idx, attn=attn).float().log_softmax(-1).gather(-1, top.indices)
     kl = (lt.exp() * (lt - lp)).sum(-1).mean()  # FSDP averages gradients: every process holds as many tokens
     kl.backward()
-    b = boundary_loss(scorer, kv, target, it, ddp) if scorer is not None else (0.0, 0.0)
+    b = boundary_loss(scorer, kv, target, qpos, sinks, window, pool, ddp) if scorer is not None else (0.0, 0.0)
     return allsum(kl.detach().double()).item() / world, *b
+
+
+def learning_rate(it):  # step it's scorer rate: linear warmup times a cosine from --lr down to --min_lr
+    warm = min(1, (it + 1) / max(warmup, 1))
+    return min_lr + (lr - min_lr) * warm * 0.5 * (1 + math.cos(math.pi * it / max_iters))
 
 
 def batch(tok, it, n):
@@ -248,7 +263,9 @@ def evaluate(net, tok, pol):
     if finetune:
         return "no held-out measure for --finetune on text"
     with torch.no_grad():
-        loss, acc = boundary_loss(pol, *kvpop.dense_targets(net, chunks[-n_valid:].to(device), window), 0)
+        x = chunks[-n_valid:].to(device)
+        loss, acc = boundary_loss(pol, *kvpop.dense_targets(net, x, window), query_positions(seq_len, 0), sinks,
+                                  window, pool)
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
 
@@ -324,14 +341,14 @@ def train():
         f"{window} window + {pool} pool + {charge} state; {world} process(es)")
     t0, n = time.time(), batch_size // world
     for it in range(it0, max_iters):
-        f = min(1, (it + 1) / max(warmup, 1))  # warmup, then cosine to min_lr (the model: in proportion)
-        sched = min_lr + (lr - min_lr) * f * 0.5 * (1 + math.cos(math.pi * it / max_iters))
-        for o in opts.values():
+        for o in opts.values():  # the model's rate follows the scorer's, in proportion
             o.zero_grad(set_to_none=True)
-            o.param_groups[0]["lr"] = sched * (o.defaults["lr"] / lr)  # defaults["lr"]: its peak, --lr or --model_lr
+            o.param_groups[0]["lr"] = learning_rate(it) * (o.defaults["lr"] / lr)  # defaults: its peak
         idx = batch(tok, it, batch_size)[rank * n:(rank + 1) * n].to(device)  # this process's share
-        kl, loss, acc = (finetune_loss(student, net, scorer, ddp, idx, it) if finetune
-                         else (0.0, *boundary_loss(scorer, *kvpop.dense_targets(net, idx, window), it, ddp)))
+        q = query_positions(seq_len, it)
+        kl, loss, acc = (finetune_loss(student, net, scorer, idx, q, sinks, window, pool, top_logits, ddp) if finetune
+                         else (0.0, *boundary_loss(scorer, *kvpop.dense_targets(net, idx, window), q, sinks, window,
+                                                   pool, ddp)))
         for m, o in opts.items():
             torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
             o.step()
