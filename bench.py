@@ -1,5 +1,5 @@
 """Benchmarks: `python bench.py {kernels,quality,speed} [options]`, one cmd_ function per command (its docstring
-and options: `-h` after the command). The baby's long-range recall task is defined here too: train.py trains on it."""
+and options: `-h` after the command). The tasks and their quality evaluation are in tasks.py."""
 import argparse
 import math
 import os
@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 import kvpop
+import tasks
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -141,106 +142,21 @@ def cmd_kernels(argv):
                   f"{mn / max(mo, 1e-3):.0f} |", flush=True)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the baby's task (issue [4/6]): multi-query associative recall in single-token Qwen3 words. A binding is
-# the bigram `key value`; a later `key value'` reassigns (the old value is useless from then on); a query is
-# `key value` with the current value, predicted at the key. Fillers are never needed again.
-
-KEYS = "name time data value type file user key size state model color group table game car".split()
-VALUES = ("new true false null good best free real high long last first open main right same next top class "
-          "public return void static string array number object event error text line point item list case "
-          "world people child year day man work hand play view style method post path system message index "
-          "order head action report build check count start find show help read").split()
-FILLERS = ("the of and to in is for on with that it as at by or be we you are was not but from have he his "
-           "they their has been were would").split()
-TASK_RANKS = 1974  # Qwen3 ranks a cut vocabulary must keep so that every word above is one token (" order": 1973)
-
-
-def task_ids(tok):  # word -> token id of every task word (each must be one token), and the bos id
-    ids = {w: tok.encode(" " + w) for w in KEYS + VALUES + FILLERS}
-    for w, t in ids.items():
-        if len(t) != 1:
-            raise ValueError(f"task word {w!r} is {len(t)} tokens for this tokenizer; the task needs one each")
-    return {w: t[0] for w, t in ids.items()}, tok.special["<|endoftext|>"]
-
-
-def task(rng, T, keys=8, p_mention=0.06, p_reassign=0.1, p_oldest=0.7):
-    """One sequence of T words (after bos) -> words, [(q, value, q - p)]: at position q (a key) the next word
-    is `value`, last written at position p. Keys are bound first; later mentions go mostly to the key
-    mentioned longest ago, which is what puts bindings far back."""
-    K = rng.sample(KEYS, min(keys, len(KEYS), max(2, T // 32)))
-    words, val, last, ans = ["<|endoftext|>"], {}, {}, []
-    while len(words) < T:
-        if len(words) == T - 1 or rng.random() >= (0.3 if len(val) < len(K) else p_mention):
-            words.append(rng.choice(FILLERS))
-            continue
-        q = len(words)
-        if len(val) < len(K):  # bind the next unbound key
-            k = K[len(val)]
-            val[k] = rng.choice(VALUES)
-        else:
-            k = min(K, key=last.get) if rng.random() < p_oldest else rng.choice(K)
-            if rng.random() < p_reassign:
-                val[k] = rng.choice([v for v in VALUES if v != val[k]])
-            else:
-                ans.append((q, val[k], q - last[k]))
-        words += [k, val[k]]
-        last[k] = q + 1
-    return words, ans
-
-
-def task_batch(tok, n, T, rng, **kw):
-    """n sequences -> idx (n, T) token ids, tgt (n, T) answer ids (-1 elsewhere), dist (n, T) how far back
-    the answer was last written (0 elsewhere)."""
-    ids, bos = task_ids(tok)
-    idx, tgt, dist = (torch.full((n, T), f, dtype=torch.long) for f in (bos, -1, 0))
-    for b in range(n):
-        words, ans = task(rng, T, **kw)
-        idx[b, 1:] = torch.tensor([ids[w] for w in words[1:]])
-        for q, v, d in ans:
-            tgt[b, q], dist[b, q] = ids[v], d
-    return idx, tgt, dist
-
-
-def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None):
-    """Every (policy, budget) on the same sequences, teacher-forced through kvpop.evaluate -> rows of
-    accuracy on all queries, on far ones, relative to full, and mean KL(full || policy) past position B.
-    `full` is the dense pass of ref (a fine-tuned net's starting point), default net itself."""
-    size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]  # noqa: E731
-    far = (dist >= max(map(size, budgets)) - sinks)[tgt >= 0]  # queries out of reach of a window at every budget
-    name = lambda p: p if isinstance(p, str) else p.kind  # noqa: E731 (a learned scorer is named by its kind)
-    runs = [("full", 1)] + [(p, b) for p in policies if p != "full" for b in budgets]
-    hit, kl, rows = {r: [] for r in runs}, {r: [] for r in runs}, []
-    for c in range(0, len(idx), chunk):  # full-vocabulary log-probs of a chunk, then every run on it
-        x, m = idx[c:c + chunk], tgt[c:c + chunk] >= 0
-        full = kvpop.evaluate(ref or net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
-        for p, b in runs:
-            lp = full if p == "full" else kvpop.evaluate(
-                net, x, p, b, sinks, window, online=name(p) in kvpop.DYNAMIC).float().log_softmax(-1)
-            hit[p, b].append(lp.argmax(-1)[m] == tgt[c:c + chunk][m])
-            kl[p, b].append((full.exp() * (full - lp)).sum(-1)[:, size(b):].flatten())  # (chunk * (T - B),)
-    for p, b in runs:
-        h, k = torch.cat(hit[p, b]).float(), torch.cat(kl[p, b])
-        acc = h.mean().item()
-        rel = acc / (rows[0]["accuracy"] if rows else acc)
-        rows.append(dict(policy=name(p), budget=b, accuracy=round(acc, 4), far_accuracy=round(h[far].mean().item(), 4),
-                         relative=round(rel, 4), kl=round(k.mean().item(), 4) if len(k) else 0.0))
-    return rows, far.float().mean().item(), len(far)
-
-
-def quality_table(rows):
-    return table("policy", "budget", "accuracy", "far accuracy", "relative", "KL") + "".join(
-        f"\n| {r['policy']} | {r['budget']:g} | {r['accuracy']:.1%} | {r['far_accuracy']:.1%} | {r['relative']:.3f} | "
-        f"{r['kl']:.3f} |" for r in rows)
+def shipped_scorers(task, target):  # the folders of the scorers python train.py wrote for the baby, every kind
+    return [d for k in kvpop.SCORERS if os.path.isfile(os.path.join(d := f"baby/scorers/{task}-{target}/{k}",
+                                                                          "scorer.json"))]
 
 
 def cmd_quality(argv):
-    """Eviction quality of every policy on held-out sequences of the baby's recall task (teacher-forced)."""
+    """Eviction quality of every policy on held-out sequences of the baby's tasks (teacher-forced): for each task the
+    policies, then for each target the oracle and the scorers trained on it."""
     ap = argparse.ArgumentParser(prog="bench.py quality", description=cmd_quality.__doc__)
     ap.error = lambda msg: sys.exit(f"bench.py quality: {msg}")  # one line, exit status 1
     ap.add_argument("--model", default="baby", help="checkpoint folder (default: the shipped baby)")
-    ap.add_argument("--scorer", default="baby/kvpop,baby/kvpop-mlp",
-                    help="comma-separated learned scorer folders, a row each, named by kind ('' for none)")
+    ap.add_argument("--task", default="recall", help=f"comma-separated tasks, of {','.join(tasks.TASKS)}")
+    ap.add_argument("--target", default="max", help="comma-separated targets of the oracle and scorers: mean, max")
+    ap.add_argument("--scorer", help="comma-separated learned scorer folders, a row each, named by kind ('' for "
+                    "none; default: the shipped ones of each task and target, baby/scorers/<task>-<target>/<kind>)")
     ap.add_argument("--policies", default="full,oracle,streaming,h2o,tova,knorm,random", help="comma-separated")
     ap.add_argument("--budgets", default="0.25,0.125", help="comma-separated fractions of T (or integers B)")
     ap.add_argument("--seed", type=int, default=0, help="held-out task seed (training draws other streams)")
@@ -251,30 +167,44 @@ def cmd_quality(argv):
     ap.add_argument("--window", type=int, default=32, help="recent tokens never evicted")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (tiny ops: a second one mostly waits)")
     a = ap.parse_args(argv)
-    policies = a.policies.split(",")
+    policies, task_names, targets = a.policies.split(","), a.task.split(","), a.target.split(",")
     if bad := [p for p in policies if p not in kvpop.POLICIES]:
         ap.error(f"--policies: unknown policy {bad[0]!r}; choose from {','.join(kvpop.POLICIES)}")
+    if bad := [t for t in task_names if t not in tasks.TASKS]:
+        ap.error(f"--task: unknown task {bad[0]!r}; choose from {','.join(tasks.TASKS)}")
+    if bad := [t for t in targets if t not in ("mean", "max")]:
+        ap.error(f"--target: unknown target {bad[0]!r}; choose mean or max")
     budgets = [kvpop.parse_value(ap.prog, "budgets", b, float) for b in a.budgets.split(",")]  # not inf, nan, ''
     check_flags(ap, a, n=1, T=64, sinks=0, window=1, threads=1)
     try:
         limit = kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json"))
-        scorers = [kvpop.Scorer.from_pretrained(d) for d in a.scorer.split(",") if d]
-        for s in scorers:  # a scorer for another model or window, or a budget that leaves no room, raises here
+        folders = {(t, r): shipped_scorers(t, r) if a.scorer is None else [d for d in a.scorer.split(",") if d]
+                   for t in task_names for r in targets}
+        scorers = {d: kvpop.Scorer.from_pretrained(d) for ds in folders.values() for d in ds}
+        for s in scorers.values():  # a scorer for another model or window, or a budget that leaves no room, raises
             s.check(limit, a.window)
-        for s, b in [(s, b) for s in [None] + scorers for b in budgets]:
+        for s, b in [(s, b) for s in [None, *scorers.values()] for b in budgets]:
             kvpop.budget_size(b, a.T, a.sinks, a.window, getattr(s, "charge", 0))
         if a.T > limit.max_position_embeddings:  # checked before the weights load
             raise ValueError(f"--T {a.T}: the model has {limit.max_position_embeddings} positions; lower --T")
         torch.set_num_threads(a.threads)
         net = kvpop.Qwen3.from_pretrained(a.model, dtype=torch.float32)
         tok = kvpop.Tokenizer.from_pretrained(kvpop.checkpoint_dir(a.model))
-        idx, tgt, dist = task_batch(tok, a.n, a.T, random.Random(f"test-{a.seed}"))
     except (OSError, ValueError) as e:
         ap.error(str(e))
-    t0 = time.time()
-    rows, far, n = quality_runs(net, idx, tgt, dist, policies + scorers, budgets, a.sinks, a.window)
-    print(f"{a.model}: {a.n} held-out sequences of {a.T} tokens (seed {a.seed}), {n} queries ({far:.0%} far), "
-          f"sinks {a.sinks}, window {a.window}\n\n{quality_table(rows)}\n\n{time.time() - t0:.0f}s")
+    t0, rows, head = time.time(), [], []
+    for task in task_names:  # the same held-out sequences for every policy and target of a task
+        idx, tgt, dist = tasks.task_batch(tok, a.n, a.T, random.Random(f"test-{a.seed}"), **tasks.TASKS[task])
+        plain = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
+        runs, far, n = tasks.quality_runs(net, idx, tgt, dist, plain, budgets, a.sinks, a.window)
+        rows += [dict(task=task, target="-", **r) for r in runs]
+        for target in targets:
+            learned = ["oracle"] * ("oracle" in policies) + [scorers[d] for d in folders[task, target]]
+            runs = tasks.quality_runs(net, idx, tgt, dist, learned, budgets, a.sinks, a.window, reduce=target)[0]
+            rows += [dict(task=task, target=target, **r) for r in runs[1:]]  # full is above
+        head.append(f"{task}: {n} queries ({far:.0%} far)")
+    print(f"{a.model}: {a.n} held-out sequences of {a.T} tokens (seed {a.seed}), {'; '.join(head)}; sinks {a.sinks}, "
+          f"window {a.window}\n\n{tasks.quality_table(rows)}\n\n{time.time() - t0:.0f}s")
     if a.json:
         kvpop.write_json(rows, a.json)
 
@@ -305,7 +235,9 @@ def fill(cache, C):
     n = len(pos)
     cache.k[..., :n, :].normal_(), cache.v[..., :n].normal_()  # values are stored transposed
     cache.pos[..., :n], cache.score[..., :n], cache.t = pos.to(cache.pos.device), torch.rand(n), C
-    if cache.delayed:
+    if cache.delayed:  # the window's slots, as decoding left them
+        cache.ring[..., pos[-w:] % w] = torch.arange(n - w, n, device=cache.ring.device)
+    if cache.memory:
         cache.S.normal_(0, 0.01), cache.m.zero_()
     return n
 
@@ -321,7 +253,7 @@ def cmd_speed(argv):
     ap.add_argument("--layers", type=int, default=0, help="layers of the random model (0 = the shape's)")
     ap.add_argument("--contexts", default="8192,32768", help="comma-separated decoding contexts ('' = none)")
     ap.add_argument("--budgets", default="0.25,0.125", help="comma-separated fractions of the context")
-    ap.add_argument("--policies", default="streaming,kvpop,kvpop-mlp", help="comma-separated, besides full")
+    ap.add_argument("--policies", default="streaming,kvpop-window,kvpop,kvpop-mlp", help="comma-separated, besides full")
     ap.add_argument("--steps", type=int, default=16, help="decoding steps timed per row (the median is kept)")
     ap.add_argument("--prefill", type=int, default=0, help="prompt length of the prefill rows (0 = none)")
     ap.add_argument("--train", type=int, default=0, help="sequence length of the training-step rows (0 = none)")
@@ -414,9 +346,10 @@ def cmd_speed(argv):
                   f"{extra / 2**20:.0f} | {(mem + extra) / 2**20:.0f} | "
                   f"{'-' if p == 'full' else round((b * full[1] + full[2]) / 2**20)} |", flush=True)
             del cache
-    if a.train:  # one kvpop scorer training step, through train.py's own functions, timed by part
-        import train  # here, not at the top: train.py imports this file
-        T, b, scorer = a.train, budgets[0], make["kvpop"].train()
+    if a.train:  # one training step of the first learned policy, through train.py's own functions, timed by part
+        import train
+        kind = next((p for p in policies if p in kvpop.SCORERS), "kvpop-window")
+        T, b, scorer = a.train, budgets[0], make[kind].train()
         spent = {"future_attention": 0.0, "eviction_times": 0.0}
         pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge)[1]
         for f in spent:  # the kernels' time, wherever they are called from
@@ -432,9 +365,9 @@ def cmd_speed(argv):
         fut, ev = spent.values()
         parts = {"frozen forward": t[0] - fut, "future-attention targets": fut, "eviction times": ev,
                  "scorer forward + backward": t[1] - ev}
-        print(f"\nkvpop scorer training step, 1 x {T} tokens, budget {b:g}\n\n" + table("part", "seconds", "share")
+        print(f"\n{kind} scorer training step, 1 x {T} tokens, budget {b:g}\n\n" + table("part", "seconds", "share")
               + "".join(f"\n| {k} | {v:.2f} | {v / sum(t):.0%} |" for k, v in parts.items()))
-        rows += [dict(train=T, part=k, seconds=round(v, 3)) for k, v in parts.items()]
+        rows += [dict(train=T, kind=kind, part=k, seconds=round(v, 3)) for k, v in parts.items()]
     if a.json:
         kvpop.write_json(rows, a.json)
 

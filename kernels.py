@@ -179,8 +179,9 @@ def _attention_flex(q, k, v, evict_at, sinks, scale):
 
 # -------------------------------------------------------------------------------------- future attention
 
-def future_attention(q, k, lse, window, eps=1e-6, scale=None):
-    """Target r[b, h, t] = max over h's query heads of log(eps + mean_{t+window <= d < T} p[d, t]).
+def future_attention(q, k, lse, window, eps=1e-6, scale=None, reduce="mean"):
+    """Target r[b, h, t] = max over h's query heads of log(eps + reduce_{t+window <= d < T} p[d, t]), reduce the
+    mean (the paper's) or the max over those queries.
 
     p[d, t] = exp(q_d . k_t * scale - lse[d]); q (B, Hq, T, D), k (B, Hkv, T, D), lse (B, Hq, T) from the forward
     pass. Returns (B, Hkv, T) fp32, -inf where t + window >= T (no query outside the window). Computed as a
@@ -190,13 +191,15 @@ def future_attention(q, k, lse, window, eps=1e-6, scale=None):
     _check_heads(lse, "lse", (B, Hq, T), q.device)
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
+    if reduce not in ("mean", "max"):
+        raise ValueError(f"reduce must be mean or max, got {reduce!r}")
     scale = D ** -0.5 if scale is None else scale
     if _use_triton(q):
-        return _future_triton(q, k, lse, window, eps, scale)
-    return _future_torch(q, k, lse, window, eps, scale)
+        return _future_triton(q, k, lse, window, eps, scale, reduce)
+    return _future_torch(q, k, lse, window, eps, scale, reduce)
 
 
-def _future_torch(q, k, lse, window, eps, scale):
+def _future_torch(q, k, lse, window, eps, scale, reduce):
     (B, Hq, T, D), Hkv = q.shape, k.shape[1]
     G = Hq // Hkv
     q, lse = q.float().view(B, Hkv, G, T, D), lse.float().view(B, Hkv, G, T)
@@ -213,16 +216,18 @@ def _future_torch(q, k, lse, window, eps, scale):
             if d < t1 - 1 + window:  # only the first query block holds queries still inside some key's window
                 s = s.masked_fill(pos[d:d + BLOCK] < I + window, -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
-            l = l * torch.exp(m - m_new) + torch.exp(s - m_new[..., None]).sum(-1)
+            if reduce == "mean":  # the running sum, rescaled to the new maximum
+                l = l * torch.exp(m - m_new) + torch.exp(s - m_new[..., None]).sum(-1)
             m = m_new
         n = (T - window - pos[t:t1]).float()  # N_t >= 1 for every key in this block
-        r[:, :, t:t1] = torch.log(eps + torch.exp(m + torch.log(l) - torch.log(n))).amax(2)
+        log_p = m + torch.log(l) - torch.log(n) if reduce == "mean" else m  # log of the mean, or of the max
+        r[:, :, t:t1] = torch.log(eps + torch.exp(log_p)).amax(2)
     return r
 
 
 @_jit
 def _future_kernel(Q, K, L, R, T, D, G, window, eps, scale,
-                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+                   MAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     t0, kvh = tl.program_id(0) * BM, tl.program_id(1).to(tl.int64)  # key block, b * Hkv + KV head
     t, d = t0 + tl.arange(0, BM), tl.arange(0, BD)
     kmask = (t[:, None] < T) & (d[None, :] < D)
@@ -244,18 +249,21 @@ def _future_kernel(Q, K, L, R, T, D, G, window, eps, scale,
             m_new = tl.maximum(m, tl.max(s, 1))
             l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
             m = m_new
-        mean = tl.exp(m + tl.log(tl.where(ok, l, 1.0)) - tl.log(tl.where(ok, n, 1.0)))
-        best = tl.maximum(best, tl.log(eps + mean))
+        if MAX:  # the largest p[d, t]
+            p = tl.exp(m)
+        else:  # the mean of p[d, t]
+            p = tl.exp(m + tl.log(tl.where(ok, l, 1.0)) - tl.log(tl.where(ok, n, 1.0)))
+        best = tl.maximum(best, tl.log(eps + p))
     tl.store(R + kvh * T + t, tl.where(ok, best, float("-inf")), mask=t < T)
 
 
-def _future_triton(q, k, lse, window, eps, scale):
+def _future_triton(q, k, lse, window, eps, scale, reduce):
     (B, Hq, T, D), Hkv = q.shape, k.shape[1]
     r = torch.empty(B, Hkv, T, device=q.device)
     B_, BD = _tiles(D)
     grid = (triton.cdiv(T, B_), B * Hkv)
     _future_kernel[grid](q.contiguous(), k.contiguous(), lse.contiguous(), r, T, D, Hq // Hkv, window, eps, scale,
-                         BM=B_, BN=B_, BD=BD, num_stages=2)
+                         MAX=reduce == "max", BM=B_, BN=B_, BD=BD, num_stages=2)
     return r
 
 

@@ -524,22 +524,23 @@ def masked_attention(q, k, v, pi, sinks, window, pool):
 
 
 @torch.no_grad()
-def dense_targets(model, idx, window):
-    """One dense pass: every layer's cached (k, v) and its future-attention target r* (B, Hkv, T) (README,
-    Method: future attention): the oracle's priorities and the scorers' teacher."""
+def dense_targets(model, idx, window, reduce="mean"):
+    """One dense pass: every layer's cached (k, v) and its future-attention target r* (B, Hkv, T), the mean or the
+    max over the queries past the window (README, Method: future attention): the oracle's priorities and the
+    scorers' teacher."""
     kv, r = [], []
 
     def attn(i, q, k, v, pos):
         y, lse = kernels.attention(q, k, v)
         kv.append((k, v))
-        r.append(kernels.future_attention(q, k, lse, window))
+        r.append(kernels.future_attention(q, k, lse, window, reduce=reduce))
         return y
     model(idx, attn=attn, head=False)
     return kv, r
 
 
-def oracle_policy(model, idx, window):  # pi = r*
-    r = dense_targets(model, idx, window)[1]
+def oracle_policy(model, idx, window, reduce="mean"):  # pi = r*
+    r = dense_targets(model, idx, window, reduce)[1]
     return lambda i, k, v, pos: r[i][:, :, pos]
 
 
@@ -558,7 +559,8 @@ def attention_received(policy, q, k, lse):
 # ----------------------------------------------------------------------------------------------------------
 # learned scorers (README, Method: scorers)
 
-SCORERS = ("kvpop", "kvpop-mlp")
+SCORERS = ("kvpop-window", "kvpop", "kvpop-mlp")  # the default first
+DELAYED = ("kvpop", "kvpop-window")  # scored when the token leaves the window, not on arrival
 EPS = 1e-6  # the RMS epsilon of the scorers' features and read-out, in training and in decoding
 
 
@@ -585,6 +587,12 @@ class Scorer(nn.Module):
         self.theta = z(c=math.log(math.expm1(gamma)))  # softplus(theta) = gamma at the start
         if kind == "kvpop-mlp":
             self.w1, self.b1, self.w2, self.b2 = w(X, d_hidden), z(d_hidden), w(d_hidden), z()
+        elif kind == "kvpop-window":  # A reads over t+1..t+n, n = min(w, ahead), each by content and by offset
+            A, d, n = self.reads, self.d_key, min(window, self.ahead)
+            self.wq, self.wk, self.wv = w(X, A * d), w(X, A * d), w(X, A * d)  # query (from x[t]), key and value
+            slope = torch.tensor([1.0, 0.0])[:A, None]  # offset bias -slope (o - 1): read 0 starts on the next
+            self.bo = nn.Parameter((-slope * torch.arange(n)).expand(L, H, A, n).clone())  # token, read 1 evenly
+            self.w1, self.b1, self.w2, self.b2 = w(X + A * d, d_hidden), z(d_hidden), w(d_hidden), z()
         else:
             self.wk, self.wv, self.wr = w(X, M), w(X, M), w(X, M)  # memory key, value and read projections
             self.wi, self.bi, self.wf = w(X), z(), w(X)  # input and forget gate pre-activations
@@ -595,8 +603,8 @@ class Scorer(nn.Module):
         got = {k: getattr(config, k) for k in self.shape}
         if got != self.shape:
             raise ValueError(f"the scorer was trained for a model with {self.shape}, this model has {got}")
-        if self.kind == "kvpop" and window != self.window:
-            raise ValueError(f"the delayed kvpop scorer reads the memory {self.window} tokens late: it needs "
+        if self.kind in DELAYED and window != self.window:
+            raise ValueError(f"the delayed {self.kind} scorer reads each token {self.window} tokens late: it needs "
                              f"window {self.window}, got {window} (use --window {self.window})")
 
     @staticmethod
@@ -610,11 +618,56 @@ class Scorer(nn.Module):
         if self.kind == "kvpop-mlp":
             h = F.silu(x @ self.w1[i] + self.b1[i][:, None])  # (B, H, T, d_hidden)
             r = (h * self.w2[i][:, None]).sum(-1) + self.b2[i][:, None]
+        elif self.kind == "kvpop-window":
+            r = self.look_parallel(i, x)
         else:
             r, state = self.parallel(i, x)
             if memory is not None:
                 memory.append(state)
         return r + F.softplus(self.theta[i])[:, None] * pos.float()
+
+    reads, d_key, ahead = 2, 16, 32  # kvpop-window: reads, their width, the most tokens after t they see (ours)
+
+    def look(self, i, x, xw, offsets):
+        """kvpop-window: scores (B, H, n) of tokens with features x (B, H, n, X) from the features xw (B, H, m, X) of
+        tokens after them, offsets (n, m) apart (visible: 1..min(w, ahead)). Read a: softmax over the visible o of
+        (W_q x)_a . (W_k xw)_a / sqrt(d) + b_a[o] pools z_a = sum_o softmax * (W_v xw)_a; then
+        r = w_2 . silu(W_1 [x; z_1 .. z_A] + b_1) + b_2."""
+        A, d, n = self.reads, self.d_key, self.bo.shape[-1]
+        q, k, v = ((y @ w[i]).unflatten(-1, (A, d)).transpose(2, 3) for y, w in  # (B, H, A, n or m, d)
+                   ((x, self.wq), (xw, self.wk), (xw, self.wv)))
+        bias = self.bo[i][:, :, offsets.clamp(1, n) - 1]  # (H, A, n, m)
+        s = (q @ k.mT / math.sqrt(d) + bias).masked_fill((offsets < 1) | (offsets > n), -math.inf)
+        a = s.softmax(-1).nan_to_num(0.0)  # (B, H, A, n, m); the last token has nothing after it and reads zeros
+        return self.head(i, x, (a @ v).transpose(2, 3).flatten(-2))  # z (B, H, n, A d)
+
+    def head(self, i, x, z):  # r = w_2 . silu(W_1 [x; z] + b_1) + b_2: x (B, H, n, X), z (B, H, n, A d) -> (B, H, n)
+        h = F.silu(torch.cat([x, z], -1) @ self.w1[i] + self.b1[i][:, None])  # (B, H, n, d_hidden)
+        return (h * self.w2[i][:, None]).sum(-1) + self.b2[i][:, None]
+
+    def look_parallel(self, i, x):
+        """kvpop-window over a whole sequence x (B, H, T, X): chunks of c tokens, each reading the tokens up to n after
+        it (a token near the end reads what follows it: it never leaves the window within the sequence)."""
+        T, c, n = x.shape[2], self.chunk, self.bo.shape[-1]
+        out = []
+        for c0 in range(0, T, c):
+            c1, n1 = min(c0 + c, T), min(c0 + c + n, T)
+            t, j = torch.arange(c0, c1, device=x.device), torch.arange(c0 + 1, n1, device=x.device)
+            out.append(self.look(i, x[..., c0:c1, :], x[..., c0 + 1:n1, :], j - t[:, None]))
+        return torch.cat(out, -1)
+
+    def look_online(self, i, k, v, t):
+        """kvpop-window when decoding: the priority (B, H, 1) of token t from the cached keys and values k, v
+        (B, H, 1 + n, D) of t and of the n tokens after it, in position order. W_k and W_v are folded into the read,
+        u_a = W_k,a (W_q x)_a / sqrt(d) and z_a = W_v,a^T (sum_o softmax * xw), so the n tokens are never projected."""
+        x = self.features(k, v)
+        xt, xw = x[..., :1, :], x[..., 1:, :]  # (B, H, 1, X), (B, H, n, X)
+        A, d = self.reads, self.d_key
+        q = (xt @ self.wq[i]).view(*xt.shape[:2], A, d)  # (B, H, A, d)
+        u = torch.einsum("bhad,hxad->bhax", q, self.wk[i].unflatten(-1, (A, d))) / math.sqrt(d)  # (B, H, A, X)
+        a = (u @ xw.mT + self.bo[i]).softmax(-1)  # (B, H, A, n): offsets 1..n
+        z = torch.einsum("bhax,hxad->bhad", a @ xw, self.wv[i].unflatten(-1, (A, d)))  # (B, H, A, d)
+        return self.head(i, xt, z.flatten(-2)[:, :, None]) + F.softplus(self.theta[i])[:, None] * t
 
     @torch.no_grad()
     def rows(self):
@@ -742,17 +795,19 @@ class KVCache:
         self.pool, self.kind = size - sinks - window, policy_kind(policy)
         if isinstance(policy, Scorer):
             policy.check(c, window)
-        self.delayed = isinstance(policy, Scorer) and policy.kind == "kvpop"
-        if self.delayed:  # the memory of every layer and head: S = [C; n] (M + 1, M), log-scale m
+        self.delayed = isinstance(policy, Scorer) and policy.kind in DELAYED  # scores t as it leaves the window
+        self.memory = self.delayed and policy.kind == "kvpop"  # the mLSTM's state, beside the cache
+        if self.delayed:
+            self.ring = torch.zeros(*shape[:3], window, dtype=torch.long, device=p.device)  # slot of t at t % w
+        if self.memory:  # the memory of every layer and head: S = [C; n] (M + 1, M), log-scale m
             self.S = torch.zeros(*shape[:3], policy.d_mem + 1, policy.d_mem, device=p.device)
             self.m = torch.full(shape[:3], -math.inf, device=p.device)
             self.ms = [m[..., None, None] for m in self.m]  # (B, Hkv, 1, 1) views, as the recurrent step takes m
             self.pending, self.recalled = [], (-1, None)  # this step's updates; the recall and its step
-            self.ring = torch.zeros(*shape[:3], window, dtype=torch.long, device=p.device)  # slot of t at t % w
             self.rows = policy.rows()
 
     def nbytes(self):  # keys, values and a delayed scorer's state
-        state = sum(x.numel() * x.element_size() for x in (self.S, self.m)) if self.delayed else 0
+        state = sum(x.numel() * x.element_size() for x in (self.S, self.m)) if self.memory else 0
         return 2 * self.k.numel() * self.k.element_size() + state
 
     def whole(self, T):  # can T > 1 tokens come in one pass? (else the model feeds them one at a time)
@@ -769,7 +824,8 @@ class KVCache:
         if self.delayed:  # tokens still in the window are not scored yet; the memory has read them all
             mem = []
             pi = self.policy(i, k, v, pos, mem).masked_fill(pos > T - 1 - self.window, 0.0)
-            self.S[i], self.m[i] = mem[0]
+            if self.memory:
+                self.S[i], self.m[i] = mem[0]
         elif self.kind == "static":
             pi = priority(self.policy, i, k, v, pos)
         if T <= S:  # nothing is evicted yet
@@ -796,6 +852,17 @@ class KVCache:
         k, v = self.k.flatten(0, 2)[r].view(shape), self.v.flatten(0, 2)[r[0], :, r[1]].view(shape)
         return [j.unbind(0), *self.policy.recall(self.S, k, v, t, self.rows)]
 
+    def window_kv(self, i, k, v, p):
+        """Layer i's keys and values (B, Hkv, 1 + n, D) of token t = p - w and of the n tokens after it (n = w: the
+        last is the new token p, not cached yet): from the cache, whose ring has the window's slots."""
+        K, V, D, n = *self.layer[i][:2], k.shape[-1], self.policy.bo.shape[-1]
+        t = p - self.window
+        pos = torch.arange(t, min(t + n, p - 1) + 1, device=k.device)  # cached: t .. t + n, or .. p - 1
+        slots = self.ring[i][..., pos % self.window]  # (B, Hkv, 1 + n or n)
+        kw = K.gather(2, slots[..., None].expand(-1, -1, -1, D))
+        vw = V.gather(3, slots[:, :, None, :].expand(-1, -1, D, -1)).mT  # values are stored transposed
+        return (torch.cat([kw, k], 2), torch.cat([vw, v], 2)) if t + n == p else (kw, vw)
+
     def victims(self, p):
         """Per layer of a full cache: the slot (L, B, Hkv, 1) of the lowest (score, position) in the pool s <= t <=
         p - w (the sinks hold slots [0, s)), and that score. A delayed scorer's p - w is read later."""
@@ -807,7 +874,7 @@ class KVCache:
 
     def step(self, i, q, k, v, pos, p):  # one new token at position p (pos = [p] on the device)
         (B, H, _, D), S, L, (K, V, P, sc) = k.shape, self.size, len(self.layer), self.layer[i]  # P, sc (B, Hkv, S)
-        if self.delayed:  # the memory reads token p; token p - w leaves the window and is scored now
+        if self.memory:  # the memory reads token p; token p - w leaves the window and is scored now
             upd = self.policy.step(i, self.ms[i], k, v, self.rows)
             if p >= self.window:
                 if self.recalled[0] != p:  # from the states as they are, every layer's at once
@@ -816,6 +883,10 @@ class KVCache:
                 r = self.policy.read(i, upd, *rd, self.rows)
                 sc.scatter_(2, j, r)
             self.pending.append(upd)  # the memories take token p after the last layer (below), every layer's at once
+        elif self.delayed and p >= self.window:  # kvpop-window: token p - w reads the w tokens after it
+            j = self.ring[i][..., p % self.window, None]  # its slot (B, Hkv, 1)
+            r = self.policy.look_online(i, *self.window_kv(i, k, v, p), p - self.window)
+            sc.scatter_(2, j, r)
         if p < S:
             slot = P.new_full((B, H, 1), p)
         else:  # evict the lowest (score, position) of the eligible pool s <= t <= p - w
@@ -839,7 +910,7 @@ class KVCache:
         elif self.policy == "tova":  # the current query's attention (group mean)
             sc[..., :n] = a.mean(-2)
         y = a.to(V.dtype) @ V.transpose(-1, -2)
-        if self.delayed and i == L - 1:  # the step's last layer: every memory takes token p at once,
+        if self.memory and i == L - 1:  # the step's last layer: every memory takes token p at once,
             Scorer.settle(self.S, self.m, [torch.stack(x) for x in zip(*self.pending)])
             self.pending.clear()
             if p + 1 >= self.window:  # and the next step's recall is made now, while the states are in cache
@@ -848,16 +919,17 @@ class KVCache:
 
 
 @torch.no_grad()
-def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True):
+def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, reduce="mean"):
     """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True, token by token through
-    the evicting KVCache; online=False (static policies only), one pass with the eviction-time mask. The two agree."""
+    the evicting KVCache; online=False (static policies only), one pass with the eviction-time mask. The two agree.
+    reduce: the oracle's target, mean or max."""
     B, T = idx.shape
     if isinstance(policy, Scorer):
         policy.check(model.config, window)
     charge = getattr(policy, "charge", 0)  # a delayed scorer's state, in cache entries
     S, pool = budget_size(budget, T, sinks, window, charge)
     if isinstance(policy, str) and policy == "oracle":
-        policy = oracle_policy(model, idx, window)
+        policy = oracle_policy(model, idx, window, reduce)
     if online:
         cache = KVCache(model, B, S - charge if S < T else T, policy, sinks, window)
         return torch.cat([model(idx[:, t:t + 1], cache=cache) for t in range(T)], dim=1)

@@ -1,6 +1,6 @@
 """Sample from a Qwen3 checkpoint with a full or an evicting KV cache.
 
-    python sample.py --budget 0.25 --show   # offline: the shipped baby, its recall prompt, the learned kvpop scorer
+    python sample.py --budget 0.25 --show   # offline: the shipped baby, its recall prompt, its delayed scorer
     python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25
 """
 import os
@@ -30,8 +30,10 @@ top_p = 0.8  # nucleus sampling (1 = off); Qwen3 suggests 0.95 thinking, 0.8 oth
 seed = 1337  # random seed
 # --- KV budget (README, Method: budget)
 budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer B; 1 = full cache
-policy = ""  # kvpop, kvpop-mlp, streaming, knorm, random, h2o, tova, full; empty: --scorer's, kvpop (baby), streaming
-scorer = ""  # a learned scorer's folder; empty: out/ if train.py wrote one of that kind there, else baby/<policy>
+policy = ""  # a learned kind (kvpop-window, kvpop, kvpop-mlp), streaming, knorm, random, h2o, tova, full; empty:
+# --scorer's kind, else kvpop-window on the baby, streaming otherwise
+scorer = ""  # a learned scorer's folder; empty: out/ if train.py wrote one of that kind there, else the baby's shipped one
+
 sinks = 4  # first tokens never evicted
 window = 0  # most recent tokens never evicted; 0: the delayed scorer's own, else 32 on the baby, 256 otherwise
 show = False  # print the text again, each token shaded by the share of (layer, head) caches holding it
@@ -53,7 +55,7 @@ baby = model == "baby"  # the demo: the recall prompt and the task's length, 399
 prompt = prompt or ("FILE:baby/prompt.txt" if baby else "The capital of France is")
 if not policy and os.path.isfile(os.path.join(scorer or "-", "scorer.json")):  # a scorer folder names its kind
     policy = str(read_json(os.path.join(scorer, "scorer.json")).get("kind", ""))
-policy = policy or ("kvpop" if baby or scorer else "streaming")  # a --scorer without scorer.json: said below
+policy = policy or ("kvpop-window" if baby or scorer else "streaming")  # a --scorer without scorer.json: said below
 max_new_tokens = max_new_tokens or (112 if baby else 2048)
 try:  # every flag on its own first: nothing is looked up, downloaded or loaded for a bad one
     dev = torch.device(device)
@@ -75,13 +77,13 @@ need(0 < budget <= 1 or budget > 1 and budget == int(budget),
      f"--budget {budget:g}: use a fraction 0 < x <= 1 of the tokens or an integer B > 1")
 need(sinks >= 0, f"--sinks {sinks}: use 0 or more")
 need(window >= 0, f"--window {window}: use 1 or more (0: the default)")
-need(not scorer or policy in SCORERS, f"--scorer {scorer}: only a learned --policy (kvpop, kvpop-mlp) reads one; "
+need(not scorer or policy in SCORERS, f"--scorer {scorer}: only a learned --policy ({', '.join(SCORERS)}) reads one; "
      f"drop --scorer or choose one of those")
 try:
     if policy in SCORERS:  # a learned scorer: small files, read before the model
         need(scorer or baby, f"--policy {policy} needs --scorer DIR, a scorer trained for this model by train.py")
         out = "out" if os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy \
-            else os.path.join("baby", policy)
+            else os.path.join("baby", "scorers", "recall-max", policy)
         scorer = scorer or out
         pol = Scorer.from_pretrained(scorer).to(dev)  # beside the model and its cache
         need(pol.kind == policy, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")

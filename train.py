@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kernels
 import kvpop
-from bench import TASK_RANKS, quality_runs, quality_table, task_batch
+from tasks import TASK_RANKS, TASKS, quality_runs, quality_table, task_batch
 
 # --- what to run
 stage = "scorer"  # scorer: learn a scorer on a frozen model; pretrain: the baby from scratch
@@ -44,12 +44,14 @@ dtype = "auto"  # the frozen model's dtype: auto = the checkpoint's on cuda, flo
 threads = 1  # CPU threads; 2 gives the same bits, faster on an idle machine, far slower on a busy one
 # --- scorer (README, Method: scorers)
 model = "baby"  # the frozen model: checkpoint folder or Hugging Face repo id
-kind = "kvpop"  # kvpop (delayed mLSTM memory) or kvpop-mlp (insertion-time MLP)
+kind = "kvpop-window"  # kvpop-window (delayed: reads its window), kvpop (delayed: mLSTM memory), kvpop-mlp (on arrival)
 d_mem = 16  # kvpop: memory size d_mem x d_mem; sets the state charge (3 entries with the baby's head_dim 64)
-d_hidden = 64  # kvpop-mlp: hidden width
+d_hidden = 64  # kvpop-mlp, kvpop-window: hidden width
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
+target = "max"  # the teacher: max (ours) or mean (the paper's) over the queries past the window of a token's attention
 # --- data
-data = "baby"  # baby: the recall task of bench.py; else a .txt/.jsonl file, folder or glob, packed to seq_len
+data = "baby"  # baby: the baby's task (tasks.py); else a .txt/.jsonl file, folder or glob, packed to seq_len
+task = "recall"  # --data baby: recall, or cue (distractor bindings that only the next word marks as useless)
 seq_len = 512  # tokens per sequence
 queries = 0  # query positions per sequence in the loss, drawn at random (0 = every one)
 # --- eviction at training time (README, Method: budget)
@@ -88,6 +90,8 @@ log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None  # on
 need = lambda ok, msg: kvpop.need(ok, msg, "train.py")  # bad input: one line, before any heavy work  # noqa: E731
 need(stage in ("scorer", "pretrain"), f"--stage {stage!r}: choose scorer or pretrain")
 need(kind in kvpop.SCORERS, f"--kind {kind!r}: choose from {', '.join(kvpop.SCORERS)}")
+need(task in TASKS, f"--task {task!r}: choose from {', '.join(TASKS)}")
+need(target in ("mean", "max"), f"--target {target!r}: choose mean or max")
 need(device == "cpu" or device.startswith("cuda"), f"--device {device!r}: choose cpu or cuda")
 need(device == "cpu" or torch.cuda.is_available(), f"--device {device}: no CUDA GPU is visible; use --device cpu")
 need(dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {dtype!r}: auto, float32, bfloat16 or float16")
@@ -124,14 +128,15 @@ except ValueError as e:  # (pretrain never evicts: --budget, --sinks and --windo
     sys.exit(f"train.py: --budget: {e}")
 need(stage == "pretrain" or B_train < seq_len, f"--budget {budget} keeps all {seq_len} tokens: nothing to learn")
 for why, on, names in [  # a flag that this run would ignore is an error, as an unknown one is
-        ("--stage pretrain", stage == "pretrain", "finetune resume device dtype model kind d_mem d_hidden gamma data "
+        ("--stage pretrain", stage == "pretrain", "finetune resume device dtype model kind d_mem d_hidden gamma target "
+         "data "
          "queries budget sinks window batch_size max_iters min_lr weight_decay grad_clip log_interval eval_interval "
          "eval_seqs final_seqs"),
         ("--stage scorer", stage == "scorer", "vocab_ranks n_layer n_embd n_ff rope_theta tokens phase_steps "
          "advance_acc final_steps"), ("no --finetune", not finetune, "policy model_lr top_logits"),
-        ("--policy streaming (no scorer)", policy == "streaming", "kind d_mem d_hidden gamma queries"),
-        (f"--kind {kind}", True, {"kvpop": "d_hidden", "kvpop-mlp": "d_mem"}[kind]),
-        (f"--data {data} (not the recall task)", data != "baby", "keys final_seqs")]:
+        ("--policy streaming (no scorer)", policy == "streaming", "kind d_mem d_hidden gamma queries target"),
+        (f"--kind {kind}", True, {"kvpop": "d_hidden", "kvpop-mlp": "d_mem", "kvpop-window": "d_mem"}[kind]),
+        (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task")]:
     k = next((k for k in names.split() if on and k in given), None)
     need(k is None, f"--{k} does nothing with {why}; drop it (see --help)")
 need(not resume or os.path.isfile(os.path.join(out_dir, "train_state.pt")), f"--resume: no train_state.pt in {out_dir} "
@@ -172,13 +177,13 @@ def query_positions(T, it):
     return q
 
 
-def boundary_loss(scorer, kv, target, q, sinks, window, pool, ddp=None):
+def boundary_loss(scorer, kv, rs, q, sinks, window, pool, ddp=None):
     """Mean over layers of the balanced boundary loss at queries q (Q,) (README, Method: boundary loss), backward per
     layer (one layer's graph alive) when grad is enabled -> (loss, keep/drop accuracy). `ddp`: training's scorer; the
     keep/drop weights count the global batch, gradients are reduced once, in the last layer's backward."""
-    T, L = target[0].shape[-1], len(kv)
-    q, pos, total, hits = q.to(target[0].device), torch.arange(T, device=target[0].device), 0.0, 0.0
-    for i, ((k, v), r) in enumerate(zip(kv, target)):
+    T, L = rs[0].shape[-1], len(kv)  # rs: every layer's target r* (B, H, T)
+    q, pos, total, hits = q.to(rs[0].device), torch.arange(T, device=rs[0].device), 0.0, 0.0
+    for i, ((k, v), r) in enumerate(zip(kv, rs)):
         with ddp.no_sync() if isinstance(ddp, DDP) and i < L - 1 else contextlib.nullcontext():
             teacher = r + F.softplus(scorer.theta[i]).detach()[:, None] * pos  # (B, H, T); -inf past T - window
             y, bnd = boundary(teacher, kernels.eviction_times(teacher, sinks, window, pool), q, sinks, window)
@@ -203,7 +208,7 @@ def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, top_logi
     boundary loss, keep/drop accuracy."""
     with torch.no_grad():
         top = teacher(idx).float().topk(min(top_logits, teacher.config.vocab_size), -1)  # (B, T, K)
-    lt, kv, target = top.values.log_softmax(-1), [], []
+    lt, kv, rs = top.values.log_softmax(-1), [], []
 
     def attn(i, q, k, v, pos):
         with torch.no_grad():
@@ -211,12 +216,12 @@ def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, top_logi
         y, lse = kernels.attention(q, k, v, e, sinks)
         if scorer is not None:
             kv.append((k.detach(), v.detach()))
-            target.append(kernels.future_attention(q.detach(), k.detach(), lse.detach(), window))
+            rs.append(kernels.future_attention(q.detach(), k.detach(), lse.detach(), window, reduce=target))
         return y
     lp = net(idx, attn=attn).float().log_softmax(-1).gather(-1, top.indices)
     kl = (lt.exp() * (lt - lp)).sum(-1).mean()  # FSDP averages gradients: every process holds as many tokens
     kl.backward()
-    b = boundary_loss(scorer, kv, target, qpos, sinks, window, pool, ddp) if scorer is not None else (0.0, 0.0)
+    b = boundary_loss(scorer, kv, rs, qpos, sinks, window, pool, ddp) if scorer is not None else (0.0, 0.0)
     return allsum(kl.detach().double()).item() / world, *b
 
 
@@ -229,7 +234,7 @@ def batch(tok, it, n):
     """Training sequences (n, seq_len) of step `it`: a function of (seed, it), so a checkpoint's data position is its
     step. The baby task draws fresh ones; files are packed once and drawn in a seeded order."""
     if data == "baby":
-        return task_batch(tok, n, seq_len, random.Random(f"scorer-train-{seed}-{it}"), keys=keys)[0]
+        return task_batch(tok, n, seq_len, random.Random(f"scorer-train-{seed}-{it}"), keys=keys, **TASKS[task])[0]
     N = len(chunks) - n_valid  # the last n_valid chunks are held out
     perm = lambda ep: torch.randperm(N, generator=torch.Generator().manual_seed(seed * 100_003 + ep))  # noqa
     return torch.stack([chunks[perm(j // N)[j % N]] for j in range(it * n, it * n + n)])
@@ -257,14 +262,15 @@ def pack_files(tok):  # -> the text as sequences (n, seq_len), and how many of t
 def evaluate(net, tok, pol):
     """Held-out (rank 0): far accuracy at the training budget (baby task), else the boundary loss and its accuracy."""
     if data == "baby":
-        x = [t.to(device) for t in task_batch(tok, eval_seqs, seq_len, random.Random(f"valid-{seed}"), keys=keys)]
-        full, at_b = (r["far_accuracy"] for r in quality_runs(net, *x, [pol], [budget], sinks, window)[0])
+        x = task_batch(tok, eval_seqs, seq_len, random.Random(f"valid-{seed}"), keys=keys, **TASKS[task])
+        rows = quality_runs(net, *[t.to(device) for t in x], [pol], [budget], sinks, window)[0]
+        full, at_b = (r["far_accuracy"] for r in rows)
         return f"held-out far accuracy at budget {budget:g}: {at_b:.3f} (full {full:.3f})"
     if finetune:
         return "no held-out measure for --finetune on text"
     with torch.no_grad():
         x = chunks[-n_valid:].to(device)
-        loss, acc = boundary_loss(pol, *kvpop.dense_targets(net, x, window), query_positions(seq_len, 0), sinks,
+        loss, acc = boundary_loss(pol, *kvpop.dense_targets(net, x, window, target), query_positions(seq_len, 0), sinks,
                                   window, pool)
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
@@ -282,8 +288,8 @@ def save(it, folder, scorer, opt, student, opt_m):
                 shutil.copyfile(src, dst + ".tmp")
                 os.replace(dst + ".tmp", dst)
     if scorer is not None:
-        scorer.meta = dict(model=model, budget=budget, sinks=sinks, window=window, data=data, iters=it,
-                           finetune=finetune)
+        scorer.meta = dict(model=model, budget=budget, sinks=sinks, window=window, data=data, task=task, target=target,
+                           iters=it, finetune=finetune)
         scorer.save_pretrained(out_dir)
     state = dict(scorer=scorer and scorer.state_dict(), opt=opt and opt.state_dict(), model=sd, model_opt=osd, iter=it)
     torch.save(state, os.path.join(out_dir, "tmp.pt"))
@@ -347,7 +353,7 @@ def train():
         idx = batch(tok, it, batch_size)[rank * n:(rank + 1) * n].to(device)  # this process's share
         q = query_positions(seq_len, it)
         kl, loss, acc = (finetune_loss(student, net, scorer, idx, q, sinks, window, pool, top_logits, ddp) if finetune
-                         else (0.0, *boundary_loss(scorer, *kvpop.dense_targets(net, idx, window), q, sinks, window,
+                         else (0.0, *boundary_loss(scorer, *kvpop.dense_targets(net, idx, window, target), q, sinks, window,
                                                    pool, ddp)))
         for m, o in opts.items():
             torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
@@ -362,11 +368,11 @@ def train():
                 log(f"step {it + 1}: {evaluate(ev, tok, scorer or 'streaming')}; saved {out_dir}/")
     log(f"trained in {time.time() - t0:.0f}s")
     if data == "baby" and final_seqs and rank == 0:  # the quality table, as bench.py quality prints it
-        idx, tgt, dist_ = task_batch(tok, final_seqs, seq_len, random.Random("test-0"))
+        idx, tgt, dist_ = task_batch(tok, final_seqs, seq_len, random.Random("test-0"), **TASKS[task])
         ref = kvpop.Qwen3.from_pretrained(folder, dtype="float32") if finetune else None  # the dense start
         pols = [scorer or "streaming"] if finetune else ["oracle", "streaming", "h2o", scorer]
         rows, far, n = quality_runs(kvpop.Qwen3.from_pretrained(out_dir) if finetune else net, idx, tgt, dist_, pols,
-                                    [0.25, 0.125], sinks, window, ref=ref)  # --finetune: the model as saved
+                                    [0.25, 0.125], sinks, window, ref=ref, reduce=target)  # --finetune: as saved
         for r in rows[1:] if finetune else []:
             r["policy"] = f"{r['policy']} (fine-tuned)" if learned else "StreamingLLM+"
         print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
@@ -433,7 +439,7 @@ def pretrain():
         for i in range(n):
             f = min(1, (step + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * i / n)) if last else 1)
             opt.param_groups[0]["lr"] = lr * f
-            idx, tgt, _ = task_batch(tok, tokens // T, T, rng, keys=keys)
+            idx, tgt, _ = task_batch(tok, tokens // T, T, rng, keys=keys, **TASKS[task])
             with torch.autocast("cpu", dtype=torch.bfloat16):  # sdpa: plain causal, torch's fused kernel (autograd)
                 logits, loss = model(idx, tgt, attn=sdpa)
             opt.zero_grad(set_to_none=True)
@@ -447,7 +453,7 @@ def pretrain():
             if not last and len(accs) == 20 and sum(accs) / 20 >= advance_acc:
                 break
     wall = time.time() - t0
-    idx, tgt, dist = task_batch(tok, 64, seq_len, random.Random(f"valid-{seed}"), keys=keys)
+    idx, tgt, dist = task_batch(tok, 64, seq_len, random.Random(f"valid-{seed}"), keys=keys, **TASKS[task])
     logits = kvpop.evaluate(model.eval(), idx, "full", 1, online=False)
     far = tgt.masked_fill(dist < seq_len // 4 - 4, -1)  # farther back than a 25% budget's plain window
     print(f"pretrained in {wall:.0f}s ({step} steps); held-out accuracy {accuracy(logits, tgt):.3f}, "
