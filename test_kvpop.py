@@ -454,6 +454,28 @@ def test_online_cache_equals_masked_forward(small_model, policy, budget, sinks, 
         assert (on - full).abs().max().item() > 1e-2
 
 
+def test_a_static_policy_added_as_documented_evicts_by_its_definition(small_model, monkeypatch):
+    """README, Method: adding a policy. A new static policy is one entry in kvpop.STATIC: here `oldest`, pi[t] = -t,
+    whose pool keeps the oldest eligible tokens. The evicting cache holds exactly sinks + the k oldest eligible +
+    the window at every step, and its logits equal the masked pass's; a policy treated as anything but static
+    (e.g. classified by a fixed list of names) fails."""
+    monkeypatch.setitem(kvpop.STATIC, "oldest", lambda i, k, v, pos: -pos.float().expand(k.shape[:3]))
+    size, sinks, w, T = 24, 4, 8, 60
+    k = size - sinks - w
+    idx = torch.randint(0, 384, (2, T), generator=torch.Generator().manual_seed(9))
+    cache = kvpop.KVCache(small_model, 2, size, "oldest", sinks, w)
+    for t in range(T):
+        small_model(idx[:, t:t + 1], cache=cache)
+        held = cache.pos.sort(-1).values  # (L, B, Hkv, size)
+        want = sorted(set(range(min(sinks, t + 1))) | set(range(sinks, min(sinks + k, t - w + 1)))
+                      | set(range(max(t - w + 1, 0), t + 1)))
+        assert [x for x in held[0, 0, 0].tolist() if x >= 0] == want, t
+        assert (held == held[:1, :1, :1]).all()  # every layer, row and head alike
+    on = kvpop.evaluate(small_model, idx, "oldest", size, sinks, w, online=True)
+    off = kvpop.evaluate(small_model, idx, "oldest", size, sinks, w, online=False)
+    assert (on - off).abs().max().item() <= 1e-4 and t - w + 1 > sinks + k  # and eviction happened
+
+
 def test_prefill_with_eviction_equals_token_by_token(small_model):
     idx = torch.randint(0, 384, (1, 150), generator=torch.Generator().manual_seed(3))
     for policy in ["streaming", "knorm", "random"]:
@@ -1670,6 +1692,59 @@ def test_scorer_parallel_equals_recurrent(chunk):
     for i in range(2):
         assert (torch.cat(rec[i], -1) - pi[i][..., :T - w]).abs().max().item() <= 1e-5
         assert all((x - y).abs().max().item() <= 1e-5 for x, y in zip(mem[i], (S[i], m[i])))
+
+
+def _ref_mlstm_scores(s, i, k, v):
+    """kvpop from the README's equations, token by token in fp64, unstabilised: x = rms([k; v]); the memory reads
+    every token q, C = f C + i v' k'^T, n = f n + i k' (k' = W_k x / sqrt(M), v' = W_v x, i = exp(w_i . x + b_i),
+    f = sigmoid(w_f . x + b_f)); token t is read at q = min(t + w, T - 1) with u = W_r x_t:
+    h = C u / max(|n . u|, 1), r = w_o . rms(h) + w_s . x_t + b + softplus(theta) t. -> (B, H, T)."""
+    P = {name: p[i].double() for name, p in s.named_parameters()}
+    x = torch.cat([k, v], -1).double()
+    x = x / (x.pow(2).mean(-1, keepdim=True) + kvpop.EPS).sqrt()
+    (B, H, T, X), M, w = x.shape, s.d_mem, s.window
+    r = torch.zeros(B, H, T, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            C, n = torch.zeros(M, M, dtype=torch.float64), torch.zeros(M, dtype=torch.float64)
+            for q in range(T):
+                xq = x[b, h, q]
+                kq, vq = xq @ P["wk"][h] / math.sqrt(M), xq @ P["wv"][h]
+                ig = torch.exp(xq @ P["wi"][h] + P["bi"][h])
+                fg = torch.sigmoid(xq @ P["wf"][h] + P["bf"][h])
+                C, n = fg * C + ig * torch.outer(vq, kq), fg * n + ig * kq
+                for t in ([q - w] if q >= w and q < T - 1 else []) + (list(range(max(q - w, 0), T)) if q == T - 1
+                                                                      else []):
+                    u = x[b, h, t] @ P["wr"][h]
+                    hv = C @ u / torch.clamp((n @ u).abs(), min=1.0)
+                    hv = hv / (hv.pow(2).mean() + kvpop.EPS).sqrt()
+                    r[b, h, t] = hv @ P["wo"][h] + x[b, h, t] @ P["ws"][h] + P["b"][h] \
+                        + torch.nn.functional.softplus(P["theta"][h]) * t
+    return r
+
+
+def test_mlstm_scorer_equals_its_equations(small_model):
+    """kvpop's parallel form (one chunk, several) and the scores the evicting cache gives each token as it leaves the
+    window (the recurrent form: stabilised, RMS folded into the projection, read before the state is formed), against
+    the README's equations token by token."""
+    torch.manual_seed(3)
+    w, T = 7, 40
+    s = kvpop.Scorer(small_model.config, "kvpop", w, d_mem=8)
+    with torch.no_grad():  # gates that matter: input gates over e^-4..e^4, forget gates far from 1
+        s.wi.mul_(2), s.bf.fill_(1.0)
+    idx = torch.randint(0, 384, (2, T), generator=torch.Generator().manual_seed(6))
+    kv = kvpop.dense_targets(small_model, idx, w)[0]
+    for i, (k, v) in enumerate(kv):
+        ref = _ref_mlstm_scores(s, i, k, v)
+        for chunk in (128, 16, 5):
+            s.chunk = chunk
+            assert (s(i, k, v, torch.arange(T)).double() - ref).abs().max().item() <= 1e-4, chunk
+    cache = kvpop.KVCache(small_model, 2, T, s, 4, w)  # room for all: every token stays in its slot t
+    for t in range(T):
+        small_model(idx[:, t:t + 1], cache=cache)
+    for i, (k, v) in enumerate(kv):
+        got = cache.score[i][..., :T - w].double()
+        assert (got - _ref_mlstm_scores(s, i, k, v)[..., :T - w]).abs().max().item() <= 1e-4
 
 
 def _ref_window_scores(s, i, k, v):

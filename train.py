@@ -296,10 +296,13 @@ def save(it, folder, scorer, opt, student, opt_m):
     os.replace(os.path.join(out_dir, "tmp.pt"), os.path.join(out_dir, "train_state.pt"))
 
 
-def train():
+def load():
+    """Every check against the model's config, tokenizer and data first, the weights last -> the checkpoint folder,
+    tokenizer, frozen dense model, the model to fine-tune (--finetune), the scorer (None for StreamingLLM+) and the
+    checkpoint to resume from. Sets this module's data (chunks, n_valid) and the training pool."""
     global chunks, n_valid, pool
     learned = policy == "scorer"  # else StreamingLLM+ (--finetune): no scorer
-    try:  # every check against the model's config, tokenizer and data first: the weights load last
+    try:
         folder = kvpop.checkpoint_dir(model)
         config = kvpop.Qwen3Config.from_json(os.path.join(folder, "config.json"))
         tok = kvpop.Tokenizer.from_pretrained(folder)
@@ -312,8 +315,8 @@ def train():
             scorer = kvpop.Scorer.from_pretrained(out_dir).to(device).requires_grad_(True).train()
             scorer.load_state_dict(ck["scorer"])
         charge = scorer.charge if learned else 0
-        B_eval, pool = kvpop.budget_size(budget, seq_len, sinks, window, charge)  # the scorer's state comes off it
-        need(pool >= 1, f"--budget {budget}: B = {B_eval} leaves no pool after sinks + window + the scorer's "
+        B, pool = kvpop.budget_size(budget, seq_len, sinks, window, charge)  # the scorer's state comes off it
+        need(pool >= 1, f"--budget {budget}: B = {B} leaves no pool after sinks + window + the scorer's "
              f"state ({charge}); raise --budget or lower --window/--d_mem")
         for b in (0.25, 0.125) if data == "baby" and final_seqs else ():  # the final table's budgets fit too
             try:
@@ -328,36 +331,77 @@ def train():
             student.load_state_dict(ck["model"])
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         sys.exit(f"train.py: {e}")
-    ddp = DDP(scorer) if learned and world > 1 else scorer  # the model is frozen or sharded: the scorer is replicated
-    for m in (*net.model.layers, net, *student.model.layers, student) if finetune and world > 1 else ():
-        fully_shard(m)  # FSDP2: each block's weights split over the processes, gathered for its forward/backward
-    opts = {m: torch.optim.AdamW(m.parameters(), lr=r, betas=(0.9, 0.95), weight_decay=weight_decay)
-            for m, r in ((scorer, lr), (student, model_lr)) if m is not None}  # an optimizer per module trained
-    it0 = ck["iter"] if resume else 0
-    if resume:
-        if learned:
-            opts[scorer].load_state_dict(ck["opt"])
-        if finetune:
-            set_optimizer_state_dict(student, opts[student], ck["model_opt"],
-                                     options=StateDictOptions(full_state_dict=True))
-        log(f"resuming {out_dir} at step {it0}")
     what = f"{kind} scorer: {sum(p.numel() for p in scorer.parameters())} parameters" if learned else "StreamingLLM+"
     log(f"{what} for {model} ({config.num_hidden_layers} layers x {config.num_key_value_heads} KV heads)"
-        f"{', fine-tuning the model' * finetune}; budget {budget:g} = {B_eval} per head: {sinks} sinks + "
+        f"{', fine-tuning the model' * finetune}; budget {budget:g} = {B} per head: {sinks} sinks + "
         f"{window} window + {pool} pool + {charge} state; {world} process(es)")
-    t0, n = time.time(), batch_size // world
+    return folder, tok, net, student, scorer, ck
+
+
+def distribute(net, student, scorer):
+    """Several processes (torchrun): the scorer replicated (DDP; the model is frozen), or under --finetune the models
+    split block by block (FSDP2) -> what computes the scorer's priorities (the DDP wrapper, or the scorer)."""
+    if world > 1 and finetune:
+        for m in (*net.model.layers, net, *student.model.layers, student):
+            fully_shard(m)  # each block's weights split over the processes, gathered for its forward/backward
+    return DDP(scorer) if scorer is not None and world > 1 else scorer
+
+
+def optimizers(scorer, student, ck):
+    """An AdamW per module trained, its peak rate --lr (scorer) or --model_lr (model); with --resume, their states
+    as the checkpoint left them -> {module: optimizer}, the step to start from."""
+    opts = {m: torch.optim.AdamW(m.parameters(), lr=r, betas=(0.9, 0.95), weight_decay=weight_decay)
+            for m, r in ((scorer, lr), (student, model_lr)) if m is not None}
+    if not resume:
+        return opts, 0
+    if scorer is not None:
+        opts[scorer].load_state_dict(ck["opt"])
+    if finetune:
+        set_optimizer_state_dict(student, opts[student], ck["model_opt"], options=StateDictOptions(full_state_dict=True))
+    log(f"resuming {out_dir} at step {ck['iter']}")
+    return opts, ck["iter"]
+
+
+def train_step(it, tok, net, student, scorer, ddp, opts):
+    """Step it on this process's share of the batch -> KL (fine-tune), boundary loss, keep/drop accuracy."""
+    for o in opts.values():  # the model's rate follows the scorer's, in proportion
+        o.zero_grad(set_to_none=True)
+        o.param_groups[0]["lr"] = learning_rate(it) * (o.defaults["lr"] / lr)  # defaults: its peak
+    n = batch_size // world
+    idx = batch(tok, it, batch_size)[rank * n:(rank + 1) * n].to(device)
+    q = query_positions(seq_len, it)
+    if finetune:  # the model under the scorer's eviction, and the scorer on that pass
+        kl, loss, acc = finetune_loss(student, net, scorer, idx, q, sinks, window, pool, top_logits, ddp)
+    else:  # the scorer on the frozen model's keys, values and targets
+        kl, (loss, acc) = 0.0, boundary_loss(scorer, *kvpop.dense_targets(net, idx, window, target), q, sinks, window,
+                                            pool, ddp)
+    for m, o in opts.items():
+        torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
+        o.step()
+    return kl, loss, acc
+
+
+def final_table(folder, tok, net, scorer):
+    """The quality table on bench.py quality's held-out sequences: the trained scorer beside the oracle, streaming
+    and h2o, or (--finetune) the fine-tuned model under its eviction against the dense model it started from."""
+    idx, tgt, dist = task_batch(tok, final_seqs, seq_len, random.Random("test-0"), **TASKS[task])
+    ref = kvpop.Qwen3.from_pretrained(folder, dtype="float32") if finetune else None  # the dense start
+    pols = [scorer or "streaming"] if finetune else ["oracle", "streaming", "h2o", scorer]
+    ev = kvpop.Qwen3.from_pretrained(out_dir) if finetune else net  # --finetune: the model as saved
+    rows, far, n = quality_runs(ev, idx, tgt, dist, pols, [0.25, 0.125], sinks, window, ref=ref, reduce=target)
+    for r in rows[1:] if finetune else []:
+        r["policy"] = f"{r['policy']} (fine-tuned)" if scorer is not None else "StreamingLLM+"
+    print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
+    print(quality_table(rows))
+
+
+def train():
+    folder, tok, net, student, scorer, ck = load()
+    ddp = distribute(net, student, scorer)
+    opts, it0 = optimizers(scorer, student, ck)
+    t0 = time.time()
     for it in range(it0, max_iters):
-        for o in opts.values():  # the model's rate follows the scorer's, in proportion
-            o.zero_grad(set_to_none=True)
-            o.param_groups[0]["lr"] = learning_rate(it) * (o.defaults["lr"] / lr)  # defaults: its peak
-        idx = batch(tok, it, batch_size)[rank * n:(rank + 1) * n].to(device)  # this process's share
-        q = query_positions(seq_len, it)
-        kl, loss, acc = (finetune_loss(student, net, scorer, idx, q, sinks, window, pool, top_logits, ddp) if finetune
-                         else (0.0, *boundary_loss(scorer, *kvpop.dense_targets(net, idx, window, target), q, sinks, window,
-                                                   pool, ddp)))
-        for m, o in opts.items():
-            torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
-            o.step()
+        kl, loss, acc = train_step(it, tok, net, student, scorer, ddp, opts)
         if (it + 1) % log_interval == 0 or it == it0:
             log(f"step {it + 1}: loss {loss + kl:.6f}{f' (KL {kl:.6f} + boundary {loss:.6f})' * finetune}, keep/drop "
                 f"accuracy {acc:.3f}, {(it + 1 - it0) * batch_size * seq_len / (time.time() - t0):.0f} tokens/s")
@@ -367,16 +411,8 @@ def train():
                 ev = kvpop.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
                 log(f"step {it + 1}: {evaluate(ev, tok, scorer or 'streaming')}; saved {out_dir}/")
     log(f"trained in {time.time() - t0:.0f}s")
-    if data == "baby" and final_seqs and rank == 0:  # the quality table, as bench.py quality prints it
-        idx, tgt, dist_ = task_batch(tok, final_seqs, seq_len, random.Random("test-0"), **TASKS[task])
-        ref = kvpop.Qwen3.from_pretrained(folder, dtype="float32") if finetune else None  # the dense start
-        pols = [scorer or "streaming"] if finetune else ["oracle", "streaming", "h2o", scorer]
-        rows, far, n = quality_runs(kvpop.Qwen3.from_pretrained(out_dir) if finetune else net, idx, tgt, dist_, pols,
-                                    [0.25, 0.125], sinks, window, ref=ref, reduce=target)  # --finetune: as saved
-        for r in rows[1:] if finetune else []:
-            r["policy"] = f"{r['policy']} (fine-tuned)" if learned else "StreamingLLM+"
-        print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
-        print(quality_table(rows))
+    if data == "baby" and final_seqs and rank == 0:
+        final_table(folder, tok, net, scorer)
 
 
 # ----------------------------------------------------------------------------------------------------------
