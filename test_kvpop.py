@@ -3311,3 +3311,210 @@ def test_train_distributed_bad_input(monkeypatch):
     one_line_error(
         exits(monkeypatch, "train.py", "--batch_size", "8"), "--batch_size 8", "3 processes"
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# [11/11] every command the README shows runs (smaller where it must)
+
+README_SMALL = {  # each README command -> the flags appended to run it here (a later flag wins)
+    "python sample.py --budget 0.25 --show": [],
+    "python bench.py quality": ["--n", "2"],
+    "python train.py": [
+        "--max_iters",
+        "2",
+        "--final_seqs",
+        "2",
+        "--eval_seqs",
+        "2",
+        "--out_dir",
+        "{tmp}/a",
+    ],
+    "python bench.py quality --task recall,cue --target mean,max --policies full,oracle,streaming,h2o": [
+        "--n",
+        "2",
+    ],
+    "python train.py --task cue --target mean --kind kvpop": [
+        "--max_iters",
+        "2",
+        "--final_seqs",
+        "2",
+        "--eval_seqs",
+        "2",
+        "--out_dir",
+        "{tmp}/b",
+    ],
+    "python train.py --finetune --kind kvpop --target mean --out_dir out-ft": [
+        "--max_iters",
+        "2",
+        "--batch_size",
+        "2",
+        "--final_seqs",
+        "2",
+        "--eval_seqs",
+        "1",
+        "--out_dir",
+        "{tmp}/c",
+    ],
+    "python train.py --finetune --policy streaming --out_dir out-sllm": [
+        "--max_iters",
+        "2",
+        "--batch_size",
+        "2",
+        "--final_seqs",
+        "2",
+        "--eval_seqs",
+        "1",
+        "--out_dir",
+        "{tmp}/d",
+    ],
+    "torchrun --nproc_per_node=2 train.py --finetune --kind kvpop --target mean --out_dir out-ft2": [
+        "--max_iters",
+        "2",
+        "--batch_size",
+        "2",
+        "--final_seqs",
+        "0",
+        "--eval_seqs",
+        "1",
+        "--out_dir",
+        "{tmp}/e",
+    ],
+    "python bench.py speed --contexts 8192 --budgets 0.25": [
+        "--model",
+        "{tmp}/m",
+        "--contexts",
+        "300",
+        "--steps",
+        "1",
+        "--window",
+        "16",
+        "--d_mem",
+        "8",
+    ],
+    "python bench.py speed --contexts '' --layers 2 --prefill 32768 --policies streaming,kvpop": [
+        "--model",
+        "{tmp}/m",
+        "--prefill",
+        "256",
+        "--window",
+        "16",
+        "--d_mem",
+        "8",
+    ],
+    "python bench.py kernels --T 16384": ["--T", "256"],
+    "python train.py --stage pretrain --out_dir baby": [
+        "--out_dir",
+        "{tmp}/baby",
+        "--seq_len",
+        "64",
+        "--tokens",
+        "256",
+        "--phase_steps",
+        "2",
+        "--final_steps",
+        "2",
+    ],
+}
+# run in this order in one folder, against a random Qwen3 with the real vocabulary in a
+README_QWEN = {
+    # local Hugging Face cache: train writes out/, which the last samples with
+    'python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25': [
+        "--max_new_tokens",
+        "4",
+        "--window",
+        "1",
+    ],
+    "python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25": [
+        "--seq_len",
+        "64",
+        "--window",
+        "8",
+        "--max_iters",
+        "2",
+        "--batch_size",
+        "2",
+        "--eval_seqs",
+        "1",
+        "--eval_interval",
+        "2",
+    ],
+    'python sample.py --model Qwen/Qwen3-0.6B --scorer out --budget 0.25 --prompt "FILE:long.txt"': [
+        "--max_new_tokens",
+        "4",
+    ],
+}
+README_NOT_RUN = {  # the commands no test runs, and why
+    "pip install -r requirements.txt": "CI runs it (.ci/run)",
+    "python -m pytest -q test_kvpop.py": "this is the test run",
+    "python -m pytest -q test_kvpop.py -k cuda && python bench.py kernels --T 4096,16384 && python "
+    "bench.py speed --prefill 16384 --train 4096 && python sample.py --device cuda --budget 0.25": "needs a GPU",
+}
+
+
+def _readme_commands():
+    text = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    blocks = re.findall(r"```\n(.*?)```", text, re.S)
+    return [
+        line.strip()
+        for b in blocks
+        for line in b.splitlines()
+        if line.strip().startswith(("python ", "torchrun ", "pip "))
+    ]
+
+
+def _run_readme(cmd, extra, tmp, cwd=HERE, env=None):
+    import shlex
+
+    argv = shlex.split(cmd) + [x.format(tmp=tmp) for x in extra]
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    else:  # torchrun
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:]]
+    if cwd != HERE:  # the script from the repository, the relative paths from cwd
+        argv[1] = os.path.join(HERE, argv[1])
+    r = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, (cmd, r.stderr[-3000:])
+    return r
+
+
+def test_every_readme_command_is_known():
+    """A command added to the README without a run here (or a reason not to) fails this test."""
+    cmds = _readme_commands()
+    known = {**README_SMALL, **README_QWEN, **README_NOT_RUN}
+    assert [c for c in cmds if c not in known] == []
+    assert [c for c in known if c not in cmds] == []  # and none is left over from an older README
+
+
+@pytest.mark.parametrize("cmd", list(README_SMALL))
+def test_readme_command_runs(cmd, tmp_path):
+    if "{tmp}/m" in " ".join(README_SMALL[cmd]):
+        hf_checkpoint(tmp_path / "m", layers=2)
+    r = _run_readme(cmd, README_SMALL[cmd], tmp_path)
+    if (
+        cmd.startswith("python train.py") and "pretrain" not in cmd
+    ):  # a scorer or a model was written
+        assert "saved" in r.stdout
+    if cmd.startswith("python bench.py quality"):
+        assert "| full | 1 |" in r.stdout
+
+
+def test_readme_real_qwen3_commands_on_a_local_cache(tmp_path):
+    """The README's three commands for a real Qwen3 (sample, train a scorer on text files, sample
+    with it), offline: a random Qwen3 with the real 151,936-token vocabulary saved by transformers
+    in a local Hugging Face cache under Qwen/Qwen3-0.6B, its tokenizer.json the real one."""
+    snap = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B" / "snapshots" / "0123abc"
+    hf_checkpoint(snap, layers=2, vocab=151936)
+    shutil.copy(os.path.join(HF_DIR, "tokenizer.json"), snap / "tokenizer.json")
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("0123abc")
+    (tmp_path / "texts").mkdir()
+    text = " ".join(CORPUS.split()[:400])
+    for n in range(3):
+        (tmp_path / "texts" / f"{n}.txt").write_text(text[n * 300 :] + text[: n * 300])
+    (tmp_path / "long.txt").write_text(text[:600])
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT="http://127.0.0.1:9")
+    out = [
+        _run_readme(c, extra, tmp_path, tmp_path, env).stdout for c, extra in README_QWEN.items()
+    ]
+    assert "tokens/s" in out[0] and "saved out/" in out[1]
+    assert "policy kvpop-window (out)" in out[2] and (tmp_path / "out" / "scorer.json").exists()
