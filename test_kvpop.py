@@ -2423,20 +2423,27 @@ def test_mlstm_scorer_equals_its_equations(small_model):
     s = kvpop.Scorer(small_model.config, "kvpop", w, d_mem=8)
     with torch.no_grad():  # gates that matter: input gates over e^-4..e^4, forget gates far from 1
         s.wi.mul_(2), s.bf.fill_(1.0)
-    idx = torch.randint(0, 384, (2, T), generator=torch.Generator().manual_seed(6))
+    _check_scorer_against(small_model, s, _ref_mlstm_scores, T, seed=6, tol=1e-4)
+
+
+def _check_scorer_against(small_model, s, ref, T, seed, tol):
+    """A delayed scorer's parallel form (one chunk, several, chunks shorter than the window) and the scores the
+    evicting cache gives each token as it leaves the window, against ref(s, i, k, v) -> (B, H, T)."""
+    w = s.window
+    idx = torch.randint(0, 384, (2, T), generator=torch.Generator().manual_seed(seed))
     kv = kvpop.dense_targets(small_model, idx, w)[0]
     for i, (k, v) in enumerate(kv):
-        ref = _ref_mlstm_scores(s, i, k, v)
+        want = ref(s, i, k, v)
         for chunk in (128, 16, 5):
             s.chunk = chunk
-            assert (s(i, k, v, torch.arange(T)).double() - ref).abs().max().item() <= 1e-4, chunk
+            assert (s(i, k, v, torch.arange(T)).double() - want).abs().max().item() <= tol, chunk
     # room for all: every token stays in its slot t
     cache = kvpop.KVCache(small_model, 2, T, s, 4, w)
     for t in range(T):
         small_model(idx[:, t : t + 1], cache=cache)
-    for i, (k, v) in enumerate(kv):
+    for i, (k, v) in enumerate(kv):  # the cache scores t = p - w at step p: tokens up to T - 1 - w
         got = cache.score[i][..., : T - w].double()
-        assert (got - _ref_mlstm_scores(s, i, k, v)[..., : T - w]).abs().max().item() <= 1e-4
+        assert (got - ref(s, i, k, v)[..., : T - w]).abs().max().item() <= tol
 
 
 def _ref_window_scores(s, i, k, v):
@@ -2495,20 +2502,7 @@ def test_window_scorer_equals_its_definition(small_model, w, ahead, monkeypatch)
     s, T = kvpop.Scorer(small_model.config, "kvpop-window", w, d_hidden=8), 40
     with torch.no_grad():  # reads that matter: content and offset both move the softmax
         s.bo.normal_(0, 2), s.wq.mul_(2)
-    idx = torch.randint(0, 384, (2, T), generator=torch.Generator().manual_seed(4))
-    kv = kvpop.dense_targets(small_model, idx, w)[0]
-    for i, (k, v) in enumerate(kv):
-        ref = _ref_window_scores(s, i, k, v)
-        for chunk in (128, 16, 5):
-            s.chunk = chunk
-            assert (s(i, k, v, torch.arange(T)).double() - ref).abs().max().item() <= 1e-5, chunk
-    # room for all: every token stays in its slot t
-    cache = kvpop.KVCache(small_model, 2, T, s, 4, w)
-    for t in range(T):
-        small_model(idx[:, t : t + 1], cache=cache)
-    for i, (k, v) in enumerate(kv):  # the cache scores t = p - w at step p: tokens up to T - 1 - w
-        got = cache.score[i][..., : T - w].double()
-        assert (got - _ref_window_scores(s, i, k, v)[..., : T - w]).abs().max().item() <= 1e-5
+    _check_scorer_against(small_model, s, _ref_window_scores, T, seed=4, tol=1e-5)
 
 
 def test_scorer_parallel_memory_is_linear():
