@@ -1,13 +1,13 @@
-"""Benchmarks: `python bench.py {kernels,quality,speed} [options]`, one cmd_ function per command
-(its docstring and options: `-h` after the command). The tasks and their quality evaluation are in
-tasks.py."""
+"""Benchmarks: `python bench.py {quality,speed,kernels} [--key value ...]`, one cmd_ function per
+command. Each reads the defaults under its heading below and the shared ones (`--help` after the
+command lists them). The tasks and their quality evaluation are in tasks.py."""
 
-import argparse
 import math
 import os
 import random
 import sys
 import time
+import types
 import weakref
 
 # before torch loads: large tensors on 2 MB pages, see README
@@ -19,6 +19,64 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kernels
 import kvpop
 import tasks
+
+
+# --- shared (each command reads those it names)
+model = ""  # checkpoint folder; empty: the baby (quality), a random model of --shape (speed)
+policies = ""  # comma-separated; empty: all (quality), streaming + learned kinds (speed)
+budgets = "0.25,0.125"  # comma-separated fractions of the tokens kept per head (or integers B)
+sinks = 4  # first tokens never evicted
+window = 0  # recent tokens never evicted; 0: 32 (quality: the baby's) or 256 (speed: the paper's)
+device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu or cuda (speed, kernels)
+json = ""  # also write the rows to this file (quality, speed)
+# --- quality: every policy on held-out sequences of the baby's tasks (teacher-forced)
+task = "recall"  # comma-separated tasks: recall, cue
+target = "max"  # comma-separated targets of the oracle and the scorers: mean, max
+scorer = "shipped"  # comma-separated folders ('' none); shipped: baby/scorers/<task>-<target>/*
+seed = 0  # held-out task seed (training draws other streams)
+n = 128  # sequences
+T = 512  # tokens per sequence
+threads = 1  # CPU threads (tiny ops: a second one mostly waits)
+# --- speed: decoding against the bytes it reads, prefill, a training step
+shape = "0.6B"  # Qwen3 shape of the random model: 0.6B, 4B or 8B
+layers = 0  # layers of the random model (0 = the shape's)
+contexts = "8192,32768"  # comma-separated decoding contexts ('' = none)
+steps = 16  # decoding rounds timed per row (the median is kept)
+prefill = 0  # prompt length of the prefill rows (0 = none)
+train = 0  # sequence length of the training-step rows (0 = none)
+d_mem = 128  # the kvpop scorer's memory size (the paper's 128)
+dtype = "auto"  # auto (bf16 on cuda, fp32 on cpu), float32 or bfloat16
+# --- kernels: time and peak memory of each kernels.py op against its naive dense version
+lengths = ""  # comma-separated T; empty: 4096,16384,32768 on cuda, 1024,2048,4096 on cpu
+D = 128  # head dim
+group = 2  # query heads of the one KV head timed
+COMMAND_FLAGS = {  # what each command reads
+    "quality": "model policies budgets sinks window json task target scorer seed n T threads",
+    "speed": "model policies budgets sinks window device json shape layers contexts steps prefill "
+    "train d_mem dtype",
+    "kernels": "device lengths D group",
+}
+
+
+def flags(command, argv):
+    """The command's settings: its defaults above, overridden by --key value (kvpop.configure; a flag
+    of another command is an unknown option) and checked for what every command shares."""
+    g = {k: globals()[k] for k in COMMAND_FLAGS[command].split()}
+    g.update(__file__=__file__, __prog__=f"bench.py {command}")
+    kvpop.configure(g, argv)
+    need = lambda ok, msg: kvpop.need(ok, msg, g["__prog__"])  # noqa: E731
+    need(g.get("device", "cpu") in ("cpu", "cuda"), f"--device {g.get('device')!r}: cpu or cuda")
+    need(
+        g.get("device") != "cuda" or torch.cuda.is_available(),
+        "--device cuda: no CUDA GPU is visible; use --device cpu",
+    )
+    j = g.get("json", "")
+    folder = os.path.dirname(j) or "."
+    need(
+        not j or not os.path.isdir(j) and os.path.isdir(folder) and os.access(folder, os.W_OK),
+        f"--json {j}: give a file name in an existing, writable folder",
+    )
+    return types.SimpleNamespace(**{k: v for k, v in g.items() if not k.startswith("_")}), need
 
 
 # ------------------------------------------------------------------------------------------------
@@ -109,55 +167,30 @@ def peak(fn, dev):  # (seconds, peak bytes allocated above what was live before)
     return clock(fn, dev), torch.cuda.max_memory_allocated() - base
 
 
-# a GPU for --device cuda, flag >= least[flag], --json: a file in a writable folder
-def check_flags(ap, a, **least):
-    if getattr(a, "device", None) == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA GPU is visible; use --device cpu")
-    for flag, n in least.items():
-        if getattr(a, flag) < n:
-            ap.error(f"--{flag} {getattr(a, flag)}: use {n} or more")
-    json = getattr(a, "json", None)
-    folder = os.path.dirname(json or "") or "."
-    if json and (
-        os.path.isdir(json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)
-    ):
-        ap.error(f"--json {json}: give a file name in an existing, writable folder")
-
-
 def table(*cols):  # a markdown table's head: its column names, then the rule under them
     return "| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|"
 
 
 def cmd_kernels(argv):
     """Time and peak memory of each kernels.py op vs its naive dense version (and SDPA on CUDA)."""
-    ap = argparse.ArgumentParser(prog="bench.py kernels", description=cmd_kernels.__doc__)
-    ap.error = lambda msg: sys.exit(f"bench.py kernels: {msg}")  # one line, exit status 1
-    ap.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
+    a, need = flags("kernels", argv)
+    need(a.group >= 1, f"--group {a.group}: use 1 or more")
+    dev, sinks, window = a.device, 4, 256
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    a.lengths = a.lengths or ("4096,16384,32768" if dev == "cuda" else "1024,2048,4096")
+    need(
+        all(x.strip().isdecimal() and int(x) >= 1 for x in a.lengths.split(",")),
+        f"--lengths {a.lengths!r}: use comma-separated lengths >= 1, e.g. 1024,2048",
     )
-    ap.add_argument(
-        "--T",
-        help="comma-separated lengths (default 4096,16384,32768 on CUDA, 1024,2048,4096 on CPU)",
+    need(
+        a.D >= 1 and (dev != "cuda" or a.D <= 256),
+        f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)",
     )
-    ap.add_argument("--D", type=int, default=128, help="head dim")
-    ap.add_argument("--group", type=int, default=2, help="query heads of the one KV head timed")
-    a = ap.parse_args(argv)
-    check_flags(ap, a, group=1)
-    dev, dt, sinks, window = (
-        a.device,
-        torch.bfloat16 if a.device == "cuda" else torch.float32,
-        4,
-        256,
-    )
-    a.T = ("4096,16384,32768" if dev == "cuda" else "1024,2048,4096") if a.T is None else a.T
-    if not all(x.strip().isdecimal() and int(x) >= 1 for x in a.T.split(",")):
-        ap.error(f"--T {a.T!r}: use comma-separated lengths >= 1, e.g. 1024,2048")
-    if a.D < 1 or dev == "cuda" and a.D > 256:
-        ap.error(f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)")
-    # noqa: E731
-    measure = lambda fn: (
-        min([clock(fn, dev) for _ in range(4)][1:]) * 1e3,
-        peak(fn, dev)[1] / 2**20,
+    measure = (
+        lambda fn: (  # noqa: E731
+            min([clock(fn, dev) for _ in range(4)][1:]) * 1e3,
+            peak(fn, dev)[1] / 2**20,
+        )
     )
     print(
         f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads, sinks {sinks}, window {window}, pool T/4\n"
@@ -175,7 +208,7 @@ def cmd_kernels(argv):
             "naive/ours",
         )
     )
-    for T in map(int, a.T.split(",")):
+    for T in map(int, a.lengths.split(",")):
         q, k, v = (torch.randn(1, h, T, a.D, device=dev, dtype=dt) for h in (a.group, 1, 1))
         pri = torch.randn(1, 1, T, device=dev)
         e, lse = kernels.eviction_times(pri, sinks, window, T // 4), kernels.attention(q, k, v)[1]
@@ -214,57 +247,32 @@ def shipped_scorers(task, target):
 def cmd_quality(argv):
     """Eviction quality of every policy on held-out sequences of the baby's tasks (teacher-forced):
     for each task the policies, then for each target the oracle and the scorers trained on it."""
-    ap = argparse.ArgumentParser(prog="bench.py quality", description=cmd_quality.__doc__)
-    ap.error = lambda msg: sys.exit(f"bench.py quality: {msg}")  # one line, exit status 1
-    ap.add_argument("--model", default="baby", help="checkpoint folder (default: the shipped baby)")
-    ap.add_argument(
-        "--task", default="recall", help=f"comma-separated tasks, of {','.join(tasks.TASKS)}"
+    a, need = flags("quality", argv)
+    a.model, a.window = a.model or "baby", a.window or 32
+    policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
+    task_names, targets = a.task.split(","), a.target.split(",")
+    bad = [p for p in policies if p not in kvpop.POLICIES]
+    need(
+        not bad,
+        f"--policies: unknown policy {(bad or [''])[0]!r}; choose from {','.join(kvpop.POLICIES)}",
     )
-    ap.add_argument(
-        "--target",
-        default="max",
-        help="comma-separated targets of the oracle and scorers: mean, max",
-    )
-    ap.add_argument(
-        "--scorer",
-        help="comma-separated learned scorer folders, a row each, named by kind ('' for "
-        "none; default: the shipped ones of each task and target, baby/scorers/<task>-<target>/<kind>)",
-    )
-    ap.add_argument(
-        "--policies", default="full,oracle,streaming,h2o,tova,knorm,random", help="comma-separated"
-    )
-    ap.add_argument(
-        "--budgets", default="0.25,0.125", help="comma-separated fractions of T (or integers B)"
-    )
-    ap.add_argument(
-        "--seed", type=int, default=0, help="held-out task seed (training draws other streams)"
-    )
-    ap.add_argument("--json", help="also write the rows to this file")
-    ap.add_argument("--n", type=int, default=128, help="sequences")
-    ap.add_argument("--T", type=int, default=512, help="tokens per sequence")
-    ap.add_argument("--sinks", type=int, default=4, help="first tokens never evicted")
-    ap.add_argument("--window", type=int, default=32, help="recent tokens never evicted")
-    ap.add_argument(
-        "--threads", type=int, default=1, help="CPU threads (tiny ops: a second one mostly waits)"
-    )
-    a = ap.parse_args(argv)
-    policies, task_names, targets = a.policies.split(","), a.task.split(","), a.target.split(",")
-    if bad := [p for p in policies if p not in kvpop.POLICIES]:
-        ap.error(f"--policies: unknown policy {bad[0]!r}; choose from {','.join(kvpop.POLICIES)}")
-    if bad := [t for t in task_names if t not in tasks.TASKS]:
-        ap.error(f"--task: unknown task {bad[0]!r}; choose from {','.join(tasks.TASKS)}")
-    if bad := [t for t in targets if t not in ("mean", "max")]:
-        ap.error(f"--target: unknown target {bad[0]!r}; choose mean or max")
-    # not inf, nan, ''
-    budgets = [kvpop.parse_value(ap.prog, "budgets", b, float) for b in a.budgets.split(",")]
-    check_flags(ap, a, n=1, T=64, sinks=0, window=1, threads=1)
+    bad = [t for t in task_names if t not in tasks.TASKS]
+    need(not bad, f"--task: unknown task {(bad or [''])[0]!r}; choose from {','.join(tasks.TASKS)}")
+    bad = [t for t in targets if t not in ("mean", "max")]
+    need(not bad, f"--target: unknown target {(bad or [''])[0]!r}; choose mean or max")
+    for name, least in dict(n=1, T=64, sinks=0, window=1, threads=1).items():
+        need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
+    # each a finite number: not inf, nan or ''
+    budgets = [
+        kvpop.parse_value("bench.py quality", "budgets", b, float) for b in a.budgets.split(",")
+    ]
     try:
         limit = kvpop.Qwen3Config.from_json(
             os.path.join(kvpop.checkpoint_dir(a.model), "config.json")
         )
         folders = {
             (t, r): shipped_scorers(t, r)
-            if a.scorer is None
+            if a.scorer == "shipped"
             else [d for d in a.scorer.split(",") if d]
             for t in task_names
             for r in targets
@@ -283,7 +291,7 @@ def cmd_quality(argv):
         net = kvpop.Qwen3.from_pretrained(a.model, dtype=torch.float32)
         tok = kvpop.Tokenizer.from_pretrained(kvpop.checkpoint_dir(a.model))
     except (OSError, ValueError) as e:
-        ap.error(str(e))
+        need(False, str(e))
     t0, rows, head = time.time(), [], []
     for task in task_names:  # the same held-out sequences for every policy and target of a task
         idx, tgt, dist = tasks.task_batch(
@@ -363,64 +371,36 @@ def cmd_speed(argv):
     matrix-vector limit, the scorer's share of a step; prefill time and peak memory; a scorer
     training step, part by part. A step reads the weights (the input embedding only when tied to the
     head; a learned scorer's too), kept keys, values, state."""
-    ap = argparse.ArgumentParser(prog="bench.py speed", description=cmd_speed.__doc__)
-    ap.error = lambda msg: sys.exit(f"bench.py speed: {msg}")  # one line, exit status 1
-    ap.add_argument("--model", help="checkpoint folder (default: a random model of --shape)")
-    ap.add_argument(
-        "--shape", default="0.6B", choices=list(SHAPES), help="Qwen3 shape of the random model"
+    a, need = flags("speed", argv)
+    a.window = a.window or 256
+    for name, least in dict(
+        layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1
+    ).items():
+        need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
+    need(a.shape in SHAPES, f"--shape {a.shape!r}: choose from {', '.join(SHAPES)}")
+    need(
+        a.dtype in ("auto", "float32", "bfloat16"),
+        f"--dtype {a.dtype!r}: auto, float32 or bfloat16",
     )
-    ap.add_argument(
-        "--layers", type=int, default=0, help="layers of the random model (0 = the shape's)"
-    )
-    ap.add_argument(
-        "--contexts", default="8192,32768", help="comma-separated decoding contexts ('' = none)"
-    )
-    ap.add_argument(
-        "--budgets", default="0.25,0.125", help="comma-separated fractions of the context"
-    )
-    ap.add_argument(
-        "--policies",
-        default="streaming,kvpop-window,kvpop,kvpop-mlp",
-        help="comma-separated, besides full",
-    )
-    ap.add_argument(
-        "--steps", type=int, default=16, help="decoding steps timed per row (the median is kept)"
-    )
-    ap.add_argument(
-        "--prefill", type=int, default=0, help="prompt length of the prefill rows (0 = none)"
-    )
-    ap.add_argument(
-        "--train", type=int, default=0, help="sequence length of the training-step rows (0 = none)"
-    )
-    ap.add_argument("--sinks", type=int, default=4, help="first tokens never evicted")
-    ap.add_argument("--window", type=int, default=256, help="recent tokens never evicted")
-    ap.add_argument(
-        "--d_mem", type=int, default=128, help="the kvpop scorer's memory size (the paper's 128)"
-    )
-    ap.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
-    )
-    ap.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="auto: bf16 on cuda",
-    )
-    ap.add_argument("--json", help="also write the rows to this file")
-    a = ap.parse_args(argv)
-    check_flags(ap, a, layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1)
-    dev, policies = a.device, [p for p in a.policies.split(",") if p]
+    dev = a.device
+    policies = [p for p in (a.policies or "streaming,kvpop-window,kvpop,kvpop-mlp").split(",") if p]
     online = (*kvpop.STATIC, *kvpop.DYNAMIC, *kvpop.SCORERS)  # every policy but full and the oracle
     dt = getattr(
         torch, a.dtype if a.dtype != "auto" else "bfloat16" if dev == "cuda" else "float32"
     )
-    if not all(x.isdecimal() and int(x) >= 1 for x in a.contexts.split(",") if a.contexts):
-        ap.error(f"--contexts {a.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768")
-    if bad := [p for p in policies if p not in online]:
-        ap.error(
-            f"--policies: {bad[0]!r} is not a policy that decodes online; choose from {', '.join(online)}"
-        )
-    budgets = [kvpop.parse_value(ap.prog, "budgets", b, float) for b in a.budgets.split(",")]
+    need(
+        all(x.isdecimal() and int(x) >= 1 for x in a.contexts.split(",") if a.contexts),
+        f"--contexts {a.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768",
+    )
+    bad = [p for p in policies if p not in online]
+    need(
+        not bad,
+        f"--policies: {(bad or [''])[0]!r} is not a policy that decodes online; choose from "
+        f"{', '.join(online)}",
+    )
+    budgets = [
+        kvpop.parse_value("bench.py speed", "budgets", b, float) for b in a.budgets.split(",")
+    ]
     contexts = [int(x) for x in a.contexts.split(",") if a.contexts]
     try:  # every check first: the weights load or are drawn last
         if a.model:
@@ -448,7 +428,7 @@ def cmd_speed(argv):
             kvpop.budget_size(b, C, a.sinks, a.window, make["kvpop"].charge)  # no room: raises here
         net = kvpop.Qwen3.from_pretrained(a.model, dev, dt) if a.model else shape_model(c, dev, dt)
     except (OSError, ValueError) as e:
-        ap.error(str(e))
+        need(False, str(e))
     net.requires_grad_(False)  # frozen: the timed passes build no graph
     pol = lambda p: make.get(p, p)  # noqa: E731
 
@@ -585,7 +565,7 @@ def cmd_speed(argv):
             del cache
     # one training step of the first learned policy, through train.py's own loss, timed by part
     if a.train:
-        import train
+        import train as trainer
 
         kind = next((p for p in policies if p in kvpop.SCORERS), "kvpop-window")
         T, b, scorer = a.train, budgets[0], make[kind].train()
@@ -619,7 +599,7 @@ def cmd_speed(argv):
         q = torch.arange(a.sinks + a.window + pool, T)  # every query at which the pool is over-full
         kv = [(k, v) for _, k, v, _ in seen]
         # fwd + bwd
-        loss = clock(lambda: train.boundary_loss(scorer, kv, rs, q, a.sinks, a.window, pool), dev)
+        loss = clock(lambda: trainer.boundary_loss(scorer, kv, rs, q, a.sinks, a.window, pool), dev)
         parts = {
             "frozen forward": forward,
             "future-attention targets": targets,

@@ -1386,16 +1386,17 @@ class Tokenizer:
 
 def configure(g, argv=None):
     """Override the simple module-level defaults in g from --key value / --key=value (-> the keys
-    given); --help lists them. A bad key or value exits with one line on stderr."""
-    argv, prog = (
-        list(sys.argv[1:] if argv is None else argv),
-        os.path.basename(g.get("__file__", "kvpop")),
-    )
+    given); --help lists them under their headings. A bad key or value exits with one line on stderr.
+    g["__prog__"], if set, names the command in messages (bench.py's commands pass a copy of their
+    own defaults)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = g.get("__prog__") or os.path.basename(g.get("__file__", "kvpop"))
     keys = {k for k, v in g.items() if not k.startswith("_") and type(v) in KINDS}
     if "-h" in argv or "--help" in argv:
         out = [f"usage: python {prog} [--key value | --key=value] ..."]
         for line in open(g["__file__"]):
-            if "configure(globals()" in line:  # the defaults end where they are read
+            # the defaults end where they are read, or where the code begins
+            if "configure(globals()" in line or line.startswith(("def ", "class ", "@")):
                 break
             if line.startswith("# ---"):
                 out.append(f"\n{line.strip('# -').strip()}:")
@@ -1403,6 +1404,7 @@ def configure(g, argv=None):
                 out.append(
                     f"  --{name} {g[name]!r}".ljust(36) + " " + line.split("#", 1)[1].strip()
                 )
+        out = [x for x, y in zip(out, out[1:] + ["\n"]) if not (x.endswith(":") and y[0] == "\n")]
         try:
             print("\n".join(out), flush=True)
         # `--help | head` closed the pipe early: not an error, and no traceback

@@ -310,24 +310,26 @@ BAD_FLAGS = [
         ["--policy kvpop", "/nonexistent/scorer is not a scorer folder"],
     ),
     ("sample.py", ["--window", "a"], ["--window", "integer"]),
-    ("bench.py kernels", ["--bogus"], ["unrecognized arguments: --bogus"]),
-    ("bench.py kernels", ["--device", "tpu"], ["--device", "invalid choice"]),
+    ("bench.py kernels", ["--bogus"], ["unknown option '--bogus'"]),
+    ("bench.py kernels", ["--budgets", "0.5"], ["unknown option '--budgets'"]),  # another command's
+    ("bench.py kernels", ["--device", "tpu"], ["--device 'tpu'", "cpu or cuda"]),
     (
         "bench.py kernels",
         ["--device", "cuda"],
         ["--device cuda: no CUDA GPU is visible; use --device cpu"],
     ),
     *[
-        ("bench.py kernels", ["--T", t], ["--T"])
-        for t in ["0", "abc", "", "1,,2", "-5", "1.5", "²"]
+        ("bench.py kernels", ["--lengths", t], ["--lengths"])
+        for t in ["0", "abc", ",", "1,,2", "-5", "1.5", "²"]
     ],
     ("bench.py kernels", ["--D", "0"], ["--D 0"]),
-    ("bench.py kernels", ["--D", "abc"], ["--D", "invalid int"]),
+    ("bench.py kernels", ["--D", "abc"], ["--D 'abc' is not an integer"]),
     ("bench.py kernels", ["--group", "0"], ["--group 0"]),
     ("bench.py kernels", ["--group", "x"], ["--group"]),
-    ("bench.py speed", ["--bogus"], ["unrecognized arguments: --bogus"]),
+    ("bench.py speed", ["--bogus"], ["unknown option '--bogus'"]),
+    ("bench.py speed", ["--n", "3"], ["unknown option '--n'"]),  # quality's
     ("bench.py speed", ["--model", NOWHERE], ["no checkpoint folder"]),
-    ("bench.py speed", ["--shape", "2B"], ["--shape", "invalid choice"]),
+    ("bench.py speed", ["--shape", "2B"], ["--shape '2B'", "0.6B"]),
     (
         "bench.py speed",
         ["--device", "cuda"],
@@ -344,10 +346,12 @@ BAD_FLAGS = [
         ("bench.py speed", [f"--{k}", "-1"], [f"--{k} -1"])
         for k in ["layers", "prefill", "train", "sinks"]
     ],
-    *[("bench.py speed", [f"--{k}", "0"], [f"--{k} 0"]) for k in ["steps", "window", "d_mem"]],
-    ("bench.py speed", ["--dtype", "float8"], ["--dtype", "invalid choice"]),
+    *[("bench.py speed", [f"--{k}", "0"], [f"--{k} 0"]) for k in ["steps", "d_mem"]],
+    ("bench.py speed", ["--window", "-1"], ["--window -1"]),  # 0: the command's default
+    ("bench.py speed", ["--dtype", "float8"], ["--dtype 'float8'"]),
     ("bench.py speed", ["--json", HERE], ["--json", "file name"]),
-    ("bench.py quality", ["--bogus"], ["unrecognized arguments: --bogus"]),
+    ("bench.py quality", ["--bogus"], ["unknown option '--bogus'"]),
+    ("bench.py quality", ["--contexts", "8"], ["unknown option '--contexts'"]),  # speed's
     ("bench.py quality", ["--model", NOWHERE], ["no checkpoint folder"]),
     (
         "bench.py quality",
@@ -355,23 +359,23 @@ BAD_FLAGS = [
         ["/nonexistent/scorer is not a scorer folder"],
     ),
     ("bench.py quality", ["--policies", "bogus"], ["--policies", "unknown policy 'bogus'"]),
-    ("bench.py quality", ["--policies", ""], ["--policies", "unknown policy ''"]),
+    ("bench.py quality", ["--policies", ","], ["--policies", "unknown policy ''"]),
     *[
         ("bench.py quality", ["--budgets", b], ["--budgets", "finite number"])
         for b in ["inf", "nan", "", "abc", "1,"]
     ],
     *[("bench.py quality", ["--budgets", b], ["budget"]) for b in ["0", "-1", "1.5"]],
     ("bench.py quality", ["--budgets", "0.01"], ["leaves no room"]),
-    ("bench.py quality", ["--seed", "x"], ["--seed", "invalid int"]),
+    ("bench.py quality", ["--seed", "x"], ["--seed 'x' is not an integer"]),
     ("bench.py quality", ["--json", "/nonexistent/dir/q.json"], ["--json", "existing"]),
     ("bench.py quality", ["--json", HERE], ["--json", "file name"]),
     ("bench.py quality", ["--n", "0"], ["--n 0"]),
-    ("bench.py quality", ["--n", "x"], ["--n", "invalid int"]),
+    ("bench.py quality", ["--n", "x"], ["--n 'x' is not an integer"]),
     ("bench.py quality", ["--T", "10"], ["--T 10"]),
     ("bench.py quality", ["--T", "5000"], ["--T 5000", "positions"]),
-    ("bench.py quality", ["--T", "1e3"], ["--T", "invalid int"]),
+    ("bench.py quality", ["--T", "1e3"], ["--T '1e3' is not an integer"]),
     ("bench.py quality", ["--sinks", "-1"], ["--sinks -1"]),
-    ("bench.py quality", ["--window", "0"], ["--window 0"]),
+    ("bench.py quality", ["--window", "-1"], ["--window -1"]),
     ("bench.py quality", ["--threads", "0"], ["--threads 0"]),
     ("bench.py quality", ["--threads", "two"], ["--threads"]),
     ("bench.py quality", ["--task", "recall,x"], ["--task", "unknown task 'x'"]),
@@ -483,6 +487,40 @@ def test_bad_flags_one_line_before_any_work(monkeypatch, script, args, words):
     m = ["--model", model] if script in ("sample.py", "bench.py quality") else []
     m = [] if "--model" in args else m
     one_line_error(exits(monkeypatch, script, *m, *args), *words)
+
+
+@pytest.mark.parametrize("command", ["kernels", "quality", "speed"])
+def test_bench_help_lists_the_commands_defaults(command):
+    """bench.py COMMAND --help lists the defaults that command reads (bench.COMMAND_FLAGS), in file
+    order, under non-empty headings; every default before the first function is read by some
+    command."""
+    import ast
+
+    import bench
+
+    keys = []
+    for node in ast.parse(open(os.path.join(HERE, "bench.py")).read()).body:
+        if isinstance(node, ast.FunctionDef):
+            break
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Constant, ast.IfExp)):
+            keys += [t.id for t in node.targets]
+    read = {k for v in bench.COMMAND_FLAGS.values() for k in v.split()}
+    assert set(keys) == read, set(keys) ^ read
+    r = subprocess.run(
+        [sys.executable, "bench.py", command, "--help"],
+        capture_output=True,
+        text=True,
+        cwd=HERE,
+        timeout=120,
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    lines = r.stdout.splitlines()[1:]
+    mine = bench.COMMAND_FLAGS[command].split()
+    assert [x.split()[0] for x in lines if x.startswith("  --")] == [
+        f"--{k}" for k in keys if k in mine
+    ]
+    heads = [x for x in lines if x and not x.startswith("  --")]
+    assert heads and all(len(x) > 1 and x.endswith(":") for x in heads), heads
 
 
 @pytest.mark.parametrize("script", ["train.py", "sample.py"])
@@ -3395,7 +3433,7 @@ README_SMALL = {  # each README command -> the flags appended to run it here (a 
         "--d_mem",
         "8",
     ],
-    "python bench.py kernels --T 16384": ["--T", "256"],
+    "python bench.py kernels --lengths 16384": ["--lengths", "256"],
     "python train.py --stage pretrain --out_dir baby": [
         "--out_dir",
         "{tmp}/baby",
@@ -3440,8 +3478,8 @@ README_QWEN = {
 README_NOT_RUN = {  # the commands no test runs, and why
     "pip install -r requirements.txt": "CI runs it (.ci/run)",
     "python -m pytest -q test_kvpop.py": "this is the test run",
-    "python -m pytest -q test_kvpop.py -k cuda && python bench.py kernels --T 4096,16384 && python "
-    "bench.py speed --prefill 16384 --train 4096 && python sample.py --device cuda --budget 0.25": "needs a GPU",
+    "python -m pytest -q test_kvpop.py -k cuda && python bench.py kernels --lengths 4096,16384 && "
+    "python bench.py speed --prefill 16384 --train 4096 && python sample.py --device cuda --budget 0.25": "needs a GPU",
 }
 
 
