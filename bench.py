@@ -10,7 +10,7 @@ import time
 import types
 import weakref
 
-# before torch loads: large tensors on 2 MB pages, see README
+# before torch loads: large tensors on 2 MB pages, see LOG.md
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 import torch.nn.functional as F
@@ -64,7 +64,7 @@ def flags(command, argv):
     g = {k: globals()[k] for k in COMMAND_FLAGS[command].split()}
     g.update(__file__=__file__, __prog__=f"bench.py {command}")
     kvpop.configure(g, argv)
-    need = lambda ok, msg: kvpop.need(ok, msg, g["__prog__"])  # noqa: E731
+    need = lambda ok, msg: kvpop.need(ok, msg, g["__prog__"])
     need(g.get("device", "cpu") in ("cpu", "cuda"), f"--device {g.get('device')!r}: cpu or cuda")
     need(
         g.get("device") != "cuda" or torch.cuda.is_available(),
@@ -186,11 +186,9 @@ def cmd_kernels(argv):
         a.D >= 1 and (dev != "cuda" or a.D <= 256),
         f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)",
     )
-    measure = (
-        lambda fn: (  # noqa: E731
-            min([clock(fn, dev) for _ in range(4)][1:]) * 1e3,
-            peak(fn, dev)[1] / 2**20,
-        )
+    measure = lambda fn: (
+        min([clock(fn, dev) for _ in range(4)][1:]) * 1e3,
+        peak(fn, dev)[1] / 2**20,
     )
     print(
         f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads, sinks {sinks}, window {window}, pool T/4\n"
@@ -212,7 +210,6 @@ def cmd_kernels(argv):
         q, k, v = (torch.randn(1, h, T, a.D, device=dev, dtype=dt) for h in (a.group, 1, 1))
         pri = torch.randn(1, 1, T, device=dev)
         e, lse = kernels.eviction_times(pri, sinks, window, T // 4), kernels.attention(q, k, v)[1]
-        # noqa: E731
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         for name, ours, naive, x in [  # each op, ours and naive, on the same inputs
             ("attention", kernels.attention, naive_attention, (q, k, v)),
@@ -344,14 +341,14 @@ def fill(cache, C):
     """Make the cache look as if it had read C tokens (sinks, a pool spread over the past, the
     window), with synthetic keys and values: a step costs the same whatever they hold. Returns the
     entries held."""
-    S, s, w = cache.size, cache.sinks, cache.window
+    size, s, w = cache.size, cache.sinks, cache.window
     pos = (
         torch.arange(C)
-        if C <= S
+        if C <= size
         else torch.cat(
             [
                 torch.arange(s),
-                torch.linspace(s, C - w - 1, S - s - w).long(),
+                torch.linspace(s, C - w - 1, size - s - w).long(),
                 torch.arange(C - w, C),
             ]
         )
@@ -408,9 +405,8 @@ def cmd_speed(argv):
                 os.path.join(kvpop.checkpoint_dir(a.model), "config.json")
             )
         # a named shape: layers, hidden, MLP width, query heads, tied head; the rest, shared by
-        # every shape,
+        # every shape, are Qwen3Config's defaults (vocab, 8 KV heads of 128, rope_theta)
         else:
-            # are Qwen3Config's defaults (vocab, 8 KV heads of 128, rope_theta)
             L, E, F_, Hq, tied = SHAPES[a.shape]
             c = kvpop.Qwen3Config(
                 num_hidden_layers=a.layers or L,
@@ -430,13 +426,13 @@ def cmd_speed(argv):
     except (OSError, ValueError) as e:
         need(False, str(e))
     net.requires_grad_(False)  # frozen: the timed passes build no graph
-    pol = lambda p: make.get(p, p)  # noqa: E731
+    pol = lambda p: make.get(p, p)
 
     # `full` entries for full, else the budget's less those the scorer's state takes
     def empty_cache(p, b, T, full):
         charge = getattr(pol(p), "charge", 0)
-        S = full if p == "full" else kvpop.budget_size(b, T, a.sinks, a.window, charge)[0] - charge
-        return kvpop.KVCache(net, 1, S, pol(p), a.sinks, a.window)
+        B = kvpop.budget_size(b, T, a.sinks, a.window, charge)[0]
+        return kvpop.KVCache(net, 1, full if p == "full" else B - charge, pol(p), a.sinks, a.window)
 
     emb = net.model.embed_tokens.weight
     W = sum(
@@ -451,7 +447,7 @@ def cmd_speed(argv):
         f"({torch.cuda.get_device_name() if dev == 'cuda' else f'{torch.get_num_threads()} threads'}), "
         f"{str(dt)[6:]}; weights read per step {W / 1e9:.2f} GB; sinks {a.sinks}, window {a.window}\n"
     )
-    med = lambda t: sorted(t[1:])[len(t) // 2 - 1]  # noqa: E731 (after the warm-up round)
+    med = lambda t: sorted(t[1:])[len(t) // 2 - 1]  # after the warm-up round
     rows = []
     if contexts:
         print(
@@ -513,9 +509,8 @@ def cmd_speed(argv):
                 speedup=su,
                 ideal_speedup=ideal,
             )
-            # the scorer's share: against streaming's step in the
+            # the scorer's share of a step: 1 - streaming's step / the scorer's, same round
             if p in kvpop.SCORERS and ("streaming", b) in runs:
-                # same round
                 r["scorer_share"] = 1 - med([x / y for x, y in zip(runs["streaming", b][2], times)])
             share = f"{r['scorer_share']:.1%}" if "scorer_share" in r else "-"
             print(

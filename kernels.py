@@ -23,9 +23,9 @@ except ImportError:  # the torch paths need no triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK = 128  # torch-path tile: extra memory is O(T * BLOCK) per head
-# finite start for running maxima (kernels spell it out: jit code reads no globals), so a
+# finite start for running maxima, so a fully masked tile gives exp(-inf - NEG) = 0, not nan
+# (the kernels spell it out: jit code reads no globals)
 NEG = -1e30
-# fully masked tile gives exp(-inf - NEG) = 0, not nan
 
 
 def _use_triton(x):

@@ -141,9 +141,9 @@ class Qwen3(nn.Module):
         with head=False the last layer's output (B, T, hidden). attn(i, q, k, v, pos) is layer i's
         attention; with a cache the tokens continue the cached sequence and only the last position's
         logits are computed."""
-        # then token by token, each
+        # a prompt the cache cannot take whole goes token by token, each through every layer:
+        # exactly the sequence of decoding steps
         if cache is not None and idx.shape[1] > 1 and not cache.whole(idx.shape[1]):
-            # through every layer: exactly the sequence of decoding steps
             for t in range(idx.shape[1] - 1):
                 self(idx[:, t : t + 1], cache=cache, head=False)
             idx = idx[:, -1:]
@@ -431,9 +431,9 @@ class Scorer(nn.Module):
         # C, n, m
         self.charge = math.ceil((d_mem * d_mem + d_mem + 1) / (2 * D)) if kind == "kvpop" else 0
         X, M = 2 * D, d_mem
-        # noqa: E731 (L, H, ...)
+        # parameters of shape (L, H, ...)
         w = lambda *s: nn.Parameter(torch.randn(L, H, *s) / math.sqrt(s[0]))
-        z = lambda *s, c=0.0: nn.Parameter(torch.full((L, H, *s), float(c)))  # noqa: E731
+        z = lambda *s, c=0.0: nn.Parameter(torch.full((L, H, *s), float(c)))
         self.theta = z(c=math.log(math.expm1(gamma)))  # softplus(theta) = gamma at the start
         if kind == "kvpop-mlp":
             self.w1, self.b1, self.w2, self.b2 = w(X, d_hidden), z(d_hidden), w(d_hidden), z()
@@ -442,9 +442,8 @@ class Scorer(nn.Module):
             A, d, n = self.reads, self.d_key, min(window, self.ahead)
             # query (from x[t]), key and value
             self.wq, self.wk, self.wv = w(X, A * d), w(X, A * d), w(X, A * d)
-            # offset bias -slope (o - 1): read 0 starts on the next
+            # offset bias -slope (o - 1): read 0 starts on the next token, read 1 evenly
             slope = torch.tensor([1.0, 0.0])[:A, None]
-            # token, read 1 evenly
             self.bo = nn.Parameter((-slope * torch.arange(n)).expand(L, H, A, n).clone())
             self.w1, self.b1, self.w2, self.b2 = (
                 w(X + A * d, d_hidden),
@@ -1017,13 +1016,13 @@ def read_config(path):
         ),
     )
     d = {k: v for k, v in d.items() if v is not None}  # null = absent, as transformers reads it
+    # transformers 5 moves rope_theta into rope_parameters
     rope, dt = d.get("rope_parameters", {}), "torch_dtype" if "torch_dtype" in d else "dtype"
-    # transformers 5 moves rope_theta in here
     need(type(rope) is dict, "rope_parameters must be an object")
+    # defaults as transformers reads them; version 5 writes "dtype"
     d = {
         "torch_dtype": d.get("dtype", "bfloat16"),
         "rope_theta": rope.get("rope_theta", cls.rope_theta),
-        # defaults as transformers reads them; version 5 writes "dtype"
         "tie_word_embeddings": False,
         **d,
     }

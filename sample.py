@@ -1,15 +1,16 @@
 """Sample from a Qwen3 checkpoint with a full or an evicting KV cache.
 
-python sample.py --budget 0.25 --show   # offline: the shipped baby, its recall prompt, its
-delayed scorer python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?"
---budget 0.25
+# offline: the shipped baby, its recall prompt, its delayed scorer
+python sample.py --budget 0.25 --show
+# a real Qwen3 (the Hugging Face cache, else downloaded)
+python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25
 """
 
 import os
 import sys
 import time
 
-# before torch loads: large tensors on 2 MB pages, see README
+# before torch loads: large tensors on 2 MB pages, see LOG.md
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 
@@ -49,7 +50,7 @@ budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer
 policy = ""  # kvpop-window, kvpop, kvpop-mlp, streaming, knorm, random, h2o, tova, full
 scorer = ""  # a learned scorer's folder; empty: out/ if it holds --policy's kind, else the baby's
 sinks = 4  # first tokens never evicted
-window = 0  # recent tokens never evicted; 0: the delayed scorer's, else 32 (baby) or 256
+window = 0  # recent tokens never evicted; 0: the learned scorer's, else 32 (baby) or 256
 show = False  # print the text again, each token shaded by how many (layer, head) caches hold it
 configure(globals())
 
@@ -156,7 +157,7 @@ try:  # then against the checkpoint, all before the (slow) weights load
         )
     # a delayed scorer's state, charged to the budget in cache entries
     charge = getattr(pol, "charge", 0)
-    S, _ = budget_size(budget, total, sinks, window, charge)
+    B, _ = budget_size(budget, total, sinks, window, charge)
     if policy in SCORERS:
         pol.check(Qwen3Config.from_json(os.path.join(folder, "config.json")), window)
     if dtype == "auto":
@@ -169,7 +170,7 @@ torch.manual_seed(seed)
 x = torch.tensor([ids], device=device)
 for n in range(num_samples):
     cache = KVCache(
-        net, 1, S - charge if S < total else total, pol if S < total else "full", sinks, window
+        net, 1, B - charge if B < total else total, pol if B < total else "full", sinks, window
     )
     dec, out, t = tok.decode_stream(), [], [time.time()]
     print(text if not chat else tok.decode(ids), end="", flush=True)
@@ -186,17 +187,17 @@ for n in range(num_samples):
     )
     # every position, every layer
     full = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size() * total
-    state = f" + scorer state worth {charge}" if charge and S < total else ""
+    state = f" + scorer state worth {charge}" if charge and B < total else ""
     held = int((cache.pos >= 0).sum(-1).max())  # the most entries any (layer, row, head) holds
     print(
         f"KV cache: {held} entries kept per head{state} of {cache.t} tokens; "
-        f"{cache.nbytes() / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * S / total:.1f}%), "
-        f"policy {policy if S < total else 'full'}"
-        + (f" ({scorer})" if policy in SCORERS and S < total else "")
+        f"{cache.nbytes() / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * B / total:.1f}%), "
+        f"policy {policy if B < total else 'full'}"
+        + (f" ({scorer})" if policy in SCORERS and B < total else "")
     )
     if show:
         seq = ids + out[: cache.t - len(ids)]
-        p = cache.pos[:, 0]  # (L, Hkv, S) positions held, -1 = empty
+        p = cache.pos[:, 0]  # (L, Hkv, entries) positions held, -1 = empty
         print(
             shade(
                 tok, seq, torch.bincount(p[p >= 0], minlength=cache.t) / (p.shape[0] * p.shape[1])

@@ -1,7 +1,7 @@
 """The baby's tasks and the eviction-quality evaluation on them, for train.py and bench.py.
 
 recall: multi-query associative recall in single-token Qwen3 words (README, The baby). cue: the
-same, plus distractor bindings that only the next word marks as useless (README, The cue task).
+same, plus distractor bindings that only the next word marks as useless (README, The baby).
 """
 
 import math
@@ -95,10 +95,10 @@ def quality_runs(
     of accuracy on all queries, on far ones, relative to full, and mean KL(full || policy) past
     position B. `full` is the dense pass of ref (a fine-tuned net's starting point), default net
     itself."""
-    size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]  # noqa: E731
+    size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]
     # queries out of reach of a window at every budget
     far = (dist >= max(map(size, budgets)) - sinks)[tgt >= 0]
-    # noqa: E731 (a learned scorer is named by its kind)
+    # a learned scorer is named by its kind
     name = lambda p: p if isinstance(p, str) else p.kind
     runs = [("full", 1)] + [(p, b) for p in policies if p != "full" for b in budgets]
     hit, kl, rows = {r: [] for r in runs}, {r: [] for r in runs}, []

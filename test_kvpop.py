@@ -208,7 +208,7 @@ def exits(monkeypatch, script, *args):
 
 # in-process: see test_bad_input_end_to_end
 def test_bad_checkpoints_give_one_clear_line(tmp_path, monkeypatch):
-    sample = lambda *a: exits(monkeypatch, "sample.py", "--max_new_tokens", "8", *a)  # noqa: E731
+    sample = lambda *a: exits(monkeypatch, "sample.py", "--max_new_tokens", "8", *a)
     one_line_error(sample("--model", str(tmp_path / "nope")), "nope")
     (tmp_path / "empty").mkdir()
     one_line_error(sample("--model", str(tmp_path / "empty")), "config.json")
@@ -487,6 +487,24 @@ def test_bad_flags_one_line_before_any_work(monkeypatch, script, args, words):
     m = ["--model", model] if script in ("sample.py", "bench.py quality") else []
     m = [] if "--model" in args else m
     one_line_error(exits(monkeypatch, script, *m, *args), *words)
+
+
+def test_pretrain_into_a_checkpoint_folder_keeps_its_other_files(tmp_path):
+    """--stage pretrain writes its model files into --out_dir and leaves the rest (baby/ ships a
+    prompt and scorers beside its model); a folder that is no checkpoint is refused."""
+    tiny = ["--seq_len", "64", "--tokens", "256", "--phase_steps", "2", "--final_steps", "2"]
+    d = tmp_path / "b"
+    (d / "scorers").mkdir(parents=True)
+    (d / "prompt.txt").write_text("hi")
+    one_line_error(
+        run("train.py", "--stage", "pretrain", "--out_dir", str(d), *tiny), "no checkpoint"
+    )
+    (d / "config.json").write_text(open(os.path.join(MODEL_DIR, "config.json")).read())
+    r = run("train.py", "--stage", "pretrain", "--out_dir", str(d), *tiny)
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(d)) == ["config.json", "model.safetensors", "prompt.txt", "scorers"]
+    assert (d / "prompt.txt").read_text() == "hi" and not os.path.exists(str(d) + ".tmp")
+    assert kvpop.Qwen3.from_pretrained(str(d)).config.num_hidden_layers == 2
 
 
 @pytest.mark.parametrize("command", ["kernels", "quality", "speed"])
@@ -1829,8 +1847,8 @@ def test_task_is_seeded_and_well_formed(baby):
         assert tok.encode(tok.decode(idx[s].tolist())) == idx[s].tolist()
         for q in (tgt[s] >= 0).nonzero()[:, 0].tolist():
             k, v, p = idx[s, q].item(), tgt[s, q].item(), q - dist[s, q].item()
-            assert k in keys and v in values and idx[s, q + 1] == v  # the answer follows the key
-            # latest binding
+            # the answer follows the key; it is the key's latest binding
+            assert k in keys and v in values and idx[s, q + 1] == v
             assert idx[s, p] == v and idx[s, p - 1] == k and k not in idx[s, p + 1 : q].tolist()
     assert (tgt >= 0).sum() >= 8 * 15 and (dist >= 124).sum() >= 8 * 5  # queries, and far ones
 
@@ -2662,7 +2680,7 @@ def _simulate_boundary(p, sinks, window, k, T):
     -> {q: (kept, t_bnd)}: t_bnd is the worst token left in the pool, or, when that is the newcomer,
     the one just dropped (the best of the dropped)."""
     pool, dropped, out = [], [], {}
-    key = lambda u: (p[u], u)  # noqa: E731
+    key = lambda u: (p[u], u)
     for q in range(sinks + window, T):
         t = q - window
         pool.append(t)
@@ -3434,9 +3452,9 @@ README_SMALL = {  # each README command -> the flags appended to run it here (a 
         "8",
     ],
     "python bench.py kernels --lengths 16384": ["--lengths", "256"],
-    "python train.py --stage pretrain --out_dir baby": [
+    "python train.py --stage pretrain --out_dir my_baby": [
         "--out_dir",
-        "{tmp}/baby",
+        "{tmp}/my_baby",
         "--seq_len",
         "64",
         "--tokens",
@@ -3447,9 +3465,9 @@ README_SMALL = {  # each README command -> the flags appended to run it here (a 
         "2",
     ],
 }
-# run in this order in one folder, against a random Qwen3 with the real vocabulary in a
+# run in this order in one folder, against a random Qwen3 with the real vocabulary in a local
+# Hugging Face cache: train writes out/, which the last samples with
 README_QWEN = {
-    # local Hugging Face cache: train writes out/, which the last samples with
     'python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25': [
         "--max_new_tokens",
         "4",

@@ -1,13 +1,19 @@
 """Training, nanoGPT style: defaults below, override any with --name value (--help lists them).
 
-  python train.py                                      # the delayed KVpop scorer on the frozen baby
-  (minutes) python train.py --kind kvpop-mlp --out_dir out-mlp   # the insertion-time scorer python
-  train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25 --d_mem
-  128 python train.py --finetune --out_dir out-ft          # the paper's recipe: the model trains
-  too, under eviction python train.py --finetune --policy streaming        # its control,
-  StreamingLLM+ (recency eviction, no scorer) python train.py --stage pretrain --out_dir baby      #
-  the baby Qwen3 itself, from scratch on the recall task torchrun --nproc_per_node=2 train.py ...
+  # the default delayed scorer (kvpop-window) on the frozen baby (minutes)
+  python train.py
+  # the insertion-time scorer; the paper's mLSTM scorer is --kind kvpop
+  python train.py --kind kvpop-mlp --out_dir out-mlp
+  # a real Qwen3 on your text files
+  python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25
+  # the paper's recipe: the model trains too, under eviction
+  python train.py --finetune --out_dir out-ft
+  # its control, StreamingLLM+ (recency eviction, no scorer)
+  python train.py --finetune --policy streaming
+  # the baby Qwen3 itself, from scratch on the recall task
+  python train.py --stage pretrain --out_dir my_baby
   # several processes: DDP (scorer), FSDP2 (--finetune)
+  torchrun --nproc_per_node=2 train.py ...
 
 The scorer learns the keep-or-drop decisions of a teacher that ranks tokens by the model's future
 attention (README, Method: boundary loss); --finetune trains the model too, under that eviction, by
@@ -94,9 +100,9 @@ final_steps = 300  # pretrain: steps at seq_len, cosine decay to 0
 given = kvpop.configure(globals(), None if __name__ == "__main__" else [])  # tests: defaults
 # set by torchrun
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-# only rank 0 logs  # noqa: E731
+# only rank 0 logs
 log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None
-# bad input: one line, before any heavy work  # noqa: E731
+# bad input: one line, before any heavy work
 need = lambda ok, msg: kvpop.need(ok, msg, "train.py")
 need(stage in ("scorer", "pretrain"), f"--stage {stage!r}: choose scorer or pretrain")
 need(kind in kvpop.SCORERS, f"--kind {kind!r}: choose from {', '.join(kvpop.SCORERS)}")
@@ -159,7 +165,8 @@ need(
     stage != "pretrain"
     or not os.path.exists(out_dir)
     or os.path.isfile(os.path.join(out_dir, "config.json")),
-    f"--out_dir {out_dir}: exists and is no checkpoint; pretrain replaces the folder, so name a new one",
+    f"--out_dir {out_dir}: exists and is no checkpoint; pretrain writes its model files there, "
+    "so name a new one",
 )
 need(stage != "pretrain" or seq_len <= 4096, f"--seq_len {seq_len}: the baby has 4096 positions")
 need(
@@ -334,7 +341,6 @@ def batch(tok, it, n):
             tok, n, seq_len, random.Random(f"scorer-train-{seed}-{it}"), keys=keys, **TASKS[task]
         )[0]
     N = len(chunks) - n_valid  # the last n_valid chunks are held out
-    # noqa
     perm = lambda ep: torch.randperm(
         N, generator=torch.Generator().manual_seed(seed * 100_003 + ep)
     )
@@ -680,11 +686,9 @@ def pretrain():
     )
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     rng = random.Random(f"train-{seed}")  # the benchmark draws from "test-..." streams
-    # noqa
     sdpa = lambda i, q, k, v, pos: F.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=True
     )
-    # noqa
     accuracy = lambda logits, tgt: (
         (logits.argmax(-1)[tgt >= 0] == tgt[tgt >= 0]).float().mean().item()
     )
@@ -722,8 +726,11 @@ def pretrain():
         f"far {accuracy(logits, far):.3f}"
     )
     model.save_pretrained(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    # file by file: what else out_dir holds (baby/'s prompt and scorers) stays
+    os.makedirs(out_dir, exist_ok=True)
+    for f in os.listdir(tmp):
+        os.replace(os.path.join(tmp, f), os.path.join(out_dir, f))
+    os.rmdir(tmp)
     print(f"saved {out_dir}/")
 
 
@@ -733,9 +740,10 @@ if __name__ == "__main__":
         dist.init_process_group("gloo" if device == "cpu" else "nccl")
         device = device if device == "cpu" else f"cuda:{int(os.environ['LOCAL_RANK'])}"
     pretrain() if stage == "pretrain" else train()
-    # DDP and FSDP keep the group's threads (gloo's run loops) alive past destroy_process_group; in
+    # DDP and FSDP keep the group's threads (gloo's run loops) alive past destroy_process_group;
+    # in 1 of 60 runs here Python's exit then aborted a worker ("terminate called without an
+    # active exception"): a worker leaves without that teardown
     if world > 1:
-        # 1 of 60 runs here Python's exit then aborted a worker ("terminate called
         dist.destroy_process_group()
-        sys.stdout.flush()  # without an active exception"): a worker leaves without that teardown
+        sys.stdout.flush()
         os._exit(0)
