@@ -140,16 +140,11 @@ def quality_runs(
 
 def quality_table(rows):  # a markdown table; with task and target columns when the rows have them
     cols = [c for c in ("task", "target") if c in rows[0]]
-    head = ["policy", "budget", "accuracy", "far accuracy", "relative", "KL"]
-    return (
-        "| "
-        + " | ".join(cols + head)
-        + " |\n"
-        + "|---" * (len(cols) + 6)
-        + "|"
-        + "".join(
-            f"\n| {''.join(r[c] + ' | ' for c in cols)}{r['policy']} | {r['budget']:g} | {r['accuracy']:.1%} | "
-            f"{r['far_accuracy']:.1%} | {r['relative']:.3f} | {r['kl']:.3f} |"
-            for r in rows
-        )
-    )
+    head = cols + ["policy", "budget", "accuracy", "far accuracy", "relative", "KL"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        cells = [r[c] for c in cols] + [r["policy"], f"{r['budget']:g}"]
+        cells += [f"{r['accuracy']:.1%}", f"{r['far_accuracy']:.1%}"]
+        cells += [f"{r['relative']:.3f}", f"{r['kl']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
