@@ -279,7 +279,7 @@ def cmd_quality(argv):
         for s in scorers.values():
             s.check(limit, a.window)
         for s, b in [(s, b) for s in [None, *scorers.values()] for b in budgets]:
-            kvpop.budget_size(b, a.T, a.sinks, a.window, getattr(s, "charge", 0))
+            kvpop.budget_size(b, a.T, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
         if a.T > limit.max_position_embeddings:  # checked before the weights load
             raise ValueError(
                 f"--T {a.T}: the model has {limit.max_position_embeddings} positions; lower --T"
@@ -421,7 +421,7 @@ def cmd_speed(argv):
         for C, b in [(C, b) for C in contexts for b in budgets] + [
             (T, budgets[0]) for T in (a.prefill, a.train) if T
         ]:
-            kvpop.budget_size(b, C, a.sinks, a.window, make["kvpop"].charge)  # no room: raises here
+            kvpop.budget_size(b, C, a.sinks, a.window, make["kvpop"].charge(dt))  # no room: raises here
         net = kvpop.Qwen3.from_pretrained(a.model, dev, dt) if a.model else shape_model(c, dev, dt)
     except (OSError, ValueError) as e:
         need(False, str(e))
@@ -430,7 +430,7 @@ def cmd_speed(argv):
 
     # `full` entries for full, else the budget's less those the scorer's state takes
     def empty_cache(p, b, T, full):
-        charge = getattr(pol(p), "charge", 0)
+        charge = kvpop.state_charge(pol(p), dt)
         B = kvpop.budget_size(b, T, a.sinks, a.window, charge)[0]
         return kvpop.KVCache(net, 1, full if p == "full" else B - charge, pol(p), a.sinks, a.window)
 
@@ -564,7 +564,7 @@ def cmd_speed(argv):
 
         kind = next((p for p in policies if p in kvpop.SCORERS), "kvpop-window")
         T, b, scorer = a.train, budgets[0], make[kind].train()
-        pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge)[1]
+        pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge(dt))[1]
         idx, seen = torch.randint(0, net.config.vocab_size, (1, T), device=dev), []
 
         def attn(i, q, k, v, pos):  # the frozen forward, keeping what the targets are made of

@@ -28,6 +28,10 @@ BLOCK = 128  # torch-path tile: extra memory is O(T * BLOCK) per head
 NEG = -1e30
 
 
+def wide(x):  # fp32, or fp64 for an fp64 input: every sum of the attention and the scorers
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _use_triton(x):
     return triton is not None and (x.is_cuda or INTERPRET)
 
@@ -84,10 +88,10 @@ def attention(q, k, v, evict_at=None, sinks=0, scale=None):
 def _attention_torch(q, k, v, evict_at, sinks, scale):
     (B, Hq, T, D), Hkv, dtype = q.shape, k.shape[1], q.dtype
     G = Hq // Hkv
-    q = q.float().view(B, Hkv, G, T, D)  # query heads h*G .. h*G+G-1 read KV head h
-    k, v = k.float()[:, :, None], v.float()[:, :, None]  # (B, Hkv, 1, T, D)
-    out = torch.empty(B, Hkv, G, T, D, device=q.device)
-    lse = torch.empty(B, Hkv, G, T, device=q.device)
+    q = wide(q).view(B, Hkv, G, T, D)  # query heads h*G .. h*G+G-1 read KV head h
+    k, v = wide(k)[:, :, None], wide(v)[:, :, None]  # (B, Hkv, 1, T, D)
+    out = torch.empty(B, Hkv, G, T, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hkv, G, T, dtype=q.dtype, device=q.device)
     pos = torch.arange(T, device=q.device)
     # a key block is skipped for query blocks that start after all its tokens left
     if evict_at is not None:
@@ -98,7 +102,7 @@ def _attention_torch(q, k, v, evict_at, sinks, scale):
             q[:, :, :, i : i + BLOCK] * scale,
             pos[i : i + BLOCK, None],
         )  # (B, Hkv, G, M, D), (M, 1)
-        m = torch.full(qi.shape[:-1], NEG, device=q.device)  # (B, Hkv, G, M)
+        m = torch.full(qi.shape[:-1], NEG, dtype=q.dtype, device=q.device)  # (B, Hkv, G, M)
         l = torch.zeros_like(m)
         acc = torch.zeros_like(qi)
         for j in range(0, min(i + BLOCK, T), BLOCK):

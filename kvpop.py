@@ -61,7 +61,7 @@ class RMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
 
     def forward(self, x):  # HF order: normalise in fp32, cast back, then scale
-        xf = x.float()
+        xf = kernels.wide(x)
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(
             x.dtype
         )
@@ -284,6 +284,10 @@ def budget_size(budget, total, sinks=4, window=256, state=0):
     return B, k
 
 
+def state_charge(policy, dtype):  # m: the entries of a cache in `dtype` a policy's state takes
+    return policy.charge(dtype) if isinstance(policy, Scorer) else 0
+
+
 # pi[t] = t: the pool holds the most recent eligible tokens (StreamingLLM)
 def streaming(i, k, v, pos):
     return pos.float().expand(k.shape[:3])
@@ -428,8 +432,6 @@ class Scorer(nn.Module):
             {},
         )
         self.shape = dict(num_hidden_layers=L, num_key_value_heads=H, head_dim=D)
-        # C, n, m
-        self.charge = math.ceil((d_mem * d_mem + d_mem + 1) / (2 * D)) if kind == "kvpop" else 0
         X, M = 2 * D, d_mem
         # parameters of shape (L, H, ...)
         w = lambda *s: nn.Parameter(torch.randn(L, H, *s) / math.sqrt(s[0]))
@@ -460,6 +462,14 @@ class Scorer(nn.Module):
             # read-out of norm(h), linear skip from x, bias
             self.wo, self.ws, self.b = w(M), w(X), z()
 
+    def charge(self, dtype):
+        """m (README, Method: budget): the cache entries (a key and a value of head_dim in the
+        cache's dtype) whose bytes the state takes: kvpop's C, n and its log-scale, (d_m + 1) d_m + 1
+        numbers in the scorer's dtype per layer and KV head; the other kinds keep none."""
+        M, D = self.d_mem, self.shape["head_dim"]
+        state = ((M + 1) * M + 1) * self.theta.element_size() if self.kind == "kvpop" else 0
+        return math.ceil(state / (2 * D * dtype.itemsize))
+
     def check(self, config, window):
         got = {k: getattr(config, k) for k in self.shape}
         if got != self.shape:
@@ -472,10 +482,10 @@ class Scorer(nn.Module):
                 f"window {self.window}, got {window} (use --window {self.window})"
             )
 
-    @staticmethod
-    # (B, H, T, 2D) fp32: the cached (post-RoPE) key and value, detached, RMS-normalised
-    def features(k, v):
-        return rms(torch.cat([k, v], -1).detach().float())
+    # (B, H, T, 2D) in the scorer's dtype (fp32; fp64 beside an fp64 model): the cached (post-RoPE)
+    # key and value, detached, RMS-normalised
+    def features(self, k, v):
+        return rms(torch.cat([k, v], -1).detach().to(self.theta.dtype))
 
     def forward(self, i, k, v, pos, memory=None):
         """Priorities (B, H, T) of layer i's tokens at positions pos; kvpop: a whole sequence from 0
@@ -491,7 +501,7 @@ class Scorer(nn.Module):
             r, state = self.parallel(i, x)
             if memory is not None:
                 memory.append(state)
-        return r + F.softplus(self.theta[i])[:, None] * pos.float()
+        return r + F.softplus(self.theta[i])[:, None] * pos.to(r.dtype)
 
     # kvpop-window: the delayed scorer that reads its window from the cache
 
@@ -586,10 +596,10 @@ class Scorer(nn.Module):
             # log weight of the chunk's token j in row q: F_q - F_j + log i_j for j <= q, else -inf
             # (B, H, R + 1, c)
             j = torch.arange(c0 + 1, c1 + 1, device=x.device)
-            logw = (Fc[..., q, None] - Fc[..., None, c0 + 1 : c1 + 1]).float() + lc[..., None, :]
+            logw = (Fc[..., q, None] - Fc[..., None, c0 + 1 : c1 + 1]).to(x.dtype) + lc[..., None, :]
             logw = logw.masked_fill(j > q[:, None], -math.inf)
             # the carried state's log-scale in row q; one max per row over both
-            lo = m[..., None, None] + (Fc[..., q] - Fc[..., c0, None]).float()[..., None]
+            lo = m[..., None, None] + (Fc[..., q] - Fc[..., c0, None]).to(x.dtype)[..., None]
             mq = torch.maximum(logw.amax(-1, keepdim=True), lo)
             e, g = (logw - mq).exp(), (lo - mq).exp()
             # the reads [C u; n . u]: the chunk's tokens, decay-masked, plus the carried state (none
@@ -633,7 +643,7 @@ class Scorer(nn.Module):
         exp([log i, log f + m, 0] - m'), m' = max(log f + m, log i): xLSTM's stabiliser. `read` uses
         it at once, `settle` after the last layer."""
         w, b, _ = rows[0][i]
-        x = torch.cat([k, v], -1).float()  # (B, H, 1, 2D)
+        x = torch.cat([k, v], -1).to(w.dtype)  # (B, H, 1, 2D)
         s = torch.rsqrt((x * x).sum(-1, keepdim=True) + x.shape[-1] * EPS)  # rms(x) = sqrt(2D) x s
         z = torch.addcmul(b, (w @ x.mT).mT, s)  # (B, H, 1, 2M + 4)
         # views into z: log i, the forget gate's pre-activation
@@ -693,7 +703,6 @@ class Scorer(nn.Module):
                 d_mem=self.d_mem,
                 d_hidden=self.d_hidden,
                 **self.shape,
-                charge=self.charge,
                 trained=self.meta,
             ),
             os.path.join(folder, "scorer.json"),
@@ -740,7 +749,9 @@ class KVCache:
         self.k = torch.zeros(*shape, c.head_dim, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(*shape[:3], c.head_dim, size, dtype=p.dtype, device=p.device)
         self.pos = torch.full(shape, -1, dtype=torch.long, device=p.device)
-        self.score = torch.zeros(shape, device=p.device)
+        # priorities in a learned scorer's dtype (fp64 beside an fp64 model), else fp32
+        sdt = policy.theta.dtype if isinstance(policy, Scorer) else torch.float32
+        self.score = torch.zeros(shape, dtype=sdt, device=p.device)
         # per-layer views, made once: a step indexes less
         self.layer = list(zip(self.k, self.v, self.pos, self.score))
         self.size, self.policy, self.sinks, self.window, self.t = size, policy, sinks, window, 0
@@ -754,8 +765,8 @@ class KVCache:
             # slot of t at t % w
             self.ring = torch.zeros(*shape[:3], window, dtype=torch.long, device=p.device)
         if self.memory:  # the memory of every layer and head: S = [C; n] (M + 1, M), log-scale m
-            self.S = torch.zeros(*shape[:3], policy.d_mem + 1, policy.d_mem, device=p.device)
-            self.m = torch.full(shape[:3], -math.inf, device=p.device)
+            self.S = torch.zeros(*shape[:3], policy.d_mem + 1, policy.d_mem, dtype=sdt, device=p.device)
+            self.m = torch.full(shape[:3], -math.inf, dtype=sdt, device=p.device)
             # (B, Hkv, 1, 1) views, as the recurrent step takes m
             self.ms = [m[..., None, None] for m in self.m]
             # this step's updates; the recall and its step
@@ -899,7 +910,7 @@ class KVCache:
         K, V = K[:, :, :n], V[..., :n]
         s = K @ q.view(B, H, G, D).transpose(-1, -2).to(K.dtype)  # (B, Hkv, n, G)
         # (B, Hkv, G, n): a softmax along memory, 4-6x faster
-        a = (s.mT.float() / math.sqrt(D)).softmax(-1)
+        a = (kernels.wide(s.mT) / math.sqrt(D)).softmax(-1)
         if self.policy == "h2o":  # accumulated attention (group mean)
             sc[..., :n] += a.mean(-2)
         elif self.policy == "tova":  # the current query's attention (group mean)
@@ -927,7 +938,7 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, reduc
     B, T = idx.shape
     if isinstance(policy, Scorer):
         policy.check(model.config, window)
-    charge = getattr(policy, "charge", 0)  # a delayed scorer's state, in cache entries
+    charge = state_charge(policy, next(model.parameters()).dtype)  # a delayed scorer's state
     size, pool = budget_size(budget, T, sinks, window, charge)  # the budget B, and its pool
     if isinstance(policy, str) and policy == "oracle":
         policy = oracle_policy(model, idx, window, reduce)

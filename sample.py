@@ -23,6 +23,7 @@ from kvpop import (
     Scorer,
     Tokenizer,
     budget_size,
+    state_charge,
     checkpoint_dir,
     configure,
     need,
@@ -145,7 +146,8 @@ except (OSError, UnicodeDecodeError) as e:
 
 try:  # then against the checkpoint, all before the (slow) weights load
     folder = checkpoint_dir(model)
-    limit = Qwen3Config.from_json(os.path.join(folder, "config.json")).max_position_embeddings
+    config = Qwen3Config.from_json(os.path.join(folder, "config.json"))
+    limit = config.max_position_embeddings
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode(tok.chat(text, think) if chat else text)
     total = len(ids) + max_new_tokens
@@ -155,13 +157,13 @@ try:  # then against the checkpoint, all before the (slow) weights load
             f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"{limit} positions; shorten the prompt or lower --max_new_tokens"
         )
-    # a delayed scorer's state, charged to the budget in cache entries
-    charge = getattr(pol, "charge", 0)
-    B, _ = budget_size(budget, total, sinks, window, charge)
     if policy in SCORERS:
-        pol.check(Qwen3Config.from_json(os.path.join(folder, "config.json")), window)
+        pol.check(config, window)
     if dtype == "auto":
         dtype = None if device.startswith("cuda") else "float32"
+    # a delayed scorer's state, charged to the budget in cache entries of its bytes
+    charge = state_charge(pol, getattr(torch, dtype or config.torch_dtype))
+    B, _ = budget_size(budget, total, sinks, window, charge)
     net = Qwen3.from_pretrained(folder, device=device, dtype=dtype)
 except (OSError, ValueError) as e:
     fail(e)
@@ -191,7 +193,7 @@ for n in range(num_samples):
     held = int((cache.pos >= 0).sum(-1).max())  # the most entries any (layer, row, head) holds
     print(
         f"KV cache: {held} entries kept per head{state} of {cache.t} tokens; "
-        f"{cache.nbytes() / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * B / total:.1f}%), "
+        f"{cache.nbytes() / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * cache.nbytes() / full:.1f}%), "
         f"policy {policy if B < total else 'full'}"
         + (f" ({scorer})" if policy in SCORERS and B < total else "")
     )

@@ -121,10 +121,11 @@ def quality_runs(
             hit[p, b].append(lp.argmax(-1)[m] == tgt[c : c + chunk][m])
             # (chunk * (T - B),)
             kl[p, b].append((full.exp() * (full - lp)).sum(-1)[:, size(b) :].flatten())
+    acc_full = torch.cat(hit["full", 1]).float().mean().item()
     for p, b in runs:
         h, k = torch.cat(hit[p, b]).float(), torch.cat(kl[p, b])
         acc = h.mean().item()
-        rel = acc / (rows[0]["accuracy"] if rows else acc)
+        rel = acc / acc_full
         rows.append(
             dict(
                 policy=name(p),

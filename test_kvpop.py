@@ -2589,6 +2589,58 @@ def test_scorer_online_equals_masked(small_model, budget, sinks, window):
         assert ((on - full).abs().max().item() <= 1e-4) == (budget == 1.0)
 
 
+@pytest.fixture(scope="module")
+def model_fp64(tmp_path_factory):
+    """[12/15]'s case: a random Qwen3 by transformers (vocab 300, hidden 96, 6 query / 2 KV heads of
+    32, 2 layers, seed 3), in fp64."""
+    import transformers
+
+    torch.manual_seed(3)
+    c = transformers.Qwen3Config(vocab_size=300, hidden_size=96, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                                 head_dim=32, tie_word_embeddings=True, max_position_embeddings=1024)
+    folder = tmp_path_factory.mktemp("m64")
+    transformers.Qwen3ForCausalLM(c).save_pretrained(folder)
+    return kvpop.Qwen3.from_pretrained(str(folder), dtype=torch.float64)
+
+
+def _sweep(n=36):
+    """n shapes (window, sinks, budget, T, gamma): windows 1-48 around kvpop-window's reach of 32,
+    sinks 0-4, budgets as fractions and integers, T no multiple of the chunks (128), gamma up to 0.5
+    (near-ties between old and new tokens), [12/15]'s case first."""
+    rng, out = random.Random(12), [(24, 4, 0.5, 197, 0.002), (24, 0, 0.5, 150, 0.002)]
+    while len(out) < n:
+        w, sinks, T = rng.choice([1, 2, 5, 8, 16, 24, 31, 32, 33, 40, 48]), rng.randint(0, 4), rng.randint(70, 230)
+        b = rng.choice([0.3, 0.5, 0.75, w + sinks + 8 + rng.randint(0, 40)])
+        if T % 128 and sinks + w + 8 < kvpop.budget_size(b, T, 0, 0)[0] < T:
+            out.append((w, sinks, b, T, rng.choice([0.002, 0.05, 0.5])))
+    return out
+
+
+@pytest.mark.parametrize("kind", kvpop.SCORERS)
+def test_every_scorer_online_equals_masked_on_every_shape(model_fp64, kind):
+    """README, Method: eviction times. The online cache and the masked pass apply one rule to the
+    same priorities; in fp64 (the model, its attention and the scorer alike) the two paths' rounding
+    (~1e-15) is far below any gap between priorities, so they evict the same tokens on every shape:
+    36 shapes, scorers with every parameter moved by 0.3 randn. (In fp32 two priorities closer than
+    the paths' rounding can swap; README, Method: eviction times.)"""
+    idx = torch.randint(0, 300, (2, 230), generator=torch.Generator().manual_seed(11))
+    evicted = 0
+    for n, (w, sinks, b, T, gamma) in enumerate(_sweep()):
+        torch.manual_seed(7 + n)
+        s = kvpop.Scorer(model_fp64.config, kind, w, d_mem=16, d_hidden=32, gamma=gamma)
+        with torch.no_grad():
+            for p in s.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        s = s.double()
+        x = idx[:, :T]
+        on = kvpop.evaluate(model_fp64, x, s, b, sinks, w, online=True)
+        off = kvpop.evaluate(model_fp64, x, s, b, sinks, w, online=False)
+        assert (on - off).abs().max().item() <= 1e-4, (w, sinks, b, T, gamma)
+        evicted += (on - model_fp64(x)).abs().max().item() > 1e-3
+    assert evicted >= 30  # the shapes evict (a budget that keeps everything proves nothing)
+
+
 def test_delayed_scorer_ties_evict_the_older_token(small_model):
     """Every priority equal (w_o = w_s = 0, softplus(theta) t lost to rounding): the older token
     goes, so the pool is StreamingLLM's. The cache compares the newly read token with the rest of
@@ -2624,7 +2676,7 @@ def test_scorer_save_load_and_errors(small_model, tmp_path):
     for s in _scorers(c, 16):
         s.save_pretrained(tmp_path / s.kind)
         t = kvpop.Scorer.from_pretrained(tmp_path / s.kind)
-        assert t.kind == s.kind and t.charge == s.charge
+        assert t.kind == s.kind and t.charge(torch.bfloat16) == s.charge(torch.bfloat16)
         assert all(
             torch.equal(x, y) for x, y in zip(s.state_dict().values(), t.state_dict().values())
         )
@@ -2662,12 +2714,39 @@ def test_scorer_round_trip_keeps_every_setting_of_scorer_json(tmp_path):
 
 
 def test_state_charge_comes_off_the_pool(small_model):
-    s = _scorers(small_model.config, 16)[0]  # d_mem 8, head_dim 32: (64 + 8 + 1) / 64 -> 2 entries
-    assert s.charge == math.ceil((8 * 8 + 8 + 1) / (2 * small_model.config.head_dim)) == 2
-    assert kvpop.budget_size(50, 200, 4, 16, s.charge) == (50, 28)
+    s = _scorers(small_model.config, 16)[0]  # d_mem 8, head_dim 32: 73 fp32 numbers, 292 bytes
+    # an entry is a key and a value of 32: 256 bytes in fp32 -> 2 entries; 128 in bf16 -> 3
+    assert s.charge(torch.float32) == math.ceil((8 * 9 + 1) * 4 / (2 * 32 * 4)) == 2
+    assert s.charge(torch.bfloat16) == math.ceil((8 * 9 + 1) * 4 / (2 * 32 * 2)) == 3
+    assert all(t.charge(torch.bfloat16) == 0 for t in _scorers(small_model.config, 16)[1:])
+    assert kvpop.budget_size(50, 200, 4, 16, s.charge(torch.float32)) == (50, 28)
     cache = kvpop.KVCache(small_model, 1, 48, s, 4, 16)
     kv = 2 * cache.k.numel() * cache.k.element_size()
     assert cache.nbytes() - kv == 4 * (cache.S.numel() + cache.m.numel())
+
+
+def test_bf16_cache_holds_entries_and_state_within_the_budgets_bytes():
+    """README, Method: budget. A bf16 model with head_dim 128 and the paper-sized mLSTM scorer (d_m
+    128, its state fp32): entries + state held <= the budget's bytes, B (2 head_dim) bf16 numbers per
+    layer and KV head. The state is ((128 + 1) 128 + 1) 4 = 66,052 bytes, 130 entries of 512 bytes
+    (by element count it was 65, and the cache held 33 KB over its budget)."""
+    torch.manual_seed(0)
+    c = kvpop.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    net = kvpop.Qwen3(c).to(torch.bfloat16).eval()
+    s = kvpop.Scorer(c, "kvpop", window=16, d_mem=128).eval()
+    idx = torch.randint(0, 64, (1, 400), generator=torch.Generator().manual_seed(0))
+    B, T, entry = 200, 400, 2 * 128 * 2  # the budget, the tokens fed, one entry's bytes
+    charge = kvpop.state_charge(s, torch.bfloat16)
+    assert charge == 130 and kvpop.budget_size(B, T, 4, 16, charge) == (B, B - 4 - 16 - 130)
+    cache = kvpop.KVCache(net, 1, B - charge, s, 4, 16)
+    for t in range(T):
+        net(idx[:, t : t + 1], cache=cache)
+    held = (cache.pos >= 0).sum(-1)  # (L, 1, Hkv) entries held
+    state = (cache.S[0, 0, 0].numel() + 1) * cache.S.element_size()  # one layer and head's
+    assert state == 66052 and (held == B - charge).all()
+    assert (held * entry + state <= B * entry).all()
+    assert cache.nbytes() <= 2 * 1 * B * entry  # 2 layers, 1 row, 1 KV head
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -2837,7 +2916,7 @@ def test_finetune_loss_is_the_kl_to_the_teachers_top_k_under_eviction(baby):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
     scorer = kvpop.Scorer.from_pretrained(os.path.join(SHIPPED, "kvpop")).requires_grad_(True)
     budget, sinks, window, K = 0.5, 4, 32, 256
-    B, pool = kvpop.budget_size(budget, 128, sinks, window, scorer.charge)
+    B, pool = kvpop.budget_size(budget, 128, sinks, window, kvpop.state_charge(scorer, torch.float32))
     kl = train.finetune_loss(
         student, net, scorer, idx, torch.arange(sinks + window + pool, 128), sinks, window, pool, K
     )[0]
@@ -2988,7 +3067,7 @@ def _held_out_keep_drop_accuracy(net, tok, scorer, budget, target, T=512, sinks=
     idx = tasks.task_batch(tok, 4, T, random.Random("test-0"))[0]
     kv, r = kvpop.dense_targets(net, idx, window, target)
     pool, gamma = (
-        kvpop.budget_size(budget, T, sinks, window, scorer.charge)[1],
+        kvpop.budget_size(budget, T, sinks, window, kvpop.state_charge(scorer, torch.float32))[1],
         scorer.theta.detach(),
     )
     with torch.no_grad():
@@ -3086,8 +3165,9 @@ def test_train_first_step_loss_is_the_definitions(tmp_path, baby, task, target):
 
 def test_sample_with_the_delayed_scorer_keeps_entries_plus_state_within_the_budget():
     """sample.py on the baby's prompt with the shipped mLSTM scorer: the entries it holds per head
-    plus its state's charge, ceil((d_m^2 + d_m + 1) / (2 head_dim)), make exactly B = ceil(0.25
-    (prompt + new tokens)); the default delayed scorer, kvpop-window, has no state and holds B."""
+    plus its state's charge, ceil(state bytes / entry bytes), make exactly B = ceil(0.25 (prompt +
+    new tokens)), and the share it reports is bytes held over the full cache's; the default delayed
+    scorer, kvpop-window, has no state and holds B."""
     r = run(
         "sample.py",
         "--budget",
@@ -3113,8 +3193,12 @@ def test_sample_with_the_delayed_scorer_keeps_entries_plus_state_within_the_budg
         tok.encode(open(os.path.join(HERE, "baby", "prompt.txt"), encoding="utf-8").read())
     )
     d_m, D = 16, 64  # the shipped scorer's memory, the baby's head_dim
-    assert charge == math.ceil((d_m * d_m + d_m + 1) / (2 * D)) == 3
+    # fp32 state and cache: C, n and the log-scale in 4 bytes each, an entry 2 D numbers of 4 bytes
+    assert charge == math.ceil((d_m * d_m + d_m + 1) * 4 / (2 * D * 4)) == 3
     assert held + charge == math.ceil(0.25 * (prompt + 24)) and fed > held + charge
+    # 2 layers x 1 KV head: entries + state over every position's entry
+    share = 2 * (held * 2 * D * 4 + (d_m * d_m + d_m + 1) * 4) / (2 * (prompt + 24) * 2 * D * 4)
+    assert re.search(r"full \(([\d.]+)%\)", r.stdout).group(1) == f"{100 * share:.1f}"
     r = run("sample.py", "--budget", "0.25", "--max_new_tokens", "24", "--temperature", "0")
     assert (
         r.returncode == 0 and "policy kvpop-window" in r.stdout and "scorer state" not in r.stdout
@@ -3536,16 +3620,129 @@ def test_every_readme_command_is_known():
 
 
 @pytest.mark.parametrize("cmd", list(README_SMALL))
-def test_readme_command_runs(cmd, tmp_path):
+def test_readme_command_runs(cmd, tmp_path, baby):
+    """Each README command, smaller: it runs, and the figures it prints are checked: the quality
+    tables against _ref_quality (bench.py quality with the task/target flags: every row; the plain
+    one: full's row and relative = accuracy / full's), train.py's final table against _ref_quality
+    with the run's target and scorer, sample.py's cache line against the budget."""
     if "{tmp}/m" in " ".join(README_SMALL[cmd]):
         hf_checkpoint(tmp_path / "m", layers=2)
     r = _run_readme(cmd, README_SMALL[cmd], tmp_path)
-    if (
-        cmd.startswith("python train.py") and "pretrain" not in cmd
-    ):  # a scorer or a model was written
+    argv = cmd.split() + [x.format(tmp=tmp_path) for x in README_SMALL[cmd]]
+    flag = lambda k, d: argv[len(argv) - 1 - argv[::-1].index(f"--{k}") + 1] if f"--{k}" in argv else d
+    if cmd.startswith("python train.py") and "pretrain" not in cmd:  # a scorer or a model was written
         assert "saved" in r.stdout
+    if cmd.startswith("python train.py") and "--finetune" not in cmd and "pretrain" not in cmd:
+        # the final table: bench.py quality's first sequences, the run's task, target and scorer
+        net, tok = baby
+        task, target = flag("task", "recall"), flag("target", "max")
+        seqs = tasks.task_batch(tok, int(flag("final_seqs", 128)), 512, random.Random("test-0"),
+                                **tasks.TASKS[task])
+        scorer = kvpop.Scorer.from_pretrained(flag("out_dir", "out"))
+        runs = [(p, p, target) for p in ("oracle", "streaming", "h2o")] + [(scorer.kind, scorer, target)]
+        _check_quality_table(r.stdout, _ref_quality(net, seqs, runs, [0.25, 0.125]))
     if cmd.startswith("python bench.py quality"):
-        assert "| full | 1 |" in r.stdout
+        rows = _parse_quality_table(r.stdout)
+        for task in {row["task"] for row in rows}:
+            full = [x for x in rows if x["task"] == task and x["policy"] == "full"]
+            assert len(full) == 1 and full[0]["relative"] == 1 and full[0]["KL"] == 0
+            for x in rows:  # relative = accuracy / full's, to the printed digits
+                if x["task"] == task and full[0]["accuracy"]:
+                    assert abs(x["relative"] - x["accuracy"] / full[0]["accuracy"]) < 2e-3, x
+    if cmd.startswith("python bench.py quality --task"):
+        net, tok = baby
+        for task in ("recall", "cue"):
+            seqs = tasks.task_batch(tok, 2, 512, random.Random("test-0"), **tasks.TASKS[task])
+            runs = [(p, p, "-") for p in ("streaming", "h2o")]
+            for target in ("mean", "max"):
+                runs += [("oracle", "oracle", target)]
+                for kind in kvpop.SCORERS:  # the shipped scorer of this task and target
+                    d = os.path.join(HERE, "baby", "scorers", f"{task}-{target}", kind)
+                    runs += [(kind, kvpop.Scorer.from_pretrained(d), target)]
+            _check_quality_table(r.stdout, _ref_quality(net, seqs, runs, [0.25, 0.125]), task)
+    if cmd.startswith("python sample.py"):  # B = ceil(0.25 (399 + 112)) entries, no state
+        assert re.search(r"KV cache: 128 entries kept per head of 510 tokens; .* full \(25.0%\), "
+                         r"policy kvpop-window", r.stdout)
+
+
+def test_quality_runs_equal_their_definitions(baby):
+    """tasks.quality_runs (bench.py quality's and train.py's rows) against _ref_quality: two budgets
+    (far is set by the larger), a static policy and the oracle under the max target."""
+    net, tok = baby
+    seqs = tasks.task_batch(tok, 2, 512, random.Random("q"), **tasks.TASKS["cue"])
+    rows, share, n = tasks.quality_runs(net, *seqs, ["streaming", "oracle"], [0.25, 0.125], 4, 32,
+                                        reduce="max")
+    ref = _ref_quality(net, seqs, [("streaming", "streaming", "max"), ("oracle", "oracle", "max")],
+                       [0.25, 0.125])
+    tgt, dist = seqs[1:]
+    assert n == (tgt >= 0).sum() and share == (dist[tgt >= 0] >= 128 - 4).float().mean().item()
+    for r in rows:
+        want = ref[r["policy"], "-" if r["policy"] == "full" else "max", r["budget"]]
+        got = (r["accuracy"], r["far_accuracy"], r["relative"], r["kl"])
+        assert all(abs(x - y) <= 5.1e-5 for x, y in zip(got, want)), (got, want)
+
+
+def test_flags_take_hyphens_and_equals():
+    """--key value, --key=value, and - for _ in a key (--max-iters is --max_iters); a bare bool
+    switch is true; an unknown key is an error."""
+    g = dict(max_iters=5, min_lr=0.1, finetune=False, __file__=os.path.join(HERE, "train.py"))
+    assert kvpop.configure(g, ["--max-iters", "7", "--min-lr=0.5", "--finetune"]) == {
+        "max_iters", "min_lr", "finetune"}
+    assert (g["max_iters"], g["min_lr"], g["finetune"]) == (7, 0.5, True)
+    with pytest.raises(SystemExit, match="unknown option '--max_iter'"):
+        kvpop.configure(g, ["--max_iter", "3"])
+
+
+def _ref_quality(net, seqs, runs, budgets, sinks=4, window=32):
+    """The quality table's numbers from their definitions (README, Results), for runs (name, policy,
+    target): accuracy over the answers; far accuracy over the answers written at least B - sinks
+    back, B the largest budget's; relative = accuracy / full's; KL(full || policy) per token past
+    position B. -> {(policy name, target, budget): (accuracy, far, relative, KL)}."""
+    idx, tgt, dist = seqs
+    T, m = idx.shape[1], tgt >= 0
+    far = dist[m] >= math.ceil(max(budgets) * T) - sinks
+    with torch.no_grad():
+        full = net(idx).float().log_softmax(-1)  # the dense forward
+    hit = lambda lp: (lp.argmax(-1)[m] == tgt[m]).float()
+    acc_full = hit(full).mean().item()
+    out = {("full", "-", 1): (acc_full, hit(full)[far].mean().item(), 1.0, 0.0)}
+    for name, policy, target in runs:
+        for b in budgets:
+            online = policy in ("h2o", "tova")
+            reduce = target if target != "-" else "mean"
+            lp = kvpop.evaluate(net, idx, policy, b, sinks, window, online, reduce).float().log_softmax(-1)
+            B = math.ceil(b * T)
+            kl = (full.exp() * (full - lp)).sum(-1)[:, B:].mean().item()
+            h = hit(lp)
+            out[name, target, b] = (h.mean().item(), h[far].mean().item(), h.mean().item() / acc_full, kl)
+    return out
+
+
+def _parse_quality_table(text):
+    """tasks.quality_table's markdown rows -> dicts (percentages as fractions)."""
+    lines = [l for l in text.splitlines() if l.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = []
+    for l in lines[1:]:
+        r = dict(zip(head, (c.strip() for c in l.strip("|").split("|"))))
+        for k in ("accuracy", "far accuracy"):
+            r[k] = float(r[k].rstrip("%")) / 100
+        r["budget"], r["relative"], r["KL"] = float(r["budget"]), float(r["relative"]), float(r["KL"])
+        rows.append(r)
+    return rows
+
+
+def _check_quality_table(text, ref, task=None):
+    """Every row of ref printed in text's table, each figure to its printed digits (one unit of the
+    last digit for rounding)."""
+    rows = _parse_quality_table(text)
+    for (name, target, b), (acc, far, rel, kl) in ref.items():
+        got = [r for r in rows if r["policy"] == name and r["budget"] == b
+               and r.get("target", target) in (target, "-") and r.get("task", task) == task]
+        assert len(got) == 1, (name, target, b)
+        g = got[0]
+        assert abs(g["accuracy"] - acc) <= 1.01e-3 and abs(g["far accuracy"] - far) <= 1.01e-3, (g, acc, far)
+        assert abs(g["relative"] - rel) <= 1.01e-3 and abs(g["KL"] - kl) <= 1.01e-3, (g, rel, kl)
 
 
 def test_readme_real_qwen3_commands_on_a_local_cache(tmp_path):

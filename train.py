@@ -469,7 +469,10 @@ def load():
         if resume and learned:
             scorer = kvpop.Scorer.from_pretrained(out_dir).to(device).requires_grad_(True).train()
             scorer.load_state_dict(ck["scorer"])
-        charge = scorer.charge if learned else 0
+        dt = (
+            None if dtype == "auto" and device != "cpu" else "float32" if dtype == "auto" else dtype
+        )
+        charge = kvpop.state_charge(scorer, getattr(torch, dt or config.torch_dtype))
         # the scorer's state comes off it
         B, pool = kvpop.budget_size(budget, seq_len, sinks, window, charge)
         need(
@@ -487,9 +490,6 @@ def load():
                     f"--final_seqs {final_seqs}: the final table's budget {b} leaves no room at --seq_len "
                     f"{seq_len}, --window {window}; use --final_seqs 0 or a longer --seq_len",
                 )
-        dt = (
-            None if dtype == "auto" and device != "cpu" else "float32" if dtype == "auto" else dtype
-        )
         net = kvpop.Qwen3.from_pretrained(folder, device, dt).requires_grad_(False)  # frozen, dense
         student = kvpop.Qwen3.from_pretrained(folder, device, dt).train() if finetune else None
         # the weights of the step train_state.pt records (model.safetensors may be newer)
