@@ -14,6 +14,7 @@ import time
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 
+from tasks import recall_score, task_ids
 from kvpop import (
     DTYPES,
     SCORERS,
@@ -40,7 +41,7 @@ prompt = ""  # the text, or FILE:path; empty: the baby's recall prompt, or a sen
 chat = False  # wrap the prompt in Qwen3's chat template
 think = False  # with --chat: let the model think first (<think> ... </think>)
 # --- sampling
-num_samples = 1  # samples drawn one after another
+num_samples = 0  # samples drawn one after another; 0: 4 (baby, for its recall scoreboard), else 1
 max_new_tokens = 0  # tokens per sample (fewer if the model stops); 0: 112 (baby), else 2048
 temperature = 0.7  # 0 = greedy; Qwen3 suggests 0.6 thinking, 0.7 otherwise
 top_k = 20  # keep the k most likely tokens (0 = off)
@@ -75,6 +76,7 @@ if not policy and os.path.isfile(os.path.join(scorer or "-", "scorer.json")):
 # a --scorer without scorer.json: said below
 policy = policy or ("kvpop-window" if baby or scorer else "streaming")
 max_new_tokens = max_new_tokens or (112 if baby else 2048)
+num_samples = num_samples or (4 if baby else 1)
 try:  # every flag on its own first: nothing is looked up, downloaded or loaded for a bad one
     dev = torch.device(device)
 except RuntimeError:
@@ -93,7 +95,7 @@ need(
 )
 need(dtype in ("auto",) + DTYPES, f"--dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
 need(chat or not think, "--think only applies to the chat template; add --chat or drop --think")
-need(num_samples >= 1, f"--num_samples {num_samples}: draw at least 1 sample")
+need(num_samples >= 1, f"--num_samples {num_samples}: use 1 or more (0: the default)")
 need(max_new_tokens >= 1, f"--max_new_tokens {max_new_tokens}: generate at least 1 token")
 need(temperature >= 0, f"--temperature {temperature:g}: use 0 (greedy) or more")
 need(top_k >= 0, f"--top_k {top_k}: use 0 (off) or the number of likeliest tokens kept")
@@ -168,25 +170,33 @@ try:  # then against the checkpoint, all before the (slow) weights load
 except (OSError, ValueError) as e:
     fail(e)
 
-torch.manual_seed(seed)
-x = torch.tensor([ids], device=device)
-for n in range(num_samples):
-    cache = KVCache(
-        net, 1, B - charge if B < total else total, pol if B < total else "full", sinks, window
-    )
-    dec, out, t = tok.decode_stream(), [], [time.time()]
-    print(text if not chat else tok.decode(ids), end="", flush=True)
-    for nxt in net.generate(x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache):
-        out.append(int(nxt[0]))
-        t.append(time.time())  # t[1]: the prompt is in the cache and the first token sampled
-        if out[-1] in tok.stop:
-            break
-        print(dec(out[-1]), end="", flush=True)
+
+
+def draw(pol, size, echo):
+    """num_samples samples from the prompt under policy pol with `size` entries per head, seeded
+    alike -> the sampled ids of each; echo: print each with its timing and cache lines."""
+    torch.manual_seed(seed)
+    x, outs = torch.tensor([ids], device=device), []
+    for n in range(num_samples):
+        cache = KVCache(net, 1, size, pol, sinks, window)
+        dec, out, t = tok.decode_stream(), [], [time.time()]
+        outs.append(out)
+        echo and print(text if not chat else tok.decode(ids), end="", flush=True)
+        for nxt in net.generate(x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache):
+            out.append(int(nxt[0]))
+            t.append(time.time())  # t[1]: the prompt is in the cache and the first token sampled
+            if out[-1] in tok.stop:
+                break
+            echo and print(dec(out[-1]), end="", flush=True)
+        if echo:
+            report(cache, out, t, dec)
+    return outs
+
+
+def report(cache, out, t, dec):  # a sample's timing and cache lines, and with --show its shading
     print(dec(), end="")  # the bytes of a character cut off by the end of generation
     rate = (len(out) - 1) / (t[-1] - t[1]) if len(out) > 1 else 0.0
-    print(
-        f"\n---\nprefill {len(ids)} tokens in {t[1] - t[0]:.2f} s; decode {len(out)} tokens at {rate:.1f} tokens/s"
-    )
+    print(f"\n---\nprefill {len(ids)} tokens in {t[1] - t[0]:.2f} s; decode {len(out)} tokens at {rate:.1f} tokens/s")
     # every position, every layer
     full = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size() * total
     state = f" + scorer state worth {charge}" if charge and B < total else ""
@@ -194,15 +204,23 @@ for n in range(num_samples):
     print(
         f"KV cache: {held} entries kept per head{state} of {cache.t} tokens; "
         f"{cache.nbytes() / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * cache.nbytes() / full:.1f}%), "
-        f"policy {policy if B < total else 'full'}"
-        + (f" ({scorer})" if policy in SCORERS and B < total else "")
+        f"policy {policy if B < total else 'full'}" + (f" ({scorer})" if policy in SCORERS and B < total else "")
     )
     if show:
         seq = ids + out[: cache.t - len(ids)]
         p = cache.pos[:, 0]  # (L, Hkv, entries) positions held, -1 = empty
-        print(
-            shade(
-                tok, seq, torch.bincount(p[p >= 0], minlength=cache.t) / (p.shape[0] * p.shape[1])
-            )
-        )
+        print(shade(tok, seq, torch.bincount(p[p >= 0], minlength=cache.t) / (p.shape[0] * p.shape[1])))
     print("=" * 80)
+
+
+outs = draw(pol if B < total else "full", B - charge if B < total else total, True)
+# the baby: its recall scoreboard, the same prompt and seed under the policy, full and streaming
+if baby:
+    word = {i: w for w, i in task_ids(tok)[0].items()}
+    board = {(policy if B < total else "full"): outs}
+    board.setdefault("full", draw("full", total, False))
+    if B < total:
+        board.setdefault("streaming", draw("streaming", B, False))
+    for p, samples in board.items():
+        R, N = (sum(x) for x in zip(*(recall_score([word.get(i) for i in ids + o], len(ids)) for o in samples)))
+        print(f"recall {p} {budget:g}: {R}/{N}")

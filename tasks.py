@@ -88,6 +88,21 @@ def task_batch(tok, n, T, rng, **kw):
     return idx, tgt, dist
 
 
+def recall_score(words, start):
+    """The recall scoreboard of a sample: words (the prompt's, then the sample's from index start)
+    -> (R, N): N times the sample writes a bound key and a word after it, R of them that word is
+    the key's current value. Bindings come from the prompt and from the sample itself: `key value`
+    binds or reassigns."""
+    val, R, N = {}, 0, 0
+    for j in range(len(words) - 1):
+        a, b = words[j], words[j + 1]
+        if j >= start and a in val:
+            N, R = N + 1, R + (b == val[a])
+        if a in KEYS and b in VALUES:
+            val[a] = b
+    return R, N
+
+
 def quality_runs(
     net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None, reduce="mean"
 ):

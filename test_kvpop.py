@@ -264,7 +264,7 @@ BAD_FLAGS = [
     ("sample.py", ["--think", "2"], ["--think", "true or false"]),
     ("sample.py", ["--think"], ["--think", "--chat"]),
     ("sample.py", ["--show=maybe"], ["--show", "true or false"]),
-    ("sample.py", ["--num_samples", "0"], ["--num_samples 0"]),
+    ("sample.py", ["--num_samples", "-1"], ["--num_samples -1"]),
     ("sample.py", ["--num_samples", "two"], ["integer"]),
     ("sample.py", ["--max_new_tokens", "-3"], ["--max_new_tokens -3"]),
     ("sample.py", ["--max_new_tokens", "ten"], ["--max_new_tokens 'ten' is not an integer"]),
@@ -3680,6 +3680,45 @@ def test_quality_runs_equal_their_definitions(baby):
         want = ref[r["policy"], "-" if r["policy"] == "full" else "max", r["budget"]]
         got = (r["accuracy"], r["far_accuracy"], r["relative"], r["kl"])
         assert all(abs(x - y) <= 5.1e-5 for x, y in zip(got, want)), (got, want)
+
+
+def test_recall_score_counts_by_hand():
+    """tasks.recall_score on a hand-made prompt and sample (README, Quickstart): a bound key the
+    sample writes counts once, right when the next word is the key's current value; the sample's own
+    `key value` rebinds; unbound keys, keys in the prompt and the last word do not count."""
+    prompt = "name true the time null of name true".split()  # binds name: true, time: null
+    sample = "name true the time good time good size new name true data".split()
+    # name true: hit; time good: miss (rebinds time); time good: hit; size: unbound; name true: hit;
+    # data: unbound and last
+    assert tasks.recall_score(prompt + sample, len(prompt)) == (3, 4)
+    # a prompt ending on a key: its value is the sample's first word, not counted
+    assert tasks.recall_score("time null time".split() + ["true"], 3) == (0, 0)
+
+
+def _ref_recall(words, start):
+    """(hits, count): each key the sample writes (index >= start) that has a value, from `key value`
+    earlier in the prompt or the sample, and a word after it; a hit when that word is the value."""
+    hits = count = 0
+    for j in range(start, len(words) - 1):
+        pairs = [(a, b) for a, b in zip(words[:j], words[1 : j + 1]) if a == words[j] and b in tasks.VALUES]
+        if words[j] in tasks.KEYS and pairs:
+            count, hits = count + 1, hits + (words[j + 1] == pairs[-1][1])
+    return hits, count
+
+
+def test_sample_prints_the_recall_scoreboard():
+    """python sample.py --budget 0.25 (README, Quickstart): a line `recall POLICY 0.25: R/N` for
+    the default delayed scorer, full and streaming; the delayed scorer's R/N is _ref_recall summed
+    over the samples it printed."""
+    r = run("sample.py", "--budget", "0.25")
+    assert r.returncode == 0, r.stderr
+    board = {p: (int(a), int(n)) for p, a, n in re.findall(r"^recall (\S+) 0.25: (\d+)/(\d+)$", r.stdout, re.M)}
+    assert list(board) == ["kvpop-window", "full", "streaming"]
+    prompt = open(os.path.join(HERE, "baby", "prompt.txt"), encoding="utf-8").read().split()
+    texts = [t.split("\n---\n")[0].split() for t in r.stdout.split("=" * 80)[:-1]]
+    assert len(texts) == 4 and all(t[: len(prompt)] == prompt for t in texts)
+    ref = [_ref_recall(t, len(prompt)) for t in texts]
+    assert board["kvpop-window"] == (sum(h for h, _ in ref), sum(n for _, n in ref))
 
 
 def test_flags_take_hyphens_and_equals():
