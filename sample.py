@@ -43,9 +43,9 @@ think = False  # with --chat: let the model think first (<think> ... </think>)
 # --- sampling
 num_samples = 0  # samples drawn one after another; 0: 4 (baby, for its recall scoreboard), else 1
 max_new_tokens = 0  # tokens per sample (fewer if the model stops); 0: 112 (baby), else 2048
-temperature = 0.7  # 0 = greedy; Qwen3 suggests 0.6 thinking, 0.7 otherwise
-top_k = 20  # keep the k most likely tokens (0 = off)
-top_p = 0.8  # nucleus sampling (1 = off); Qwen3 suggests 0.95 thinking, 0.8 otherwise
+temperature = -1.0  # 0 = greedy; -1: 1 for the baby (its own distribution), else Qwen3's 0.7 (0.6 thinking)
+top_k = -1  # keep the k most likely tokens (0 = off); -1: off for the baby, else Qwen3's 20
+top_p = -1.0  # nucleus sampling (1 = off); -1: off for the baby, else Qwen3's 0.8 (0.95 thinking)
 seed = 1337  # random seed
 # --- KV budget (README, Method: budget)
 budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer B; 1 = full cache
@@ -77,6 +77,10 @@ if not policy and os.path.isfile(os.path.join(scorer or "-", "scorer.json")):
 policy = policy or ("kvpop-window" if baby or scorer else "streaming")
 max_new_tokens = max_new_tokens or (112 if baby else 2048)
 num_samples = num_samples or (4 if baby else 1)
+# the baby samples its own distribution (a nucleus would cut its rare keys); Qwen3's advice otherwise
+temperature = (1.0 if baby else 0.6 if think else 0.7) if temperature == -1 else temperature
+top_k = (0 if baby else 20) if top_k == -1 else top_k
+top_p = (1.0 if baby else 0.95 if think else 0.8) if top_p == -1 else top_p
 try:  # every flag on its own first: nothing is looked up, downloaded or loaded for a bad one
     dev = torch.device(device)
 except RuntimeError:
@@ -97,8 +101,8 @@ need(dtype in ("auto",) + DTYPES, f"--dtype {dtype!r}: use auto, {', '.join(DTYP
 need(chat or not think, "--think only applies to the chat template; add --chat or drop --think")
 need(num_samples >= 1, f"--num_samples {num_samples}: use 1 or more (0: the default)")
 need(max_new_tokens >= 1, f"--max_new_tokens {max_new_tokens}: generate at least 1 token")
-need(temperature >= 0, f"--temperature {temperature:g}: use 0 (greedy) or more")
-need(top_k >= 0, f"--top_k {top_k}: use 0 (off) or the number of likeliest tokens kept")
+need(temperature >= 0, f"--temperature {temperature:g}: use 0 (greedy) or more (-1: the default)")
+need(top_k >= 0, f"--top_k {top_k}: use 0 (off) or the number of likeliest tokens kept (-1: the default)")
 need(0 < top_p <= 1, f"--top_p {top_p:g}: use 0 < top_p <= 1 (1 = off)")
 need(0 <= seed < 2**32, f"--seed {seed}: use an integer 0 <= seed < 2**32")
 need(

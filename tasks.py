@@ -92,10 +92,12 @@ def recall_score(words, start):
     """The recall scoreboard of a sample: words (the prompt's, then the sample's from index start)
     -> (R, N): N times the sample writes a bound key and a word after it, R of them that word is
     the key's current value. Bindings come from the prompt and from the sample itself: `key value`
-    binds or reassigns."""
+    binds or reassigns; a distractor `key value no` (the cue task) neither binds nor counts."""
     val, R, N = {}, 0, 0
     for j in range(len(words) - 1):
         a, b = words[j], words[j + 1]
+        if j + 2 < len(words) and words[j + 2] == MARK:
+            continue
         if j >= start and a in val:
             N, R = N + 1, R + (b == val[a])
         if a in KEYS and b in VALUES:

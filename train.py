@@ -73,7 +73,7 @@ sinks = 4  # first tokens never evicted
 window = 32  # recent tokens never evicted; a delayed scorer reads this many tokens late
 # --- optimisation
 batch_size = 8  # sequences per step
-max_iters = 300  # scorer steps
+max_iters = 600  # scorer steps
 lr = 3e-3  # AdamW peak learning rate (pretrain too)
 min_lr = 3e-4  # scorer: cosine decay down to this
 warmup = 50  # linear warmup steps (pretrain too)
@@ -96,7 +96,9 @@ keys = 8  # recall task: keys per sequence; fewer at the shorter curriculum leng
 tokens = 4096  # pretrain: tokens per step
 phase_steps = 500  # pretrain: most steps at each shorter curriculum length
 advance_acc = 0.9  # pretrain: next length once train accuracy (20-step mean) reaches this
-final_steps = 300  # pretrain: steps at seq_len, cosine decay to 0
+final_steps = 600  # pretrain: steps at seq_len, cosine decay to 0
+answer_weight = 4.0  # pretrain: weight of the answers' loss on top of every position's next-token loss
+final_tasks = "recall,cue"  # pretrain: the tasks the steps at seq_len take in turn (before: --task)
 given = kvpop.configure(globals(), None if __name__ == "__main__" else [])  # tests: defaults
 # set by torchrun
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -143,6 +145,11 @@ need(
     "--weight_decay must be in [0, 1) and --grad_clip positive",
 )
 need(0 < advance_acc <= 1, f"--advance_acc {advance_acc}: must be in (0, 1]")
+need(answer_weight >= 0, f"--answer_weight {answer_weight}: use 0 or more")
+need(
+    all(t in TASKS for t in final_tasks.split(",")),
+    f"--final_tasks {final_tasks!r}: comma-separated tasks from {', '.join(TASKS)}",
+)
 need(
     1 <= keys <= 16 and seq_len >= 64,
     "--keys must be 1..16 and --seq_len at least 64 (the recall task)",
@@ -199,7 +206,8 @@ for why, on, names in [  # a flag that this run would ignore is an error, as an 
     (
         "--stage scorer",
         stage == "scorer",
-        "vocab_ranks n_layer n_embd n_ff rope_theta tokens phase_steps advance_acc final_steps",
+        "vocab_ranks n_layer n_embd n_ff rope_theta tokens phase_steps advance_acc final_steps answer_weight "
+        "final_tasks",
     ),
     ("no --finetune", not finetune, "policy model_lr top_logits"),
     (
@@ -656,7 +664,7 @@ def init_baby():
             head_dim=n_embd // 2,
             rope_theta=rope_theta,
             max_position_embeddings=4096,
-            tie_word_embeddings=True,
+            tie_word_embeddings=False,  # the input embedding is frozen, the output layer learns
             torch_dtype="float32",
         )
     )
@@ -698,10 +706,14 @@ def pretrain():
         for i in range(n):
             f = min(1, (step + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * i / n)) if last else 1)
             opt.param_groups[0]["lr"] = lr * f
-            idx, tgt, _ = task_batch(tok, tokens // T, T, rng, keys=keys, **TASKS[task])
-            # sdpa: plain causal, torch's fused kernel (autograd)
+            now = final_tasks.split(",")[i % len(final_tasks.split(","))] if last else task
+            idx, tgt, _ = task_batch(tok, tokens // T, T, rng, keys=keys, **TASKS[now])
+            # sdpa: plain causal, torch's fused kernel (autograd); the next token everywhere, and
+            # the answers (tgt: the next token where it is a recalled value) once more
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits, loss = model(idx, tgt, attn=sdpa)
+                logits = model(idx, attn=sdpa)
+            ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), idx[:, 1:].flatten(), reduction="none")
+            loss = ce.mean() + answer_weight * ce[tgt[:, :-1].flatten() >= 0].mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
