@@ -175,23 +175,24 @@ except (OSError, ValueError) as e:
     fail(e)
 
 
-
 def draw(pol, size, echo):
     """num_samples samples from the prompt under policy pol with `size` entries per head, seeded
     alike -> the sampled ids of each; echo: print each with its timing and cache lines."""
     torch.manual_seed(seed)
     x, outs = torch.tensor([ids], device=device), []
-    for n in range(num_samples):
+    for _ in range(num_samples):
         cache = KVCache(net, 1, size, pol, sinks, window)
         dec, out, t = tok.decode_stream(), [], [time.time()]
         outs.append(out)
-        echo and print(text if not chat else tok.decode(ids), end="", flush=True)
+        if echo:
+            print(text if not chat else tok.decode(ids), end="", flush=True)
         for nxt in net.generate(x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache):
             out.append(int(nxt[0]))
             t.append(time.time())  # t[1]: the prompt is in the cache and the first token sampled
             if out[-1] in tok.stop:
                 break
-            echo and print(dec(out[-1]), end="", flush=True)
+            if echo:
+                print(dec(out[-1]), end="", flush=True)
         if echo:
             report(cache, out, t, dec)
     return outs
@@ -222,9 +223,9 @@ outs = draw(pol if B < total else "full", B - charge if B < total else total, Tr
 if baby:
     word = {i: w for w, i in task_ids(tok)[0].items()}
     board = {(policy if B < total else "full"): outs}
-    board.setdefault("full", draw("full", total, False))
-    if B < total:
-        board.setdefault("streaming", draw("streaming", B, False))
+    for p, size in [("full", total)] + [("streaming", B)] * (B < total):
+        if p not in board:
+            board[p] = draw(p, size, False)
     for p, samples in board.items():
         R, N = (sum(x) for x in zip(*(recall_score([word.get(i) for i in ids + o], len(ids)) for o in samples)))
         print(f"recall {p} {budget:g}: {R}/{N}")
