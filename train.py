@@ -168,13 +168,6 @@ need(0 <= seed < 2**32, f"--seed {seed}: use an integer 0 <= seed < 2**32")
 need(
     out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name"
 )
-need(
-    stage != "pretrain"
-    or not os.path.exists(out_dir)
-    or os.path.isfile(os.path.join(out_dir, "config.json")),
-    f"--out_dir {out_dir}: exists and is no checkpoint; pretrain writes its model files there, "
-    "so name a new one",
-)
 need(stage != "pretrain" or seq_len <= 4096, f"--seq_len {seq_len}: the baby has 4096 positions")
 need(
     stage != "pretrain" or tokens >= seq_len,
@@ -224,6 +217,14 @@ for why, on, names in [  # a flag that this run would ignore is an error, as an 
 ]:
     k = next((k for k in names.split() if on and k in given), None)
     need(k is None, f"--{k} does nothing with {why}; drop it (see --help)")
+# flags first, then the folder pretraining would write into
+need(
+    stage != "pretrain"
+    or not os.path.exists(out_dir)
+    or os.path.isfile(os.path.join(out_dir, "config.json")),
+    f"--out_dir {out_dir}: exists and is no checkpoint; pretrain writes its model files there, "
+    "so name a new one",
+)
 need(
     not resume or os.path.isfile(os.path.join(out_dir, "train_state.pt")),
     f"--resume: no train_state.pt in {out_dir} to continue; drop --resume to start anew",
