@@ -98,7 +98,7 @@ phase_steps = 500  # pretrain: most steps at each shorter curriculum length
 advance_acc = 0.9  # pretrain: next length once train accuracy (20-step mean) reaches this
 final_steps = 600  # pretrain: steps at seq_len, cosine decay to 0
 answer_weight = 4.0  # pretrain: weight of the answers' loss on top of every position's next-token loss
-final_tasks = "recall,cue"  # pretrain: the tasks the steps at seq_len take in turn (before: --task)
+final_tasks = "recall,cue"  # pretrain: the tasks the steps at seq_len take in turn (shorter: --task)
 given = kvpop.configure(globals(), None if __name__ == "__main__" else [])  # tests: defaults
 # set by torchrun
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -701,13 +701,13 @@ def pretrain():
     accuracy = lambda logits, tgt: (
         (logits.argmax(-1)[tgt >= 0] == tgt[tgt >= 0]).float().mean().item()
     )
-    step, t0 = 0, time.time()
+    step, t0, finals = 0, time.time(), final_tasks.split(",")
     for T in [L for L in (64, 128, 256) if L < seq_len] + [seq_len]:  # the curriculum
         last, n, accs = T == seq_len, final_steps if T == seq_len else phase_steps, []
         for i in range(n):
             f = min(1, (step + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * i / n)) if last else 1)
             opt.param_groups[0]["lr"] = lr * f
-            now = final_tasks.split(",")[i % len(final_tasks.split(","))] if last else task
+            now = finals[i % len(finals)] if last else task
             idx, tgt, _ = task_batch(tok, tokens // T, T, rng, keys=keys, **TASKS[now])
             # sdpa: plain causal, torch's fused kernel (autograd); the next token everywhere, and
             # the answers (tgt: the next token where it is a recalled value) once more
