@@ -31,9 +31,10 @@ device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu or cuda (speed, k
 json = ""  # also write the rows to this file (quality, speed)
 # --- quality: every policy on held-out sequences of the baby's tasks (teacher-forced)
 task = "recall"  # comma-separated tasks: recall, cue
-target = "max"  # comma-separated targets of the oracle and the scorers: mean, max
+target = "helpful"  # comma-separated targets of the oracle and the scorers: helpful, max, mean
 scorer = "shipped"  # comma-separated folders ('' none); shipped: baby/scorers/<task>-<target>/*
 seed = 0  # held-out task seed (training draws other streams)
+p_cue = -1.0  # cue task: the share of would-be fillers that start a distractor (-1: the task's, 0.17)
 n = 128  # sequences
 T = 512  # tokens per sequence
 threads = 1  # CPU threads (tiny ops: a second one mostly waits)
@@ -51,7 +52,7 @@ lengths = ""  # comma-separated T; empty: 4096,16384,32768 on cuda, 1024,2048,40
 D = 128  # head dim
 group = 2  # query heads of the one KV head timed
 COMMAND_FLAGS = {  # what each command reads
-    "quality": "model policies budgets sinks window json task target scorer seed n T threads",
+    "quality": "model policies budgets sinks window json task target scorer seed p_cue n T threads",
     "speed": "model policies budgets sinks window device json shape layers contexts steps prefill "
     "train d_mem dtype",
     "kernels": "device lengths D group",
@@ -255,10 +256,11 @@ def cmd_quality(argv):
     )
     bad = [t for t in task_names if t not in tasks.TASKS]
     need(not bad, f"--task: unknown task {(bad or [''])[0]!r}; choose from {','.join(tasks.TASKS)}")
-    bad = [t for t in targets if t not in ("mean", "max")]
-    need(not bad, f"--target: unknown target {(bad or [''])[0]!r}; choose mean or max")
+    bad = [t for t in targets if t not in kvpop.TARGETS]
+    need(not bad, f"--target: unknown target {(bad or [''])[0]!r}; choose from {','.join(kvpop.TARGETS)}")
     for name, least in dict(n=1, T=64, sinks=0, window=1, threads=1).items():
         need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
+    need(a.p_cue < 1, f"--p_cue {a.p_cue}: use a rate below 1 (-1: the cue task's own)")
     # each a finite number: not inf, nan or ''
     budgets = [
         kvpop.parse_value("bench.py quality", "budgets", b, float) for b in a.budgets.split(",")
@@ -291,8 +293,9 @@ def cmd_quality(argv):
         need(False, str(e))
     t0, rows, head = time.time(), [], []
     for task in task_names:  # the same held-out sequences for every policy and target of a task
+        rate = dict(p_cue=a.p_cue) if task == "cue" and a.p_cue >= 0 else {}
         idx, tgt, dist = tasks.task_batch(
-            tok, a.n, a.T, random.Random(f"test-{a.seed}"), **tasks.TASKS[task]
+            tok, a.n, a.T, random.Random(f"test-{a.seed}"), **tasks.TASKS[task] | rate
         )
         plain = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
         runs, far, n = tasks.quality_runs(net, idx, tgt, dist, plain, budgets, a.sinks, a.window)

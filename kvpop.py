@@ -348,21 +348,36 @@ def masked_attention(q, k, v, pi, sinks, window, pool):
     return kernels.attention(q, k, v, e, sinks)[0], e
 
 
+# the targets (README, Method: future attention), the default first, and what each reduces p[d, t] by
+TARGETS = ("helpful", "max", "mean")
+REDUCE = dict(helpful="max", max="max", mean="mean")
+
+
+def next_logp(logits, idx):
+    """(B, 1, T): log P(x[d+1]), the log-probability logits (B, T, V) give the token that follows
+    each position d of idx (B, T); -inf at the last. The helpful target weighs query d's attention
+    by it, as lse - log P: a read at a position whose prediction comes out wrong counts little."""
+    lp = logits.float().log_softmax(-1)[:, :-1].gather(-1, idx[:, 1:, None])[..., 0]  # (B, T - 1)
+    return F.pad(lp, (0, 1), value=-math.inf)[:, None]
+
+
 @torch.no_grad()
 def dense_targets(model, idx, window, reduce="mean"):
     """One dense pass: every layer's cached (k, v) and its future-attention target r* (B, Hkv, T),
-    the mean or the max over the queries past the window (README, Method: future attention): the
-    oracle's priorities and the scorers' teacher."""
-    kv, r = [], []
+    reduce one of TARGETS over the queries past the window (README, Method: future attention): the
+    oracle's priorities and the scorers' teacher. helpful needs the pass's logits: the targets are
+    made after it."""
+    seen = []
 
     def attn(i, q, k, v, pos):
         y, lse = kernels.attention(q, k, v)
-        kv.append((k, v))
-        r.append(kernels.future_attention(q, k, lse, window, reduce=reduce))
+        seen.append((q, k, v, lse))
         return y
 
-    model(idx, attn=attn, head=False)
-    return kv, r
+    logits = model(idx, attn=attn, head=reduce == "helpful")
+    lw = next_logp(logits, idx) if reduce == "helpful" else 0.0
+    r = [kernels.future_attention(q, k, lse - lw, window, reduce=REDUCE[reduce]) for q, k, _, lse in seen]
+    return [(k, v) for _, k, v, _ in seen], r
 
 
 def oracle_policy(model, idx, window, reduce="mean"):  # pi = r*
@@ -934,7 +949,7 @@ class KVCache:
 def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, reduce="mean"):
     """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True, token
     by token through the evicting KVCache; online=False (static policies only), one pass with the
-    eviction-time mask. The two agree. reduce: the oracle's target, mean or max."""
+    eviction-time mask. The two agree. reduce: the oracle's target, one of TARGETS."""
     B, T = idx.shape
     if isinstance(policy, Scorer):
         policy.check(model.config, window)

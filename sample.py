@@ -124,7 +124,7 @@ try:
         )
         if not scorer:  # out/ if train.py wrote this kind there, else the baby's
             out = os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy
-            scorer = "out" if out else os.path.join("baby", "scorers", "recall-max", policy)
+            scorer = "out" if out else os.path.join("baby", "scorers", "recall-helpful", policy)
         pol = Scorer.from_pretrained(scorer).to(dev)  # beside the model and its cache
         need(pol.kind == policy, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
         window = window or pol.window

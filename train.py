@@ -61,7 +61,7 @@ kind = "kvpop-window"  # delayed: kvpop-window (reads its window), kvpop (mLSTM)
 d_mem = 16  # kvpop: memory d_mem x d_mem; sets the state charge (3 entries on the baby)
 d_hidden = 64  # kvpop-mlp, kvpop-window: hidden width
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
-target = "max"  # the teacher: max (ours) or mean (paper) of future attention past the window
+target = "helpful"  # the teacher: helpful or max (ours), mean (the paper's) future attention past the window
 # --- data
 data = "baby"  # baby: a baby task (tasks.py); else .txt/.jsonl files (folder, glob), packed
 task = "recall"  # --data baby: recall, or cue (distractors only the next word marks)
@@ -109,7 +109,7 @@ need = lambda ok, msg: kvpop.need(ok, msg, "train.py")
 need(stage in ("scorer", "pretrain"), f"--stage {stage!r}: choose scorer or pretrain")
 need(kind in kvpop.SCORERS, f"--kind {kind!r}: choose from {', '.join(kvpop.SCORERS)}")
 need(task in TASKS, f"--task {task!r}: choose from {', '.join(TASKS)}")
-need(target in ("mean", "max"), f"--target {target!r}: choose mean or max")
+need(target in kvpop.TARGETS, f"--target {target!r}: choose {', '.join(kvpop.TARGETS)}")
 need(device == "cpu" or device.startswith("cuda"), f"--device {device!r}: choose cpu or cuda")
 need(
     device == "cpu" or torch.cuda.is_available(),
@@ -305,7 +305,9 @@ def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, top_logi
     dense teacher's top `top_logits`, the scorer by the boundary loss at queries qpos on this
     evicting pass's future attention -> KL, boundary loss, keep/drop accuracy."""
     with torch.no_grad():
-        top = teacher(idx).float().topk(min(top_logits, teacher.config.vocab_size), -1)  # (B, T, K)
+        logits = teacher(idx)  # (B, T, V)
+        top = logits.float().topk(min(top_logits, teacher.config.vocab_size), -1)  # (B, T, K)
+        lw = kvpop.next_logp(logits, idx) if target == "helpful" else 0.0  # the dense model's P
     lt, kv, rs = top.values.log_softmax(-1), [], []
 
     def attn(i, q, k, v, pos):
@@ -318,7 +320,7 @@ def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, top_logi
             kv.append((k.detach(), v.detach()))
             rs.append(
                 kernels.future_attention(
-                    q.detach(), k.detach(), lse.detach(), window, reduce=target
+                    q.detach(), k.detach(), lse.detach() - lw, window, reduce=kvpop.REDUCE[target]
                 )
             )
         return y
