@@ -53,8 +53,7 @@ D = 128  # head dim
 group = 2  # query heads of the one KV head timed
 COMMAND_FLAGS = {  # what each command reads
     "quality": "model policies budgets sinks window json task target scorer seed p_cue n T threads",
-    "speed": "model policies budgets sinks window device json shape layers contexts steps prefill "
-    "train d_mem dtype",
+    "speed": "model policies budgets sinks window device json shape layers contexts steps prefill train d_mem dtype",
     "kernels": "device lengths D group",
 }
 
@@ -98,10 +97,7 @@ def naive_attention(q, k, v, evict_at=None, sinks=0):
 
 def naive_future(q, k, lse, window, eps=1e-6):
     (B, Hq, T, D), Hkv = q.shape, k.shape[1]
-    p = (
-        q.float() @ k.float().repeat_interleave(Hq // Hkv, 1).transpose(-1, -2) * D**-0.5
-        - lse[..., None]
-    ).exp()
+    p = (q.float() @ k.float().repeat_interleave(Hq // Hkv, 1).transpose(-1, -2) * D**-0.5 - lse[..., None]).exp()
     d, t = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)
     n = T - window - t  # (T,)
     m = p.masked_fill(d < t + window, 0).sum(2) / n.clamp(min=1)  # (B, Hq, T keys)
@@ -133,12 +129,7 @@ class LiveBytes(TorchDispatchMode):
         ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for x in out if isinstance(out, (tuple, list)) else [out]:
             s = x.untyped_storage() if isinstance(x, torch.Tensor) else None
-            if (
-                s is not None
-                and s.nbytes()
-                and s.data_ptr() not in ins
-                and s.data_ptr() not in self.live
-            ):
+            if s is not None and s.nbytes() and s.data_ptr() not in ins and s.data_ptr() not in self.live:
                 self.live[s.data_ptr()] = s.nbytes()
                 self.now += s.nbytes()
                 self.peak = max(self.peak, self.now)
@@ -187,26 +178,9 @@ def cmd_kernels(argv):
         a.D >= 1 and (dev != "cuda" or a.D <= 256),
         f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)",
     )
-    measure = lambda fn: (
-        min([clock(fn, dev) for _ in range(4)][1:]) * 1e3,
-        peak(fn, dev)[1] / 2**20,
-    )
-    print(
-        f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads, sinks {sinks}, window {window}, pool T/4\n"
-    )
-    print(
-        table(
-            "op",
-            "T",
-            "ours ms",
-            "naive ms",
-            "naive/ours",
-            "SDPA ms",
-            "ours MiB",
-            "naive MiB",
-            "naive/ours",
-        )
-    )
+    measure = lambda fn: (min([clock(fn, dev) for _ in range(4)][1:]) * 1e3, peak(fn, dev)[1] / 2**20)
+    print(f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads, sinks {sinks}, window {window}, pool T/4\n")
+    print(table("op", "T", "ours ms", "naive ms", "naive/ours", "SDPA ms", "ours MiB", "naive MiB", "naive/ours"))
     for T in map(int, a.lengths.split(",")):
         q, k, v = (torch.randn(1, h, T, a.D, device=dev, dtype=dt) for h in (a.group, 1, 1))
         pri = torch.randn(1, 1, T, device=dev)
@@ -216,12 +190,7 @@ def cmd_kernels(argv):
             ("attention", kernels.attention, naive_attention, (q, k, v)),
             ("attention+evict", kernels.attention, naive_attention, (q, k, v, e, sinks)),
             ("future_attention", kernels.future_attention, naive_future, (q, k, lse, window)),
-            (
-                "eviction_times",
-                kernels.eviction_times,
-                naive_eviction_times,
-                (pri, sinks, window, T // 4),
-            ),
+            ("eviction_times", kernels.eviction_times, naive_eviction_times, (pri, sinks, window, T // 4)),
         ]:
             # best ms of 3 after a warm-up
             (to, mo), (tn, mn) = measure(lambda: ours(*x)), measure(lambda: naive(*x))
@@ -250,10 +219,7 @@ def cmd_quality(argv):
     policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
     task_names, targets = a.task.split(","), a.target.split(",")
     bad = [p for p in policies if p not in kvpop.POLICIES]
-    need(
-        not bad,
-        f"--policies: unknown policy {(bad or [''])[0]!r}; choose from {','.join(kvpop.POLICIES)}",
-    )
+    need(not bad, f"--policies: unknown policy {(bad or [''])[0]!r}; choose from {','.join(kvpop.POLICIES)}")
     bad = [t for t in task_names if t not in tasks.TASKS]
     need(not bad, f"--task: unknown task {(bad or [''])[0]!r}; choose from {','.join(tasks.TASKS)}")
     bad = [t for t in targets if t not in kvpop.TARGETS]
@@ -262,17 +228,11 @@ def cmd_quality(argv):
         need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
     need(a.p_cue < 1, f"--p_cue {a.p_cue}: use a rate below 1 (-1: the cue task's own)")
     # each a finite number: not inf, nan or ''
-    budgets = [
-        kvpop.parse_value("bench.py quality", "budgets", b, float) for b in a.budgets.split(",")
-    ]
+    budgets = [kvpop.parse_value("bench.py quality", "budgets", b, float) for b in a.budgets.split(",")]
     try:
-        limit = kvpop.Qwen3Config.from_json(
-            os.path.join(kvpop.checkpoint_dir(a.model), "config.json")
-        )
+        limit = kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json"))
         folders = {
-            (t, r): shipped_scorers(t, r)
-            if a.scorer == "shipped"
-            else [d for d in a.scorer.split(",") if d]
+            (t, r): shipped_scorers(t, r) if a.scorer == "shipped" else [d for d in a.scorer.split(",") if d]
             for t in task_names
             for r in targets
         }
@@ -283,9 +243,7 @@ def cmd_quality(argv):
         for s, b in [(s, b) for s in [None, *scorers.values()] for b in budgets]:
             kvpop.budget_size(b, a.T, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
         if a.T > limit.max_position_embeddings:  # checked before the weights load
-            raise ValueError(
-                f"--T {a.T}: the model has {limit.max_position_embeddings} positions; lower --T"
-            )
+            raise ValueError(f"--T {a.T}: the model has {limit.max_position_embeddings} positions; lower --T")
         torch.set_num_threads(a.threads)
         net = kvpop.Qwen3.from_pretrained(a.model, dtype=torch.float32)
         tok = kvpop.Tokenizer.from_pretrained(kvpop.checkpoint_dir(a.model))
@@ -294,19 +252,13 @@ def cmd_quality(argv):
     t0, rows, head = time.time(), [], []
     for task in task_names:  # the same held-out sequences for every policy and target of a task
         rate = dict(p_cue=a.p_cue) if task == "cue" and a.p_cue >= 0 else {}
-        idx, tgt, dist = tasks.task_batch(
-            tok, a.n, a.T, random.Random(f"test-{a.seed}"), **tasks.TASKS[task] | rate
-        )
+        idx, tgt, dist = tasks.task_batch(tok, a.n, a.T, random.Random(f"test-{a.seed}"), **tasks.TASKS[task] | rate)
         plain = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
         runs, far, n = tasks.quality_runs(net, idx, tgt, dist, plain, budgets, a.sinks, a.window)
         rows += [dict(task=task, target="-", **r) for r in runs]
         for target in targets:
-            learned = ["oracle"] * ("oracle" in policies) + [
-                scorers[d] for d in folders[task, target]
-            ]
-            runs = tasks.quality_runs(
-                net, idx, tgt, dist, learned, budgets, a.sinks, a.window, reduce=target
-            )[0]
+            learned = ["oracle"] * ("oracle" in policies) + [scorers[d] for d in folders[task, target]]
+            runs = tasks.quality_runs(net, idx, tgt, dist, learned, budgets, a.sinks, a.window, reduce=target)[0]
             rows += [dict(task=task, target=target, **r) for r in runs[1:]]  # full is above
         head.append(f"{task}: {n} queries ({far:.0%} far)")
     print(
@@ -321,11 +273,7 @@ def cmd_quality(argv):
 # speed: a decoding step reads every weight and every kept key and value once, so its cost should
 # follow bytes
 
-SHAPES = {
-    "0.6B": (28, 1024, 3072, 16, True),
-    "4B": (36, 2560, 9728, 32, True),
-    "8B": (36, 4096, 12288, 32, False),
-}
+SHAPES = {"0.6B": (28, 1024, 3072, 16, True), "4B": (36, 2560, 9728, 32, True), "8B": (36, 4096, 12288, 32, False)}
 
 
 def shape_model(c, device, dtype):  # a Qwen3 with random weights, built without initialising twice
@@ -348,13 +296,7 @@ def fill(cache, C):
     pos = (
         torch.arange(C)
         if C <= size
-        else torch.cat(
-            [
-                torch.arange(s),
-                torch.linspace(s, C - w - 1, size - s - w).long(),
-                torch.arange(C - w, C),
-            ]
-        )
+        else torch.cat([torch.arange(s), torch.linspace(s, C - w - 1, size - s - w).long(), torch.arange(C - w, C)])
     )
     n = len(pos)
     cache.k[..., :n, :].normal_(), cache.v[..., :n].normal_()  # values are stored transposed
@@ -373,21 +315,14 @@ def cmd_speed(argv):
     head; a learned scorer's too), kept keys, values, state."""
     a, need = flags("speed", argv)
     a.window = a.window or 256
-    for name, least in dict(
-        layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1
-    ).items():
+    for name, least in dict(layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1).items():
         need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
     need(a.shape in SHAPES, f"--shape {a.shape!r}: choose from {', '.join(SHAPES)}")
-    need(
-        a.dtype in ("auto", "float32", "bfloat16"),
-        f"--dtype {a.dtype!r}: auto, float32 or bfloat16",
-    )
+    need(a.dtype in ("auto", "float32", "bfloat16"), f"--dtype {a.dtype!r}: auto, float32 or bfloat16")
     dev = a.device
     policies = [p for p in (a.policies or "streaming,kvpop-window,kvpop,kvpop-mlp").split(",") if p]
     online = (*kvpop.STATIC, *kvpop.DYNAMIC, *kvpop.SCORERS)  # every policy but full and the oracle
-    dt = getattr(
-        torch, a.dtype if a.dtype != "auto" else "bfloat16" if dev == "cuda" else "float32"
-    )
+    dt = getattr(torch, a.dtype if a.dtype != "auto" else "bfloat16" if dev == "cuda" else "float32")
     need(
         all(x.isdecimal() and int(x) >= 1 for x in a.contexts.split(",") if a.contexts),
         f"--contexts {a.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768",
@@ -395,18 +330,13 @@ def cmd_speed(argv):
     bad = [p for p in policies if p not in online]
     need(
         not bad,
-        f"--policies: {(bad or [''])[0]!r} is not a policy that decodes online; choose from "
-        f"{', '.join(online)}",
+        f"--policies: {(bad or [''])[0]!r} is not a policy that decodes online; choose from {', '.join(online)}",
     )
-    budgets = [
-        kvpop.parse_value("bench.py speed", "budgets", b, float) for b in a.budgets.split(",")
-    ]
+    budgets = [kvpop.parse_value("bench.py speed", "budgets", b, float) for b in a.budgets.split(",")]
     contexts = [int(x) for x in a.contexts.split(",") if a.contexts]
     try:  # every check first: the weights load or are drawn last
         if a.model:
-            c = kvpop.Qwen3Config.from_json(
-                os.path.join(kvpop.checkpoint_dir(a.model), "config.json")
-            )
+            c = kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json"))
         # a named shape: layers, hidden, MLP width, query heads, tied head; the rest, shared by
         # every shape, are Qwen3Config's defaults (vocab, 8 KV heads of 128, rope_theta)
         else:
@@ -421,9 +351,7 @@ def cmd_speed(argv):
             )
         torch.manual_seed(0)
         make = {k: kvpop.Scorer(c, k, a.window, a.d_mem).eval().to(dev) for k in kvpop.SCORERS}
-        for C, b in [(C, b) for C in contexts for b in budgets] + [
-            (T, budgets[0]) for T in (a.prefill, a.train) if T
-        ]:
+        for C, b in [(C, b) for C in contexts for b in budgets] + [(T, budgets[0]) for T in (a.prefill, a.train) if T]:
             kvpop.budget_size(b, C, a.sinks, a.window, make["kvpop"].charge(dt))  # no room: raises here
         net = kvpop.Qwen3.from_pretrained(a.model, dev, dt) if a.model else shape_model(c, dev, dt)
     except (OSError, ValueError) as e:
@@ -438,11 +366,7 @@ def cmd_speed(argv):
         return kvpop.KVCache(net, 1, full if p == "full" else B - charge, pol(p), a.sinks, a.window)
 
     emb = net.model.embed_tokens.weight
-    W = sum(
-        p.numel() * p.element_size()
-        for p in net.parameters()
-        if p is not emb or c.tie_word_embeddings
-    )
+    W = sum(p.numel() * p.element_size() for p in net.parameters() if p is not emb or c.tie_word_embeddings)
     # KV bytes of a token
     per_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dt.itemsize
     print(
@@ -473,12 +397,7 @@ def cmd_speed(argv):
     for C in contexts:
         # a model-sized matrix
         M = torch.randn(W // (c.hidden_size * dt.itemsize), c.hidden_size, device=dev).to(dt)
-        x, tok, runs, lim = (
-            torch.randn(c.hidden_size, device=dev, dtype=dt),
-            torch.tensor([[13]], device=dev),
-            {},
-            [],
-        )
+        x, tok, runs, lim = (torch.randn(c.hidden_size, device=dev, dtype=dt), torch.tensor([[13]], device=dev), {}, [])
         for p, b in [("full", 1)] + [(p, b) for b in budgets for p in policies]:
             cache = empty_cache(p, b, C, C + a.steps + 1)
             # the cache, the entries it holds, its step times
@@ -494,11 +413,7 @@ def cmd_speed(argv):
             # held + state
             kv = cache.nbytes() - 2 * cache.k.numel() * cache.k.element_size() + per_tok * n
             # + a scorer's
-            w = (
-                W + sum(t.numel() * t.element_size() for t in make[p].parameters())
-                if p in make
-                else W
-            )
+            w = W + sum(t.numel() * t.element_size() for t in make[p].parameters()) if p in make else W
             full = (sec, W + kv) if p == "full" else full
             su, ideal, gbps = full[0] / sec, full[1] / (w + kv), (w + kv) / sec / 1e9
             r = dict(
@@ -578,18 +493,13 @@ def cmd_speed(argv):
         forward = clock(lambda: net(idx, attn=attn, head=False), dev)
         rs = []  # every layer's future-attention target r* (the default, max)
         targets = clock(
-            lambda: rs.extend(
-                kernels.future_attention(q, k, lse, a.window, reduce="max") for q, k, v, lse in seen
-            ),
-            dev,
+            lambda: rs.extend(kernels.future_attention(q, k, lse, a.window, reduce="max") for q, k, v, lse in seen), dev
         )
         # the teacher's eviction times, as boundary_loss makes them
         pos = torch.arange(T, device=dev)
         evict = clock(
             lambda: [
-                kernels.eviction_times(
-                    r + F.softplus(scorer.theta[i]).detach()[:, None] * pos, a.sinks, a.window, pool
-                )
+                kernels.eviction_times(r + F.softplus(scorer.theta[i]).detach()[:, None] * pos, a.sinks, a.window, pool)
                 for i, r in enumerate(rs)
             ],
             dev,
@@ -619,7 +529,5 @@ def cmd_speed(argv):
 if __name__ == "__main__":
     commands = {"kernels": cmd_kernels, "quality": cmd_quality, "speed": cmd_speed}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        raise SystemExit(
-            f"usage: python bench.py {{{','.join(commands)}}} [options]  (-h after a command for help)"
-        )
+        raise SystemExit(f"usage: python bench.py {{{','.join(commands)}}} [options]  (-h after a command for help)")
     commands[sys.argv[1]](sys.argv[2:])

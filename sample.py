@@ -85,14 +85,8 @@ try:  # every flag on its own first: nothing is looked up, downloaded or loaded 
     dev = torch.device(device)
 except RuntimeError:
     dev = torch.device("meta")  # not a device name: refused below
-need(
-    dev.type in ("cpu", "cuda"),
-    f"--device {device!r} is not a device; use cpu or cuda (cuda:N for GPU N)",
-)
-need(
-    dev.type == "cpu" or torch.cuda.is_available(),
-    f"--device {device}: no CUDA GPU is visible; use --device cpu",
-)
+need(dev.type in ("cpu", "cuda"), f"--device {device!r} is not a device; use cpu or cuda (cuda:N for GPU N)")
+need(dev.type == "cpu" or torch.cuda.is_available(), f"--device {device}: no CUDA GPU is visible; use --device cpu")
 need(
     dev.type == "cpu" or (dev.index or 0) < torch.cuda.device_count(),
     f"--device {device}: only {torch.cuda.device_count()} CUDA GPU(s) visible; use cuda:0 or --device cpu",
@@ -118,33 +112,22 @@ need(
 )
 try:
     if policy in SCORERS:  # a learned scorer: small files, read before the model
-        need(
-            scorer or baby,
-            f"--policy {policy} needs --scorer DIR, a scorer trained for this model by train.py",
-        )
+        need(scorer or baby, f"--policy {policy} needs --scorer DIR, a scorer trained for this model by train.py")
         if not scorer:  # out/ if train.py wrote this kind there, else the baby's
             out = os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy
             scorer = "out" if out else os.path.join("baby", "scorers", "recall-helpful", policy)
         pol = Scorer.from_pretrained(scorer).to(dev)  # beside the model and its cache
         need(pol.kind == policy, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
         window = window or pol.window
-    kind, pol = (
-        policy_kind(pol if policy in SCORERS else policy),
-        pol if policy in SCORERS else policy,
-    )
+    kind, pol = (policy_kind(pol if policy in SCORERS else policy), pol if policy in SCORERS else policy)
 except (OSError, ValueError) as e:
     fail(f"--policy {policy}: {e}")
 window = window or (32 if baby else 256)
-need(
-    kind != "full" or budget == 1,
-    "--policy full never evicts; use --budget 1 or an evicting --policy",
-)
+need(kind != "full" or budget == 1, "--policy full never evicts; use --budget 1 or an evicting --policy")
 try:
     text = open(prompt[5:], encoding="utf-8").read() if prompt.startswith("FILE:") else prompt
 except (OSError, UnicodeDecodeError) as e:
-    fail(
-        f"--prompt {prompt}: cannot read it ({getattr(e, 'strerror', None) or e}); use FILE:path of a UTF-8 file"
-    )
+    fail(f"--prompt {prompt}: cannot read it ({getattr(e, 'strerror', None) or e}); use FILE:path of a UTF-8 file")
 
 try:  # then against the checkpoint, all before the (slow) weights load
     folder = checkpoint_dir(model)

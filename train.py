@@ -33,11 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -111,14 +107,8 @@ need(kind in kvpop.SCORERS, f"--kind {kind!r}: choose from {', '.join(kvpop.SCOR
 need(task in TASKS, f"--task {task!r}: choose from {', '.join(TASKS)}")
 need(target in kvpop.TARGETS, f"--target {target!r}: choose {', '.join(kvpop.TARGETS)}")
 need(device == "cpu" or device.startswith("cuda"), f"--device {device!r}: choose cpu or cuda")
-need(
-    device == "cpu" or torch.cuda.is_available(),
-    f"--device {device}: no CUDA GPU is visible; use --device cpu",
-)
-need(
-    dtype in ("auto", "float32", "bfloat16", "float16"),
-    f"--dtype {dtype!r}: auto, float32, bfloat16 or float16",
-)
+need(device == "cpu" or torch.cuda.is_available(), f"--device {device}: no CUDA GPU is visible; use --device cpu")
+need(dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype {dtype!r}: auto, float32, bfloat16 or float16")
 for name in (
     "threads d_mem d_hidden seq_len window batch_size max_iters log_interval eval_interval eval_seqs n_layer "
     "n_embd n_ff tokens phase_steps final_steps top_logits"
@@ -129,31 +119,19 @@ for name in "queries warmup final_seqs sinks".split():
 for name in "lr model_lr rope_theta".split():
     need(globals()[name] > 0, f"--{name} {globals()[name]}: must be positive")
 need(policy in ("scorer", "streaming"), f"--policy {policy!r}: choose scorer or streaming")
-need(
-    finetune or policy == "scorer",
-    "--policy streaming is StreamingLLM+, a fine-tune of the model: add --finetune",
-)
+need(finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune of the model: add --finetune")
 need(stage == "scorer" or world == 1, "--stage pretrain runs in one process (not under torchrun)")
-need(
-    batch_size % world == 0,
-    f"--batch_size {batch_size}: the global batch must split evenly over {world} processes",
-)
+need(batch_size % world == 0, f"--batch_size {batch_size}: the global batch must split evenly over {world} processes")
 need(0 < gamma < 1, f"--gamma {gamma}: must be in (0, 1)")
 need(0 <= min_lr <= lr, f"--min_lr {min_lr}: must be in [0, --lr]")
-need(
-    0 <= weight_decay < 1 and grad_clip > 0,
-    "--weight_decay must be in [0, 1) and --grad_clip positive",
-)
+need(0 <= weight_decay < 1 and grad_clip > 0, "--weight_decay must be in [0, 1) and --grad_clip positive")
 need(0 < advance_acc <= 1, f"--advance_acc {advance_acc}: must be in (0, 1]")
 need(answer_weight >= 0, f"--answer_weight {answer_weight}: use 0 or more")
 need(
     all(t in TASKS for t in final_tasks.split(",")),
     f"--final_tasks {final_tasks!r}: comma-separated tasks from {', '.join(TASKS)}",
 )
-need(
-    1 <= keys <= 16 and seq_len >= 64,
-    "--keys must be 1..16 and --seq_len at least 64 (the recall task)",
-)
+need(1 <= keys <= 16 and seq_len >= 64, "--keys must be 1..16 and --seq_len at least 64 (the recall task)")
 need(
     n_embd % 4 == 0 and n_embd >= 24,
     f"--n_embd {n_embd}: use a multiple of 4, at least 24 (head_dim = n_embd / 2 "
@@ -161,32 +139,18 @@ need(
 )
 need(
     TASK_RANKS <= vocab_ranks <= 151643,
-    f"--vocab_ranks {vocab_ranks}: use {TASK_RANKS}..151643 (every recall-task "
-    "word must stay one token)",
+    f"--vocab_ranks {vocab_ranks}: use {TASK_RANKS}..151643 (every recall-task word must stay one token)",
 )
 need(0 <= seed < 2**32, f"--seed {seed}: use an integer 0 <= seed < 2**32")
-need(
-    out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name"
-)
+need(out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name")
 need(stage != "pretrain" or seq_len <= 4096, f"--seq_len {seq_len}: the baby has 4096 positions")
-need(
-    stage != "pretrain" or tokens >= seq_len,
-    f"--tokens {tokens}: use at least --seq_len ({seq_len}), one sequence",
-)
-need(
-    stage != "pretrain" or warmup >= 1,
-    f"--warmup {warmup}: pretrain needs at least 1 (1 = no warmup)",
-)
+need(stage != "pretrain" or tokens >= seq_len, f"--tokens {tokens}: use at least --seq_len ({seq_len}), one sequence")
+need(stage != "pretrain" or warmup >= 1, f"--warmup {warmup}: pretrain needs at least 1 (1 = no warmup)")
 try:
-    B_train, pool = (
-        kvpop.budget_size(budget, seq_len, sinks, window) if stage == "scorer" else (seq_len, 0)
-    )
+    B_train, pool = kvpop.budget_size(budget, seq_len, sinks, window) if stage == "scorer" else (seq_len, 0)
 except ValueError as e:  # (pretrain never evicts: --budget, --sinks and --window do not apply)
     sys.exit(f"train.py: --budget: {e}")
-need(
-    stage == "pretrain" or B_train < seq_len,
-    f"--budget {budget} keeps all {seq_len} tokens: nothing to learn",
-)
+need(stage == "pretrain" or B_train < seq_len, f"--budget {budget} keeps all {seq_len} tokens: nothing to learn")
 for why, on, names in [  # a flag that this run would ignore is an error, as an unknown one is
     (
         "--stage pretrain",
@@ -203,27 +167,16 @@ for why, on, names in [  # a flag that this run would ignore is an error, as an 
         "final_tasks",
     ),
     ("no --finetune", not finetune, "policy model_lr top_logits"),
-    (
-        "--policy streaming (no scorer)",
-        policy == "streaming",
-        "kind d_mem d_hidden gamma queries target",
-    ),
-    (
-        f"--kind {kind}",
-        True,
-        {"kvpop": "d_hidden", "kvpop-mlp": "d_mem", "kvpop-window": "d_mem"}[kind],
-    ),
+    ("--policy streaming (no scorer)", policy == "streaming", "kind d_mem d_hidden gamma queries target"),
+    (f"--kind {kind}", True, {"kvpop": "d_hidden", "kvpop-mlp": "d_mem", "kvpop-window": "d_mem"}[kind]),
     (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
 ]:
     k = next((k for k in names.split() if on and k in given), None)
     need(k is None, f"--{k} does nothing with {why}; drop it (see --help)")
 # flags first, then the folder pretraining would write into
 need(
-    stage != "pretrain"
-    or not os.path.exists(out_dir)
-    or os.path.isfile(os.path.join(out_dir, "config.json")),
-    f"--out_dir {out_dir}: exists and is no checkpoint; pretrain writes its model files there, "
-    "so name a new one",
+    stage != "pretrain" or not os.path.exists(out_dir) or os.path.isfile(os.path.join(out_dir, "config.json")),
+    f"--out_dir {out_dir}: exists and is no checkpoint; pretrain writes its model files there, so name a new one",
 )
 need(
     not resume or os.path.isfile(os.path.join(out_dir, "train_state.pt")),
@@ -279,9 +232,7 @@ def boundary_loss(scorer, kv, rs, q, sinks, window, pool, ddp=None):
         with ddp.no_sync() if isinstance(ddp, DDP) and i < L - 1 else contextlib.nullcontext():
             # (B, H, T); -inf past T - window
             teacher = r + F.softplus(scorer.theta[i]).detach()[:, None] * pos
-            y, bnd = boundary(
-                teacher, kernels.eviction_times(teacher, sinks, window, pool), q, sinks, window
-            )
+            y, bnd = boundary(teacher, kernels.eviction_times(teacher, sinks, window, pool), q, sinks, window)
             pi = (ddp or scorer)(i, k, v, pos)
             # (B, H, Q)
             d = pi.gather(-1, (q - window).expand(*pi.shape[:2], -1)) - pi.gather(-1, bnd)
@@ -312,16 +263,12 @@ def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, top_logi
 
     def attn(i, q, k, v, pos):
         with torch.no_grad():
-            e = kernels.eviction_times(
-                kvpop.priority(scorer or "streaming", i, k, v, pos), sinks, window, pool
-            )
+            e = kernels.eviction_times(kvpop.priority(scorer or "streaming", i, k, v, pos), sinks, window, pool)
         y, lse = kernels.attention(q, k, v, e, sinks)
         if scorer is not None:
             kv.append((k.detach(), v.detach()))
             rs.append(
-                kernels.future_attention(
-                    q.detach(), k.detach(), lse.detach() - lw, window, reduce=kvpop.REDUCE[target]
-                )
+                kernels.future_attention(q.detach(), k.detach(), lse.detach() - lw, window, reduce=kvpop.REDUCE[target])
             )
         return y
 
@@ -329,11 +276,7 @@ def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, top_logi
     # FSDP averages gradients: every process holds as many tokens
     kl = (lt.exp() * (lt - lp)).sum(-1).mean()
     kl.backward()
-    b = (
-        boundary_loss(scorer, kv, rs, qpos, sinks, window, pool, ddp)
-        if scorer is not None
-        else (0.0, 0.0)
-    )
+    b = boundary_loss(scorer, kv, rs, qpos, sinks, window, pool, ddp) if scorer is not None else (0.0, 0.0)
     return allsum(kl.detach().double()).item() / world, *b
 
 
@@ -348,13 +291,9 @@ def batch(tok, it, n):
     data position is its step. The baby task draws fresh ones; files are packed once and drawn in a
     seeded order."""
     if data == "baby":
-        return task_batch(
-            tok, n, seq_len, random.Random(f"scorer-train-{seed}-{it}"), keys=keys, **TASKS[task]
-        )[0]
+        return task_batch(tok, n, seq_len, random.Random(f"scorer-train-{seed}-{it}"), keys=keys, **TASKS[task])[0]
     N = len(chunks) - n_valid  # the last n_valid chunks are held out
-    perm = lambda ep: torch.randperm(
-        N, generator=torch.Generator().manual_seed(seed * 100_003 + ep)
-    )
+    perm = lambda ep: torch.randperm(N, generator=torch.Generator().manual_seed(seed * 100_003 + ep))
     return torch.stack([chunks[perm(j // N)[j % N]] for j in range(it * n, it * n + n)])
 
 
@@ -362,9 +301,7 @@ def pack_files(tok):  # -> the text as sequences (n, seq_len), and how many of t
     files = sorted(
         f
         for p in glob.glob(os.path.expanduser(data))
-        for f in (
-            glob.glob(os.path.join(p, "**", "*"), recursive=True) if os.path.isdir(p) else [p]
-        )
+        for f in (glob.glob(os.path.join(p, "**", "*"), recursive=True) if os.path.isdir(p) else [p])
         if f.endswith((".txt", ".jsonl")) and os.path.isfile(f)
     )
     ids = []
@@ -389,9 +326,7 @@ def evaluate(net, tok, pol):
     """Held-out (rank 0): far accuracy at the training budget (baby task), else the boundary loss
     and its accuracy."""
     if data == "baby":
-        x = task_batch(
-            tok, eval_seqs, seq_len, random.Random(f"valid-{seed}"), keys=keys, **TASKS[task]
-        )
+        x = task_batch(tok, eval_seqs, seq_len, random.Random(f"valid-{seed}"), keys=keys, **TASKS[task])
         rows = quality_runs(net, *[t.to(device) for t in x], [pol], [budget], sinks, window)[0]
         full, at_b = (r["far_accuracy"] for r in rows)
         return f"held-out far accuracy at budget {budget:g}: {at_b:.3f} (full {full:.3f})"
@@ -400,12 +335,7 @@ def evaluate(net, tok, pol):
     with torch.no_grad():
         x = chunks[-n_valid:].to(device)
         loss, acc = boundary_loss(
-            pol,
-            *kvpop.dense_targets(net, x, window, target),
-            query_positions(seq_len, 0),
-            sinks,
-            window,
-            pool,
+            pol, *kvpop.dense_targets(net, x, window, target), query_positions(seq_len, 0), sinks, window, pool
         )
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
@@ -419,9 +349,7 @@ def save(it, folder, scorer, opt, student, opt_m):
         return
     if student is not None:
         student.save_pretrained(out_dir, sd)
-        for src, dst in [
-            (os.path.join(folder, f), os.path.join(out_dir, f)) for f in kvpop.OPTIONAL
-        ]:
+        for src, dst in [(os.path.join(folder, f), os.path.join(out_dir, f)) for f in kvpop.OPTIONAL]:
             # the tokenizer files travel with the weights
             if os.path.isfile(src) and not os.path.isfile(dst):
                 shutil.copyfile(src, dst + ".tmp")
@@ -439,13 +367,7 @@ def save(it, folder, scorer, opt, student, opt_m):
             finetune=finetune,
         )
         scorer.save_pretrained(out_dir)
-    state = dict(
-        scorer=scorer and scorer.state_dict(),
-        opt=opt and opt.state_dict(),
-        model=sd,
-        model_opt=osd,
-        iter=it,
-    )
+    state = dict(scorer=scorer and scorer.state_dict(), opt=opt and opt.state_dict(), model=sd, model_opt=osd, iter=it)
     torch.save(state, os.path.join(out_dir, "tmp.pt"))
     os.replace(os.path.join(out_dir, "tmp.pt"), os.path.join(out_dir, "train_state.pt"))
 
@@ -461,28 +383,15 @@ def load():
         folder = kvpop.checkpoint_dir(model)
         config = kvpop.Qwen3Config.from_json(os.path.join(folder, "config.json"))
         tok = kvpop.Tokenizer.from_pretrained(folder)
-        need(
-            seq_len <= (P := config.max_position_embeddings),
-            f"--seq_len {seq_len}: the model has only {P} positions",
-        )
+        need(seq_len <= (P := config.max_position_embeddings), f"--seq_len {seq_len}: the model has only {P} positions")
         chunks, n_valid = pack_files(tok) if data != "baby" else (None, 0)
         torch.manual_seed(seed)
-        scorer = (
-            kvpop.Scorer(config, kind, window, d_mem, d_hidden, gamma).to(device)
-            if learned
-            else None
-        )
-        ck = (
-            torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True)
-            if resume
-            else None
-        )
+        scorer = kvpop.Scorer(config, kind, window, d_mem, d_hidden, gamma).to(device) if learned else None
+        ck = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
         if resume and learned:
             scorer = kvpop.Scorer.from_pretrained(out_dir).to(device).requires_grad_(True).train()
             scorer.load_state_dict(ck["scorer"])
-        dt = (
-            None if dtype == "auto" and device != "cpu" else "float32" if dtype == "auto" else dtype
-        )
+        dt = None if dtype == "auto" and device != "cpu" else "float32" if dtype == "auto" else dtype
         charge = kvpop.state_charge(scorer, getattr(torch, dt or config.torch_dtype))
         # the scorer's state comes off it
         B, pool = kvpop.budget_size(budget, seq_len, sinks, window, charge)
@@ -508,11 +417,7 @@ def load():
             student.load_state_dict(ck["model"])
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         sys.exit(f"train.py: {e}")
-    what = (
-        f"{kind} scorer: {sum(p.numel() for p in scorer.parameters())} parameters"
-        if learned
-        else "StreamingLLM+"
-    )
+    what = f"{kind} scorer: {sum(p.numel() for p in scorer.parameters())} parameters" if learned else "StreamingLLM+"
     log(
         f"{what} for {model} ({config.num_hidden_layers} layers x {config.num_key_value_heads} KV heads)"
         f"{', fine-tuning the model' * finetune}; budget {budget:g} = {B} per head: {sinks} sinks + "
@@ -563,15 +468,11 @@ def train_step(it, tok, net, student, scorer, ddp, opts):
     idx = batch(tok, it, batch_size)[rank * n : (rank + 1) * n].to(device)
     q = query_positions(seq_len, it)
     if finetune:  # the model under the scorer's eviction, and the scorer on that pass
-        kl, loss, acc = finetune_loss(
-            student, net, scorer, idx, q, sinks, window, pool, top_logits, ddp
-        )
+        kl, loss, acc = finetune_loss(student, net, scorer, idx, q, sinks, window, pool, top_logits, ddp)
     else:  # the scorer on the frozen model's keys, values and targets
         kl, (loss, acc) = (
             0.0,
-            boundary_loss(
-                scorer, *kvpop.dense_targets(net, idx, window, target), q, sinks, window, pool, ddp
-            ),
+            boundary_loss(scorer, *kvpop.dense_targets(net, idx, window, target), q, sinks, window, pool, ddp),
         )
     for m, o in opts.items():
         torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
@@ -588,9 +489,7 @@ def final_table(folder, tok, net, scorer):
     ref = kvpop.Qwen3.from_pretrained(folder, dtype="float32") if finetune else None
     pols = [scorer or "streaming"] if finetune else ["oracle", "streaming", "h2o", scorer]
     ev = kvpop.Qwen3.from_pretrained(out_dir) if finetune else net  # --finetune: the model as saved
-    rows, far, n = quality_runs(
-        ev, idx, tgt, dist, pols, [0.25, 0.125], sinks, window, ref=ref, reduce=target
-    )
+    rows, far, n = quality_runs(ev, idx, tgt, dist, pols, [0.25, 0.125], sinks, window, ref=ref, reduce=target)
     for r in rows[1:] if finetune else []:
         r["policy"] = f"{r['policy']} (fine-tuned)" if scorer is not None else "StreamingLLM+"
     print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
@@ -613,9 +512,7 @@ def train():
             save(it + 1, folder, scorer, opts.get(scorer), student, opts.get(student))
             # the scorer as it trains: it has no dropout, so eval mode would change nothing
             if rank == 0:
-                ev = (
-                    kvpop.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
-                )
+                ev = kvpop.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
                 log(f"step {it + 1}: {evaluate(ev, tok, scorer or 'streaming')}; saved {out_dir}/")
     log(f"trained in {time.time() - t0:.0f}s")
     if data == "baby" and final_seqs and rank == 0:
@@ -630,11 +527,7 @@ def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
     """Hand-built layer 0 (README, The baby): head 0's q and k read only dim 0 (a constant 1), the
     query rotated back one RoPE step: it attends to distance 1 and copies the previous token to the
     residual's upper half; head 1 off."""
-    a, E, D = (
-        model.model.layers[0].self_attn,
-        model.model.embed_tokens.weight,
-        model.config.head_dim,
-    )
+    a, E, D = (model.model.layers[0].self_attn, model.model.embed_tokens.weight, model.config.head_dim)
     # the nf highest RoPE frequencies
     th = model.config.rope_theta ** (-torch.arange(0, D, 2).float() / D)[:nf]
     with torch.no_grad():
@@ -697,12 +590,8 @@ def pretrain():
     )
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     rng = random.Random(f"train-{seed}")  # the benchmark draws from "test-..." streams
-    sdpa = lambda i, q, k, v, pos: F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, enable_gqa=True
-    )
-    accuracy = lambda logits, tgt: (
-        (logits.argmax(-1)[tgt >= 0] == tgt[tgt >= 0]).float().mean().item()
-    )
+    sdpa = lambda i, q, k, v, pos: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    accuracy = lambda logits, tgt: (logits.argmax(-1)[tgt >= 0] == tgt[tgt >= 0]).float().mean().item()
     step, t0, finals = 0, time.time(), final_tasks.split(",")
     for T in [L for L in (64, 128, 256) if L < seq_len] + [seq_len]:  # the curriculum
         last, n, accs = T == seq_len, final_steps if T == seq_len else phase_steps, []
@@ -724,15 +613,12 @@ def pretrain():
             step, accs = step + 1, (accs + [accuracy(logits, tgt)])[-20:]
             if step % 50 == 0:
                 print(
-                    f"step {step} T {T} loss {loss.item():.3f} acc {sum(accs) / len(accs):.3f} "
-                    f"{time.time() - t0:.0f}s"
+                    f"step {step} T {T} loss {loss.item():.3f} acc {sum(accs) / len(accs):.3f} {time.time() - t0:.0f}s"
                 )
             if not last and len(accs) == 20 and sum(accs) / 20 >= advance_acc:
                 break
     wall = time.time() - t0
-    idx, tgt, dist = task_batch(
-        tok, 64, seq_len, random.Random(f"valid-{seed}"), keys=keys, **TASKS[task]
-    )
+    idx, tgt, dist = task_batch(tok, 64, seq_len, random.Random(f"valid-{seed}"), keys=keys, **TASKS[task])
     logits = kvpop.evaluate(model.eval(), idx, "full", 1, online=False)
     # farther back than a 25% budget's plain window
     far = tgt.masked_fill(dist < seq_len // 4 - 4, -1)
