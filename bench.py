@@ -16,8 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import checkpoint
+import flags
 import kernels
 import kvpop
+import qwen3
+import tokenizer
 import tasks
 
 
@@ -58,13 +62,13 @@ COMMAND_FLAGS = {  # what each command reads
 }
 
 
-def flags(command, argv):
-    """The command's settings: its defaults above, overridden by --key value (kvpop.configure; a flag
+def settings(command, argv):
+    """The command's settings: its defaults above, overridden by --key value (flags.configure; a flag
     of another command is an unknown option) and checked for what every command shares."""
     g = {k: globals()[k] for k in COMMAND_FLAGS[command].split()}
     g.update(__file__=__file__, __prog__=f"bench.py {command}")
-    kvpop.configure(g, argv)
-    need = lambda ok, msg: kvpop.need(ok, msg, g["__prog__"])
+    flags.configure(g, argv)
+    need = lambda ok, msg: flags.need(ok, msg, g["__prog__"])
     need(g.get("device", "cpu") in ("cpu", "cuda"), f"--device {g.get('device')!r}: cpu or cuda")
     need(
         g.get("device") != "cuda" or torch.cuda.is_available(),
@@ -165,7 +169,7 @@ def table(*cols):  # a markdown table's head: its column names, then the rule un
 
 def cmd_kernels(argv):
     """Time and peak memory of each kernels.py op vs its naive dense version (and SDPA on CUDA)."""
-    a, need = flags("kernels", argv)
+    a, need = settings("kernels", argv)
     need(a.group >= 1, f"--group {a.group}: use 1 or more")
     dev, sinks, window = a.device, 4, 256
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -214,7 +218,7 @@ def shipped_scorers(task, target):
 def cmd_quality(argv):
     """Eviction quality of every policy on held-out sequences of the baby's tasks (teacher-forced):
     for each task the policies, then for each target the oracle and the scorers trained on it."""
-    a, need = flags("quality", argv)
+    a, need = settings("quality", argv)
     a.model, a.window = a.model or "baby", a.window or 32
     policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
     task_names, targets = a.task.split(","), a.target.split(",")
@@ -228,9 +232,9 @@ def cmd_quality(argv):
         need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
     need(a.p_cue < 1, f"--p_cue {a.p_cue}: use a rate below 1 (-1: the cue task's own)")
     # each a finite number: not inf, nan or ''
-    budgets = [kvpop.parse_value("bench.py quality", "budgets", b, float) for b in a.budgets.split(",")]
+    budgets = [flags.parse_value("bench.py quality", "budgets", b, float) for b in a.budgets.split(",")]
     try:
-        limit = kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json"))
+        limit = qwen3.Qwen3Config.from_json(os.path.join(checkpoint.checkpoint_dir(a.model), "config.json"))
         folders = {
             (t, r): shipped_scorers(t, r) if a.scorer == "shipped" else [d for d in a.scorer.split(",") if d]
             for t in task_names
@@ -245,8 +249,8 @@ def cmd_quality(argv):
         if a.T > limit.max_position_embeddings:  # checked before the weights load
             raise ValueError(f"--T {a.T}: the model has {limit.max_position_embeddings} positions; lower --T")
         torch.set_num_threads(a.threads)
-        net = kvpop.Qwen3.from_pretrained(a.model, dtype=torch.float32)
-        tok = kvpop.Tokenizer.from_pretrained(kvpop.checkpoint_dir(a.model))
+        net = qwen3.Qwen3.from_pretrained(a.model, dtype=torch.float32)
+        tok = tokenizer.Tokenizer.from_pretrained(checkpoint.checkpoint_dir(a.model))
     except (OSError, ValueError) as e:
         need(False, str(e))
     t0, rows, head = time.time(), [], []
@@ -266,7 +270,7 @@ def cmd_quality(argv):
         f"window {a.window}\n\n{tasks.quality_table(rows)}\n\n{time.time() - t0:.0f}s"
     )
     if a.json:
-        kvpop.write_json(rows, a.json)
+        checkpoint.write_json(rows, a.json)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -278,7 +282,7 @@ SHAPES = {"0.6B": (28, 1024, 3072, 16, True), "4B": (36, 2560, 9728, 32, True), 
 
 def shape_model(c, device, dtype):  # a Qwen3 with random weights, built without initialising twice
     with torch.device("meta"):
-        net = kvpop.Qwen3(c)
+        net = qwen3.Qwen3(c)
     # unties the head, and the memory may hold denormals that slow a CPU: fill it
     net.to_empty(device=device)
     if c.tie_word_embeddings:
@@ -313,7 +317,7 @@ def cmd_speed(argv):
     matrix-vector limit, the scorer's share of a step; prefill time and peak memory; a scorer
     training step, part by part. A step reads the weights (the input embedding only when tied to the
     head; a learned scorer's too), kept keys, values, state."""
-    a, need = flags("speed", argv)
+    a, need = settings("speed", argv)
     a.window = a.window or 256
     for name, least in dict(layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1).items():
         need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
@@ -332,16 +336,16 @@ def cmd_speed(argv):
         not bad,
         f"--policies: {(bad or [''])[0]!r} is not a policy that decodes online; choose from {', '.join(online)}",
     )
-    budgets = [kvpop.parse_value("bench.py speed", "budgets", b, float) for b in a.budgets.split(",")]
+    budgets = [flags.parse_value("bench.py speed", "budgets", b, float) for b in a.budgets.split(",")]
     contexts = [int(x) for x in a.contexts.split(",") if a.contexts]
     try:  # every check first: the weights load or are drawn last
         if a.model:
-            c = kvpop.Qwen3Config.from_json(os.path.join(kvpop.checkpoint_dir(a.model), "config.json"))
+            c = qwen3.Qwen3Config.from_json(os.path.join(checkpoint.checkpoint_dir(a.model), "config.json"))
         # a named shape: layers, hidden, MLP width, query heads, tied head; the rest, shared by
         # every shape, are Qwen3Config's defaults (vocab, 8 KV heads of 128, rope_theta)
         else:
             L, E, F_, Hq, tied = SHAPES[a.shape]
-            c = kvpop.Qwen3Config(
+            c = qwen3.Qwen3Config(
                 num_hidden_layers=a.layers or L,
                 hidden_size=E,
                 intermediate_size=F_,
@@ -353,7 +357,7 @@ def cmd_speed(argv):
         make = {k: kvpop.Scorer(c, k, a.window, a.d_mem).eval().to(dev) for k in kvpop.SCORERS}
         for C, b in [(C, b) for C in contexts for b in budgets] + [(T, budgets[0]) for T in (a.prefill, a.train) if T]:
             kvpop.budget_size(b, C, a.sinks, a.window, make["kvpop"].charge(dt))  # no room: raises here
-        net = kvpop.Qwen3.from_pretrained(a.model, dev, dt) if a.model else shape_model(c, dev, dt)
+        net = qwen3.Qwen3.from_pretrained(a.model, dev, dt) if a.model else shape_model(c, dev, dt)
     except (OSError, ValueError) as e:
         need(False, str(e))
     net.requires_grad_(False)  # frozen: the timed passes build no graph
@@ -523,7 +527,7 @@ def cmd_speed(argv):
         )
         rows += [dict(train=T, kind=kind, part=k, seconds=round(v, 3)) for k, v in parts.items()]
     if a.json:
-        kvpop.write_json(rows, a.json)
+        checkpoint.write_json(rows, a.json)
 
 
 if __name__ == "__main__":

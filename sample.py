@@ -15,22 +15,11 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 
 from tasks import recall_score, task_ids
-from kvpop import (
-    DTYPES,
-    SCORERS,
-    KVCache,
-    Qwen3,
-    Qwen3Config,
-    Scorer,
-    Tokenizer,
-    budget_size,
-    state_charge,
-    checkpoint_dir,
-    configure,
-    need,
-    policy_kind,
-    read_json,
-)
+from checkpoint import DTYPES, checkpoint_dir, read_json
+from flags import configure, need
+from kvpop import SCORERS, KVCache, Scorer, budget_size, generate, policy_kind, state_charge
+from qwen3 import Qwen3, Qwen3Config
+from tokenizer import Tokenizer
 
 # --- model
 model = "baby"  # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby: the demo
@@ -165,7 +154,7 @@ def draw(pol, size, echo):
         outs.append(out)
         if echo:
             print(text if not chat else tok.decode(ids), end="", flush=True)
-        for nxt in net.generate(x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache):
+        for nxt in generate(net, x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache):
             out.append(int(nxt[0]))
             t.append(time.time())  # t[1]: the prompt is in the cache and the first token sampled
             if out[-1] in tok.stop:

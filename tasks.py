@@ -4,7 +4,6 @@ recall: multi-query associative recall in single-token Qwen3 words (README, The 
 same, plus distractor bindings that only the next word marks as useless (README, The baby).
 """
 
-import math
 
 import torch
 

@@ -25,10 +25,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from kvpop import ST_DTYPES, checkpoint_dir, load_safetensors, read_safetensors, save_safetensors
-from kvpop import Tokenizer, QWEN3_ADDED
+from checkpoint import ST_DTYPES, checkpoint_dir, load_safetensors, read_safetensors, save_safetensors
+from tokenizer import Tokenizer, QWEN3_ADDED
+import checkpoint
+import flags
 import kernels
 import kvpop
+import qwen3
+import tokenizer
 
 
 # =========================================================================================================
@@ -73,7 +77,7 @@ def test_logits_match_transformers(tmp_path, tied, kv, q, shard):
     hf = hf_checkpoint(tmp_path, tied, kv, q, shard=shard)
     if shard:
         assert os.path.exists(tmp_path / "model.safetensors.index.json")
-    m = kvpop.Qwen3.from_pretrained(str(tmp_path))
+    m = qwen3.Qwen3.from_pretrained(str(tmp_path))
     idx = torch.randint(0, 384, (2, 96))
     with torch.no_grad():
         err = (hf(idx).logits - m(idx)).abs().max().item()
@@ -83,7 +87,7 @@ def test_logits_match_transformers(tmp_path, tied, kv, q, shard):
 
 def test_bf16_checkpoint_loads_as_bf16(tmp_path):
     hf = hf_checkpoint(tmp_path, dtype=torch.bfloat16)
-    m = kvpop.Qwen3.from_pretrained(str(tmp_path))
+    m = qwen3.Qwen3.from_pretrained(str(tmp_path))
     assert next(m.parameters()).dtype == torch.bfloat16
     idx = torch.randint(0, 384, (1, 80))
     with torch.no_grad():
@@ -96,7 +100,7 @@ def test_bf16_checkpoint_loads_as_bf16(tmp_path):
 
 def test_incremental_decoding_matches_full_forward(tmp_path):
     hf_checkpoint(tmp_path, kv=2, q=4)
-    m = kvpop.Qwen3.from_pretrained(str(tmp_path))
+    m = qwen3.Qwen3.from_pretrained(str(tmp_path))
     idx = torch.randint(0, 384, (2, 72))
     with torch.no_grad():
         full = m(idx)
@@ -106,7 +110,7 @@ def test_incremental_decoding_matches_full_forward(tmp_path):
 
 
 def test_save_pretrained_roundtrip(tmp_path):
-    cfg = kvpop.Qwen3Config(
+    cfg = qwen3.Qwen3Config(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=48,
@@ -116,11 +120,11 @@ def test_save_pretrained_roundtrip(tmp_path):
         head_dim=16,
         tie_word_embeddings=False,
     )
-    a = kvpop.Qwen3(cfg)
+    a = qwen3.Qwen3(cfg)
     a.save_pretrained(str(tmp_path / "ck"))
-    b = kvpop.Qwen3.from_pretrained(str(tmp_path / "ck"))
+    b = qwen3.Qwen3.from_pretrained(str(tmp_path / "ck"))
     idx = torch.randint(0, 64, (1, 20))
-    assert torch.equal(a(idx), b(idx)) and b.config == kvpop.Qwen3Config(**{**vars(cfg), "torch_dtype": "float32"})
+    assert torch.equal(a(idx), b(idx)) and b.config == qwen3.Qwen3Config(**{**vars(cfg), "torch_dtype": "float32"})
 
 
 def test_config_variants(tmp_path):
@@ -135,7 +139,7 @@ def test_config_variants(tmp_path):
         dtype="float32",
     )
     (tmp_path / "config.json").write_text(__import__("json").dumps(d))
-    c = kvpop.Qwen3Config.from_json(tmp_path / "config.json")
+    c = qwen3.Qwen3Config.from_json(tmp_path / "config.json")
     assert (c.rope_theta, c.torch_dtype, c.head_dim, c.tie_word_embeddings) == (5e6, "float32", 4, False)
 
 
@@ -424,7 +428,7 @@ def test_pretrain_into_a_checkpoint_folder_keeps_its_other_files(tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(d)) == ["config.json", "model.safetensors", "prompt.txt", "scorers"]
     assert (d / "prompt.txt").read_text() == "hi" and not os.path.exists(str(d) + ".tmp")
-    assert kvpop.Qwen3.from_pretrained(str(d)).config.num_hidden_layers == 2
+    assert qwen3.Qwen3.from_pretrained(str(d)).config.num_hidden_layers == 2
 
 
 @pytest.mark.parametrize("command", ["kernels", "quality", "speed"])
@@ -548,8 +552,8 @@ QWEN3_06B = dict(  # Qwen/Qwen3-0.6B's config.json (transformers 4.51)
 )
 DROP = object()
 BAD_CONFIGS = [  # (changes to QWEN3_06B, or a whole non-object file; words of the one line)
-    *[({f: DROP}, [f, "missing"]) for f in kvpop.CONFIG_REQUIRED],
-    *[({f: "28"}, [f"{f} '28' must be an integer"]) for f in kvpop.CONFIG_REQUIRED],
+    *[({f: DROP}, [f, "missing"]) for f in checkpoint.CONFIG_REQUIRED],
+    *[({f: "28"}, [f"{f} '28' must be an integer"]) for f in checkpoint.CONFIG_REQUIRED],
     ({"num_key_value_heads": 8.0}, ["num_key_value_heads 8.0 must be an integer"]),
     ({"hidden_size": True}, ["hidden_size True must be an integer"]),
     ({"vocab_size": [1]}, ["vocab_size"]),
@@ -564,7 +568,7 @@ BAD_CONFIGS = [  # (changes to QWEN3_06B, or a whole non-object file; words of t
     ({"torch_dtype": "float8"}, ["torch_dtype 'float8'"]),
     ({"torch_dtype": DROP, "dtype": "int8"}, ["dtype 'int8'"]),
     ({"rope_parameters": "default"}, ["rope_parameters"]),
-    *[({f: 0}, [f"{f} 0 must be positive"]) for f in kvpop.CONFIG_REQUIRED + ("head_dim", "max_position_embeddings")],
+    *[({f: 0}, [f"{f} 0 must be positive"]) for f in checkpoint.CONFIG_REQUIRED + ("head_dim", "max_position_embeddings")],
     ({"hidden_size": -1024}, ["hidden_size -1024 must be positive"]),
     ({"rms_norm_eps": 0}, ["rms_norm_eps"]),
     ({"rms_norm_eps": -1e-6}, ["rms_norm_eps"]),
@@ -590,7 +594,7 @@ def test_bad_config_json_one_line_naming_the_field(tmp_path, change, words):
     d = {k: v for k, v in {**QWEN3_06B, **change}.items() if v is not DROP} if type(change) is dict else change
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(ValueError) as e:
-        kvpop.Qwen3Config.from_json(str(tmp_path / "config.json"))
+        qwen3.Qwen3Config.from_json(str(tmp_path / "config.json"))
     one_line_error(str(e.value), str(tmp_path / "config.json") + ":", *words)
 
 
@@ -613,9 +617,9 @@ def test_good_configs_load(tmp_path):
         (tmp_path / "config.json").write_text(
             json.dumps({k: v for k, v in {**QWEN3_06B, **change}.items() if v is not DROP})
         )
-        c = kvpop.Qwen3Config.from_json(str(tmp_path / "config.json"))
+        c = qwen3.Qwen3Config.from_json(str(tmp_path / "config.json"))
         assert all(getattr(c, k) == v and type(getattr(c, k)) is type(v) for k, v in want.items()), c
-    assert kvpop.Qwen3Config.from_json(os.path.join(MODEL_DIR, "config.json")).head_dim == 64
+    assert qwen3.Qwen3Config.from_json(os.path.join(MODEL_DIR, "config.json")).head_dim == 64
 
 
 def test_bad_config_json_through_every_caller(tmp_path, monkeypatch):
@@ -624,7 +628,7 @@ def test_bad_config_json_through_every_caller(tmp_path, monkeypatch):
     cfg.write_text(cfg.read_text().replace('"num_key_value_heads": 2', '"num_key_value_heads": 3'))
     words = [f"{cfg}: num_key_value_heads 3 must divide num_attention_heads 4"]
     with pytest.raises(ValueError) as e:
-        kvpop.Qwen3.from_pretrained(str(tmp_path))
+        qwen3.Qwen3.from_pretrained(str(tmp_path))
     one_line_error(str(e.value), *words)
     one_line_error(exits(monkeypatch, "sample.py", "--model", str(tmp_path)), *words)
     one_line_error(exits(monkeypatch, "bench.py quality", "--model", str(tmp_path)), *words)
@@ -641,7 +645,7 @@ def test_sample_streams_and_reports_budget(tmp_path):
     # token at once, so the prompt alone is longer than the budget: eviction happens whatever is
     # sampled
     prompt = "the quick brown fox jumps over the lazy dog " * 8
-    total = len(kvpop.Tokenizer.from_pretrained(str(tmp_path)).encode(prompt)) + 200
+    total = len(tokenizer.Tokenizer.from_pretrained(str(tmp_path)).encode(prompt)) + 200
     assert total - 200 > math.ceil(0.25 * total)
     r = run(
         "sample.py",
@@ -681,7 +685,7 @@ def test_sample_streams_and_reports_budget(tmp_path):
 def small_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("m")
     hf_checkpoint(folder, kv=2, q=4, layers=3, seed=1)
-    return kvpop.Qwen3.from_pretrained(str(folder))
+    return qwen3.Qwen3.from_pretrained(str(folder))
 
 
 @pytest.mark.parametrize("policy", ["streaming", "knorm", "random", "oracle"])
@@ -1629,7 +1633,7 @@ SHIPPED = os.path.join(HERE, "baby", "scorers", "recall-helpful")
 def baby():
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: on a busy 2-core machine a second thread mostly waits
-    yield (kvpop.Qwen3.from_pretrained(MODEL_DIR, dtype=torch.float32), kvpop.Tokenizer.from_pretrained(MODEL_DIR))
+    yield (qwen3.Qwen3.from_pretrained(MODEL_DIR, dtype=torch.float32), tokenizer.Tokenizer.from_pretrained(MODEL_DIR))
     torch.set_num_threads(n)
 
 
@@ -1695,7 +1699,7 @@ def test_previous_token_head(baby):
         if i == 0:
             s = q[:, :1] @ k.transpose(-1, -2) / 8  # (B, 1, T, T): head 0's scores
             got["p"] = s.masked_fill(pos[None, :] > pos[:, None], -1e9).softmax(-1)
-        return kvpop.causal(i, q, k, v, pos)
+        return qwen3.causal(i, q, k, v, pos)
 
     net(idx, attn=attn)
     # layer 0, head 0: all attention on the previous token
@@ -1818,7 +1822,7 @@ def test_bench_speed_rows_count_the_bytes_a_step_reads(tmp_path, monkeypatch, ca
     )
     assert "| kvpop | 0.5 | 300 |" in capsys.readouterr().out
     rows = json.loads((tmp_path / "s.json").read_text())
-    sd = kvpop.load_safetensors(str(tmp_path / "m"))
+    sd = checkpoint.load_safetensors(str(tmp_path / "m"))
     # tied: the head is the embedding
     W = 4 * sum(x.numel() for name, x in sd.items() if name != "lm_head.weight")
     tok = 2 * L * H * D * 4  # fp32 key + value of one token, every layer
@@ -1892,8 +1896,8 @@ def test_pretrain_writes_a_loadable_checkpoint(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "held-out accuracy" in r.stdout and not os.path.exists(str(out) + ".tmp")
-    net = kvpop.Qwen3.from_pretrained(str(out))
-    assert net.config.vocab_size == 2048 + 26 and kvpop.Tokenizer.from_pretrained(str(out)).n_vocab == 2074
+    net = qwen3.Qwen3.from_pretrained(str(out))
+    assert net.config.vocab_size == 2048 + 26 and tokenizer.Tokenizer.from_pretrained(str(out)).n_vocab == 2074
 
 
 # =========================================================================================================
@@ -2073,7 +2077,7 @@ def test_sample_next_top_p_keeps_the_boundary_token():
 
 
 def _tiny_model():
-    cfg = kvpop.Qwen3Config(
+    cfg = qwen3.Qwen3Config(
         vocab_size=16,
         hidden_size=16,
         intermediate_size=16,
@@ -2082,7 +2086,7 @@ def _tiny_model():
         num_key_value_heads=1,
         head_dim=8,
     )
-    return kvpop.Qwen3(cfg).eval()
+    return qwen3.Qwen3(cfg).eval()
 
 
 @pytest.mark.parametrize("stop", [(), (2,), (2, 3)])
@@ -2091,7 +2095,7 @@ def test_generate_stops_each_sequence(monkeypatch, stop):
     raw = [[5, 7, 9], [2, 8, 6], [9, 3, 4], [4, 5, 11], [6, 6, 3], [1, 1, 1], [0, 0, 0]]
     draws = iter(torch.tensor(raw))
     monkeypatch.setattr(kvpop, "sample_next", lambda *a: next(draws))
-    got = [x.tolist() for x in _tiny_model().generate(torch.zeros(3, 2, dtype=torch.long), 6, stop=stop)]
+    got = [x.tolist() for x in kvpop.generate(_tiny_model(), torch.zeros(3, 2, dtype=torch.long), 6, stop=stop)]
     # the definition: a row that produced a stop id keeps emitting that id; the end when every row
     # stopped
     want, ended = [], [None] * 3
@@ -2160,7 +2164,7 @@ def test_prefill_equals_token_by_token(small_model, T):
 # one chunk; several, each carrying the state; chunks < the window
 @pytest.mark.parametrize("chunk", [128, 16, 5])
 def test_scorer_parallel_equals_recurrent(chunk):
-    c = kvpop.Qwen3Config(num_hidden_layers=2, num_key_value_heads=3, head_dim=16)
+    c = qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=3, head_dim=16)
     torch.manual_seed(1)
     s = kvpop.Scorer(c, "kvpop", window=7, d_mem=12)
     s.chunk = chunk  # the parallel form's chunk of read positions (T = 50)
@@ -2309,7 +2313,7 @@ def test_scorer_parallel_memory_is_linear():
     """A long prefill runs the parallel form over the whole prompt: beyond the features x (T, 2D)
     and one RMS temporary while making them, it may hold only one chunk's working set, never a (T,
     M) projection or read-out."""
-    c = kvpop.Qwen3Config(num_hidden_layers=1, num_key_value_heads=2, head_dim=64)
+    c = qwen3.Qwen3Config(num_hidden_layers=1, num_key_value_heads=2, head_dim=64)
     # M = 2D: each full-length projection is one x more
     s, T = kvpop.Scorer(c, "kvpop", window=256, d_mem=128), 4096
     k, v = torch.randn(1, 2, T, 64), torch.randn(1, 2, T, 64)
@@ -2351,7 +2355,7 @@ def model_fp64(tmp_path_factory):
     )
     folder = tmp_path_factory.mktemp("m64")
     transformers.Qwen3ForCausalLM(c).save_pretrained(folder)
-    return kvpop.Qwen3.from_pretrained(str(folder), dtype=torch.float64)
+    return qwen3.Qwen3.from_pretrained(str(folder), dtype=torch.float64)
 
 
 def _sweep(n=36):
@@ -2427,7 +2431,7 @@ def test_scorer_save_load_and_errors(small_model, tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(s.state_dict().values(), t.state_dict().values()))
     with pytest.raises(FileNotFoundError, match="not a scorer folder"):
         kvpop.Scorer.from_pretrained(tmp_path)
-    other = kvpop.Scorer(kvpop.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16), window=16)
+    other = kvpop.Scorer(qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16), window=16)
     with pytest.raises(ValueError, match="trained for a model"):
         kvpop.evaluate(small_model, torch.zeros(1, 50, dtype=torch.long), other, 0.5, 4, 16)
     with pytest.raises(ValueError, match="window 16"):
@@ -2441,7 +2445,7 @@ def test_scorer_round_trip_keeps_every_setting_of_scorer_json(tmp_path):
     """save_pretrained -> from_pretrained with no setting at its default: every field scorer.json
     holds is the loaded scorer's (a field ignored on load, e.g. the window, fails), and so are the
     tensors."""
-    c = kvpop.Qwen3Config(num_hidden_layers=3, num_key_value_heads=2, head_dim=8)
+    c = qwen3.Qwen3Config(num_hidden_layers=3, num_key_value_heads=2, head_dim=8)
     for kind in kvpop.SCORERS:
         s = kvpop.Scorer(c, kind, window=13, d_mem=5, d_hidden=7, gamma=0.01)
         s.meta = dict(model="m", budget=0.3, sinks=2, window=13, data="d", iters=9, finetune=False)
@@ -2474,7 +2478,7 @@ def test_bf16_cache_holds_entries_and_state_within_the_budgets_bytes():
     layer and KV head. The state is ((128 + 1) 128 + 1) 4 = 66,052 bytes, 130 entries of 512 bytes
     (by element count it was 65, and the cache held 33 KB over its budget)."""
     torch.manual_seed(0)
-    c = kvpop.Qwen3Config(
+    c = qwen3.Qwen3Config(
         vocab_size=64,
         hidden_size=64,
         intermediate_size=64,
@@ -2483,7 +2487,7 @@ def test_bf16_cache_holds_entries_and_state_within_the_budgets_bytes():
         num_key_value_heads=1,
         head_dim=128,
     )
-    net = kvpop.Qwen3(c).to(torch.bfloat16).eval()
+    net = qwen3.Qwen3(c).to(torch.bfloat16).eval()
     s = kvpop.Scorer(c, "kvpop", window=16, d_mem=128).eval()
     idx = torch.randint(0, 64, (1, 400), generator=torch.Generator().manual_seed(0))
     B, T, entry = 200, 400, 2 * 128 * 2  # the budget, the tokens fed, one entry's bytes
@@ -2893,7 +2897,7 @@ def test_helpful_target_is_its_definition(small_model, window):
 
     def attn(i, q, k, v, pos):
         qk.append((q, k))
-        return kvpop.causal(i, q, k, v, pos)
+        return qwen3.causal(i, q, k, v, pos)
 
     with torch.no_grad():
         P = small_model(idx, attn=attn).double().softmax(-1)  # (B, T, V)
@@ -2926,7 +2930,7 @@ def test_sample_with_the_delayed_scorer_keeps_entries_plus_state_within_the_budg
             r.stdout,
         ).groups(),
     )
-    tok = kvpop.Tokenizer.from_pretrained(MODEL_DIR)
+    tok = tokenizer.Tokenizer.from_pretrained(MODEL_DIR)
     prompt = len(tok.encode(open(os.path.join(HERE, "baby", "prompt.txt"), encoding="utf-8").read()))
     d_m, D = 16, 64  # the shipped scorer's memory, the baby's head_dim
     # fp32 state and cache: C, n and the log-scale in 4 bytes each, an entry 2 D numbers of 4 bytes
@@ -3103,7 +3107,7 @@ def test_distributed_finetune_killed_then_resumed(tmp_path):
     p.wait()
     n = kvpop.Scorer.from_pretrained(tmp_path / "b").meta["iters"]
     assert 3 <= n < 12 and torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)["iter"] == n
-    kvpop.Qwen3.from_pretrained(tmp_path / "b")  # what the killed run left loads
+    qwen3.Qwen3.from_pretrained(tmp_path / "b")  # what the killed run left loads
     res = _torchrun(*_ft_args(tmp_path / "b", *args, "--resume"))
     assert res.returncode == 0, _why(res)
     assert f"resuming {tmp_path / 'b'} at step {n}" in res.stdout
@@ -3119,7 +3123,7 @@ def test_finetuned_checkpoint_loads_and_samples(tmp_path):
         out = tmp_path / policy
         r = run(*_train_args(out, "--finetune", "--policy", policy, "--max_iters", "2", "--eval_interval", "2"))
         assert r.returncode == 0, r.stderr
-        ft, base = kvpop.Qwen3.from_pretrained(out), kvpop.Qwen3.from_pretrained(MODEL_DIR)
+        ft, base = qwen3.Qwen3.from_pretrained(out), qwen3.Qwen3.from_pretrained(MODEL_DIR)
         diff = [(a - b).abs().max().item() for a, b in zip(ft.parameters(), base.parameters())]
         assert max(diff) > 0 and (out / "scorer.json").exists() == (policy == "scorer")
         args = [
@@ -3425,10 +3429,10 @@ def test_flags_take_hyphens_and_equals():
     """--key value, --key=value, and - for _ in a key (--max-iters is --max_iters); a bare bool
     switch is true; an unknown key is an error."""
     g = dict(max_iters=5, min_lr=0.1, finetune=False, __file__=os.path.join(HERE, "train.py"))
-    assert kvpop.configure(g, ["--max-iters", "7", "--min-lr=0.5", "--finetune"]) == {"max_iters", "min_lr", "finetune"}
+    assert flags.configure(g, ["--max-iters", "7", "--min-lr=0.5", "--finetune"]) == {"max_iters", "min_lr", "finetune"}
     assert (g["max_iters"], g["min_lr"], g["finetune"]) == (7, 0.5, True)
     with pytest.raises(SystemExit, match="unknown option '--max_iter'"):
-        kvpop.configure(g, ["--max_iter", "3"])
+        flags.configure(g, ["--max_iter", "3"])
 
 
 def _ref_quality(net, seqs, runs, budgets, sinks=4, window=32):

@@ -37,8 +37,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checkpoint
+import flags
 import kernels
 import kvpop
+import qwen3
+import tokenizer
 from tasks import TASK_RANKS, TASKS, quality_runs, quality_table, task_batch
 
 # --- what to run
@@ -95,13 +99,13 @@ advance_acc = 0.9  # pretrain: next length once train accuracy (20-step mean) re
 final_steps = 600  # pretrain: steps at seq_len, cosine decay to 0
 answer_weight = 4.0  # pretrain: weight of the answers' loss on top of every position's next-token loss
 final_tasks = "recall,cue"  # pretrain: the tasks the steps at seq_len take in turn (shorter: --task)
-given = kvpop.configure(globals(), None if __name__ == "__main__" else [])  # tests: defaults
+given = flags.configure(globals(), None if __name__ == "__main__" else [])  # tests: defaults
 # set by torchrun
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 # only rank 0 logs
 log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None
 # bad input: one line, before any heavy work
-need = lambda ok, msg: kvpop.need(ok, msg, "train.py")
+need = lambda ok, msg: flags.need(ok, msg, "train.py")
 need(stage in ("scorer", "pretrain"), f"--stage {stage!r}: choose scorer or pretrain")
 need(kind in kvpop.SCORERS, f"--kind {kind!r}: choose from {', '.join(kvpop.SCORERS)}")
 need(task in TASKS, f"--task {task!r}: choose from {', '.join(TASKS)}")
@@ -349,7 +353,7 @@ def save(it, folder, scorer, opt, student, opt_m):
         return
     if student is not None:
         student.save_pretrained(out_dir, sd)
-        for src, dst in [(os.path.join(folder, f), os.path.join(out_dir, f)) for f in kvpop.OPTIONAL]:
+        for src, dst in [(os.path.join(folder, f), os.path.join(out_dir, f)) for f in checkpoint.OPTIONAL]:
             # the tokenizer files travel with the weights
             if os.path.isfile(src) and not os.path.isfile(dst):
                 shutil.copyfile(src, dst + ".tmp")
@@ -380,9 +384,9 @@ def load():
     global chunks, n_valid, pool
     learned = policy == "scorer"  # else StreamingLLM+ (--finetune): no scorer
     try:
-        folder = kvpop.checkpoint_dir(model)
-        config = kvpop.Qwen3Config.from_json(os.path.join(folder, "config.json"))
-        tok = kvpop.Tokenizer.from_pretrained(folder)
+        folder = checkpoint.checkpoint_dir(model)
+        config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
+        tok = tokenizer.Tokenizer.from_pretrained(folder)
         need(seq_len <= (P := config.max_position_embeddings), f"--seq_len {seq_len}: the model has only {P} positions")
         chunks, n_valid = pack_files(tok) if data != "baby" else (None, 0)
         torch.manual_seed(seed)
@@ -410,8 +414,8 @@ def load():
                     f"--final_seqs {final_seqs}: the final table's budget {b} leaves no room at --seq_len "
                     f"{seq_len}, --window {window}; use --final_seqs 0 or a longer --seq_len",
                 )
-        net = kvpop.Qwen3.from_pretrained(folder, device, dt).requires_grad_(False)  # frozen, dense
-        student = kvpop.Qwen3.from_pretrained(folder, device, dt).train() if finetune else None
+        net = qwen3.Qwen3.from_pretrained(folder, device, dt).requires_grad_(False)  # frozen, dense
+        student = qwen3.Qwen3.from_pretrained(folder, device, dt).train() if finetune else None
         # the weights of the step train_state.pt records (model.safetensors may be newer)
         if resume and finetune:
             student.load_state_dict(ck["model"])
@@ -486,9 +490,9 @@ def final_table(folder, tok, net, scorer):
     dense model it started from."""
     idx, tgt, dist = task_batch(tok, final_seqs, seq_len, random.Random("test-0"), **TASKS[task])
     # the dense start
-    ref = kvpop.Qwen3.from_pretrained(folder, dtype="float32") if finetune else None
+    ref = qwen3.Qwen3.from_pretrained(folder, dtype="float32") if finetune else None
     pols = [scorer or "streaming"] if finetune else ["oracle", "streaming", "h2o", scorer]
-    ev = kvpop.Qwen3.from_pretrained(out_dir) if finetune else net  # --finetune: the model as saved
+    ev = qwen3.Qwen3.from_pretrained(out_dir) if finetune else net  # --finetune: the model as saved
     rows, far, n = quality_runs(ev, idx, tgt, dist, pols, [0.25, 0.125], sinks, window, ref=ref, reduce=target)
     for r in rows[1:] if finetune else []:
         r["policy"] = f"{r['policy']} (fine-tuned)" if scorer is not None else "StreamingLLM+"
@@ -512,7 +516,7 @@ def train():
             save(it + 1, folder, scorer, opts.get(scorer), student, opts.get(student))
             # the scorer as it trains: it has no dropout, so eval mode would change nothing
             if rank == 0:
-                ev = kvpop.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
+                ev = qwen3.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
                 log(f"step {it + 1}: {evaluate(ev, tok, scorer or 'streaming')}; saved {out_dir}/")
     log(f"trained in {time.time() - t0:.0f}s")
     if data == "baby" and final_seqs and rank == 0:
@@ -549,8 +553,8 @@ def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
 
 def init_baby():
     torch.manual_seed(seed)
-    model = kvpop.Qwen3(
-        kvpop.Qwen3Config(
+    model = qwen3.Qwen3(
+        qwen3.Qwen3Config(
             vocab_size=vocab_ranks + 26,
             hidden_size=n_embd,
             intermediate_size=n_ff,
@@ -582,7 +586,7 @@ def pretrain():
     model = init_baby()
     # the tokenizer (cut vocabulary) is read from the checkpoint's config
     model.save_pretrained(tmp)
-    tok = kvpop.Tokenizer.from_pretrained(tmp)
+    tok = tokenizer.Tokenizer.from_pretrained(tmp)
     params = [p for p in model.parameters() if p.requires_grad]
     print(
         f"baby: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "

@@ -1,0 +1,70 @@
+"""Command line, nanoGPT style: a script's module-level defaults, overridden as --key value.
+"""
+
+import math
+import os
+import sys
+
+# in error messages
+KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "text"}
+
+
+def configure(g, argv=None):
+    """Override the simple module-level defaults in g from --key value / --key=value (-> the keys
+    given); --help lists them under their headings. A bad key or value exits with one line on stderr.
+    g["__prog__"], if set, names the command in messages (bench.py's commands pass a copy of their
+    own defaults)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = g.get("__prog__") or os.path.basename(g.get("__file__", "kvpop"))
+    keys = {k for k, v in g.items() if not k.startswith("_") and type(v) in KINDS}
+    if "-h" in argv or "--help" in argv:
+        out = [f"usage: python {prog} [--key value | --key=value] ..."]
+        for line in open(g["__file__"]):
+            # the defaults end where they are read, or where the code begins
+            if "configure(globals()" in line or line.startswith(("def ", "class ", "@")):
+                break
+            if line.startswith("# ---"):
+                out.append(f"\n{line.strip('# -').strip()}:")
+            elif (name := line.split("=")[0].strip()) in keys and "#" in line:
+                out.append(f"  --{name} {g[name]!r}".ljust(36) + " " + line.split("#", 1)[1].strip())
+        out = [x for x, y in zip(out, out[1:] + ["\n"]) if not (x.endswith(":") and y[0] == "\n")]
+        try:
+            print("\n".join(out), flush=True)
+        # `--help | head` closed the pipe early: not an error, and no traceback
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+    given = set()  # the keys set on the command line
+    while argv:  # our own copy: taken apart from the front
+        opt, eq, val = argv.pop(0).partition("=")
+        key = opt[2:].replace("-", "_")
+        if not opt.startswith("--") or key not in keys:
+            sys.exit(f"{prog}: unknown option {opt!r} (see --help)")
+        if not eq and type(g[key]) is bool and (not argv or argv[0].startswith("--")):
+            val = "true"  # a bare switch
+        elif not eq:
+            val = argv.pop(0) if argv else sys.exit(f"{prog}: --{key} needs a value")
+        g[key] = parse_value(prog, key, val, type(g[key]))
+        given.add(key)
+    return given
+
+
+def parse_value(prog, key, val, typ):
+    try:
+        x = (
+            {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[val.lower()]
+            if typ is bool
+            else typ(val)
+        )
+        if typ is not float or math.isfinite(x):
+            return x
+    except (KeyError, ValueError):
+        pass
+    sys.exit(f"{prog}: --{key} {val!r} is not {KINDS[typ]}")
+
+
+def need(ok, msg, prog=None):
+    """A script's check of its flags, right after configure: unless ok, exit with the one line
+    `prog: msg`."""
+    if not ok:
+        sys.exit(f"{prog or os.path.basename(sys.argv[0])}: {msg}")

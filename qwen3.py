@@ -1,0 +1,193 @@
+"""Qwen3, self-contained: Hugging Face's module names, so loading a checkpoint is a 1:1 copy with a
+count and shape check. Every layer's attention is a hook, attn(layer, q, k, v, pos): kvpop.py's
+evicting cache and masked pass plug in there.
+"""
+
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from checkpoint import checkpoint_dir, load_safetensors, read_config, save_safetensors, write_json
+
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = True
+    torch_dtype: str = "bfloat16"
+
+    @classmethod
+    # a checkpoint's config.json, checked (checkpoint.py)
+    def from_json(cls, path):
+        return read_config(path, cls)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n, eps):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
+
+    def forward(self, x):  # HF order: normalise in fp32, cast back, then scale
+        xf = kernels.wide(x)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope(x, cos, sin):  # x (B, H, T, D); split-halves rotation
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.Hq, self.Hkv, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.Hq * self.D, bias=False)
+        self.k_proj, self.v_proj = (nn.Linear(c.hidden_size, self.Hkv * self.D, bias=False) for _ in range(2))
+        self.o_proj = nn.Linear(self.Hq * self.D, c.hidden_size, bias=False)
+        self.q_norm, self.k_norm = RMSNorm(self.D, c.rms_norm_eps), RMSNorm(self.D, c.rms_norm_eps)
+
+    # attn: plain causal, masked by eviction times, or through a cache
+    def forward(self, x, cos, sin, attn):
+        # (B, Hq, T, D)
+        q = rope(self.q_norm(self.q_proj(x).unflatten(-1, (-1, self.D))).transpose(1, 2), cos, sin)
+        k = rope(self.k_norm(self.k_proj(x).unflatten(-1, (-1, self.D))).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).unflatten(-1, (-1, self.D)).transpose(1, 2)  # (B, Hkv, T, D)
+        return self.o_proj(attn(q, k, v).transpose(1, 2).flatten(2))
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.gate_proj, self.up_proj = (nn.Linear(c.hidden_size, c.intermediate_size, bias=False) for _ in range(2))
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def causal(i, q, k, v, pos):  # the default attention: plain causal, flash-style (kernels.py)
+    return kernels.attention(q, k, v)[0]
+
+
+class Qwen3(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        c = self.config = config
+        self.model = nn.ModuleDict(
+            dict(
+                embed_tokens=nn.Embedding(c.vocab_size, c.hidden_size),
+                layers=nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers)),
+                norm=RMSNorm(c.hidden_size, c.rms_norm_eps),
+            )
+        )
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, idx, targets=None, cache=None, attn=causal, head=True):
+        """idx (B, T) -> logits (B, T, vocab), or (logits, loss) with targets (-1 = ignored), or
+        with head=False the last layer's output (B, T, hidden). attn(i, q, k, v, pos) is layer i's
+        attention; with a cache the tokens continue the cached sequence and only the last position's
+        logits are computed."""
+        # a prompt the cache cannot take whole goes token by token, each through every layer:
+        # exactly the sequence of decoding steps
+        if cache is not None and idx.shape[1] > 1 and not cache.whole(idx.shape[1]):
+            for t in range(idx.shape[1] - 1):
+                self(idx[:, t : t + 1], cache=cache, head=False)
+            idx = idx[:, -1:]
+        t0, attn = (0, attn) if cache is None else (cache.t, cache.attend)
+        pos = torch.arange(t0, t0 + idx.shape[1], device=idx.device)
+        x = self.model.embed_tokens(idx)
+        D = self.config.head_dim  # RoPE's cos, sin (T, D): computed in fp32 and cast as HF does
+        inv = 1.0 / self.config.rope_theta ** (torch.arange(0, D, 2, device=idx.device).float() / D)
+        f = (pos.float()[:, None] * inv).repeat(1, 2)  # each frequency twice, for the two halves
+        cos, sin = f.cos().to(x.dtype), f.sin().to(x.dtype)
+        for i, block in enumerate(self.model.layers):
+            x = block(x, cos, sin, lambda q, k, v, i=i: attn(i, q, k, v, pos))
+        if cache is not None:
+            cache.t += len(pos)
+            x = x[:, -1:]
+        if not head:  # passes that only need the layers' attention: no (B, T, vocab) logits
+            return x
+        logits = self.lm_head(self.model.norm(x))
+        return (
+            logits
+            if targets is None
+            else (logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1))
+        )
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo, device=None, dtype=None):
+        folder = checkpoint_dir(path_or_repo)
+        config = Qwen3Config.from_json(os.path.join(folder, "config.json"))
+        with torch.device("meta"):
+            model = cls(config)
+        # tied: lm_head.weight is not listed
+        want = {k: p.shape for k, p in model.named_parameters()}
+        sd = load_safetensors(folder)
+        if config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
+        bad = [f"missing tensor {k} (this config.json expects it)" for k in sorted(want.keys() - sd.keys())]
+        bad += [f"unexpected tensor {k} (not part of a Qwen3 model)" for k in sorted(sd.keys() - want.keys())]
+        bad += [
+            f"tensor {k} has shape {list(sd[k].shape)}, config.json implies {list(shape)}"
+            for k, shape in want.items()
+            if k in sd and sd[k].shape != shape
+        ]
+        for msg in bad[:1]:  # the first problem, in this order
+            raise ValueError(f"{folder}: {msg}")
+        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or config.torch_dtype)
+        # strict check done above, tied head aside
+        model.load_state_dict(sd, strict=False, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        print(
+            f"loaded {len(sd)} tensors ({sum(t.numel() for t in sd.values()) / 1e6:.1f}M parameters) from {folder}",
+            file=sys.stderr,
+        )
+        return model.to(device=device, dtype=dtype).eval()
+
+    def save_pretrained(self, folder, state=None):
+        """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads.
+        state: the weights to write instead of the parameters (a sharded model's, gathered)."""
+        os.makedirs(folder, exist_ok=True)
+        state = state or dict(self.named_parameters())
+        save_safetensors({k: state[k] for k, _ in self.named_parameters()}, os.path.join(folder, "model.safetensors"))
+        dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
+        write_json(
+            dict(
+                asdict(self.config),
+                architectures=["Qwen3ForCausalLM"],
+                model_type="qwen3",
+                hidden_act="silu",
+                torch_dtype=dtype,
+            ),
+            os.path.join(folder, "config.json"),
+        )
