@@ -1,9 +1,11 @@
-"""Command line, nanoGPT style: a script's module-level defaults, overridden as --key value.
-"""
+"""Command line, nanoGPT style: a script's module-level defaults, overridden as --key value."""
 
 import math
 import os
+import re
 import sys
+
+import torch
 
 # in error messages
 KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "text"}
@@ -68,3 +70,27 @@ def need(ok, msg, prog=None):
     `prog: msg`."""
     if not ok:
         sys.exit(f"{prog or os.path.basename(sys.argv[0])}: {msg}")
+
+
+# the checks every script makes of its --device and --dtype
+
+
+def check_device(device, prog=None):  # cpu, cuda or cuda:N, and a GPU that is visible
+    need(
+        re.fullmatch(r"cpu|cuda(:\d+)?", device),
+        f"--device {device!r} is not a device; use cpu or cuda (cuda:N for GPU N)",
+        prog,
+    )
+    need(
+        device == "cpu" or torch.cuda.is_available(),
+        f"--device {device}: no CUDA GPU is visible; use --device cpu",
+        prog,
+    )
+
+
+def check_dtype(dtype, allowed, prog=None):  # auto or one of allowed
+    need(dtype == "auto" or dtype in allowed, f"--dtype {dtype!r}: use auto, {', '.join(allowed)}", prog)
+
+
+def auto_dtype(dtype, device):  # --dtype auto: the checkpoint's own on a GPU (None), float32 on a CPU
+    return None if dtype == "auto" and device != "cpu" else "float32" if dtype == "auto" else dtype
