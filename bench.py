@@ -31,7 +31,7 @@ policies = ""  # comma-separated; empty: all (quality), streaming + learned kind
 budgets = "0.25,0.125"  # comma-separated fractions of the tokens kept per head (or integers B)
 sinks = 4  # first tokens never evicted
 window = 0  # recent tokens never evicted; 0: 32 (quality: the baby's) or 256 (speed: the paper's)
-device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu or cuda (speed, kernels)
+device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N (speed, kernels)
 json = ""  # also write the rows to this file (quality, speed)
 # --- quality: every policy on held-out sequences of the baby's tasks (teacher-forced)
 task = "recall"  # comma-separated tasks: recall, cue
@@ -69,17 +69,13 @@ def settings(command, argv):
     g.update(__file__=__file__, __prog__=f"bench.py {command}")
     flags.configure(g, argv)
     need = lambda ok, msg: flags.need(ok, msg, g["__prog__"])
-    need(g.get("device", "cpu") in ("cpu", "cuda"), f"--device {g.get('device')!r}: cpu or cuda")
-    need(
-        g.get("device") != "cuda" or torch.cuda.is_available(),
-        "--device cuda: no CUDA GPU is visible; use --device cpu",
-    )
+    if g.get("device", "cpu") != "cpu":  # kernels, speed on a GPU: made the current one, where Triton kernels launch
+        flags.check_device(g["device"], g["__prog__"])
+        torch.cuda.set_device(torch.device(g["device"]).index or 0)
     j = g.get("json", "")
     folder = os.path.dirname(j) or "."
-    need(
-        not j or not os.path.isdir(j) and os.path.isdir(folder) and os.access(folder, os.W_OK),
-        f"--json {j}: give a file name in an existing, writable folder",
-    )
+    ok = not j or not os.path.isdir(j) and os.path.isdir(folder) and os.access(folder, os.W_OK)
+    need(ok, f"--json {j}: give a file name in an existing, writable folder")
     return types.SimpleNamespace(**{k: v for k, v in g.items() if not k.startswith("_")}), need
 
 
@@ -89,8 +85,7 @@ def settings(command, argv):
 
 def naive_attention(q, k, v, evict_at=None, sinks=0):
     T, G = q.shape[2], q.shape[1] // k.shape[1]
-    # (B, Hq, T, T)
-    s = q.float() @ k.float().repeat_interleave(G, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    s = q.float() @ k.float().repeat_interleave(G, 1).transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, Hq, T, T)
     i, t = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)
     vis = t <= i
     if evict_at is not None:
@@ -129,8 +124,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # views, in-place
-        ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}  # views, in-place
         for x in out if isinstance(out, (tuple, list)) else [out]:
             s = x.untyped_storage() if isinstance(x, torch.Tensor) else None
             if s is not None and s.nbytes() and s.data_ptr() not in ins and s.data_ptr() not in self.live:
@@ -144,9 +138,9 @@ class LiveBytes(TorchDispatchMode):
         self.now -= self.live.pop(ptr)
 
 
-# wall seconds of one run: CUDA runs asynchronously, so wait for the GPU before and after
+# wall seconds of one run: a GPU runs asynchronously, so wait for it before and after
 def clock(fn, dev):
-    sync = torch.cuda.synchronize if dev == "cuda" else lambda: None
+    sync = torch.cuda.synchronize if dev != "cpu" else lambda: None
     sync()
     t0 = time.perf_counter()
     fn()
@@ -163,56 +157,52 @@ def peak(fn, dev):  # (seconds, peak bytes allocated above what was live before)
     return clock(fn, dev), torch.cuda.max_memory_allocated() - base
 
 
-def table(*cols):  # a markdown table's head: its column names, then the rule under them
-    return "| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|"
+def table(cols):  # a markdown table's head from its comma-separated column names, then the rule under it
+    return "| " + cols.replace(",", " | ") + " |\n" + "|---" * (cols.count(",") + 1) + "|"
 
 
 def cmd_kernels(argv):
-    """Time and peak memory of each kernels.py op vs its naive dense version (and SDPA on CUDA)."""
+    """Time and peak memory of each kernels.py op vs its naive dense version (and SDPA on a GPU)."""
     a, need = settings("kernels", argv)
     need(a.group >= 1, f"--group {a.group}: use 1 or more")
     dev, sinks, window = a.device, 4, 256
-    dt = torch.bfloat16 if dev == "cuda" else torch.float32
-    a.lengths = a.lengths or ("4096,16384,32768" if dev == "cuda" else "1024,2048,4096")
-    need(
-        all(x.strip().isdecimal() and int(x) >= 1 for x in a.lengths.split(",")),
-        f"--lengths {a.lengths!r}: use comma-separated lengths >= 1, e.g. 1024,2048",
-    )
-    need(
-        a.D >= 1 and (dev != "cuda" or a.D <= 256),
-        f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)",
-    )
+    dt = torch.float32 if dev == "cpu" else torch.bfloat16
+    a.lengths = a.lengths or ("1024,2048,4096" if dev == "cpu" else "4096,16384,32768")
+    ok = all(x.strip().isdecimal() and int(x) >= 1 for x in a.lengths.split(","))
+    need(ok, f"--lengths {a.lengths!r}: use comma-separated lengths >= 1, e.g. 1024,2048")
+    ok = a.D >= 1 and (dev == "cpu" or a.D <= 256)
+    need(ok, f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)")
+    # best ms of 3 after a warm-up, and peak MiB
     measure = lambda fn: (min([clock(fn, dev) for _ in range(4)][1:]) * 1e3, peak(fn, dev)[1] / 2**20)
     print(f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads, sinks {sinks}, window {window}, pool T/4\n")
-    print(table("op", "T", "ours ms", "naive ms", "naive/ours", "SDPA ms", "ours MiB", "naive MiB", "naive/ours"))
+    print(table("op,T,ours ms,naive ms,naive/ours,SDPA ms,ours MiB,naive MiB,naive/ours"))
     for T in map(int, a.lengths.split(",")):
         q, k, v = (torch.randn(1, h, T, a.D, device=dev, dtype=dt) for h in (a.group, 1, 1))
         pri = torch.randn(1, 1, T, device=dev)
         e, lse = kernels.eviction_times(pri, sinks, window, T // 4), kernels.attention(q, k, v)[1]
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        for name, ours, naive, x in [  # each op, ours and naive, on the same inputs
+        # each op, ours and naive, on the same inputs
+        for name, ours, naive, x in [
             ("attention", kernels.attention, naive_attention, (q, k, v)),
             ("attention+evict", kernels.attention, naive_attention, (q, k, v, e, sinks)),
             ("future_attention", kernels.future_attention, naive_future, (q, k, lse, window)),
             ("eviction_times", kernels.eviction_times, naive_eviction_times, (pri, sinks, window, T // 4)),
         ]:
-            # best ms of 3 after a warm-up
             (to, mo), (tn, mn) = measure(lambda: ours(*x)), measure(lambda: naive(*x))
-            ts = f"{measure(sdpa)[0]:.1f}" if name == "attention" and dev == "cuda" else "-"
-            print(
-                f"| {name} | {T} | {to:.1f} | {tn:.1f} | {tn / to:.2f} | {ts} | {mo:.1f} | {mn:.1f} | "
-                f"{mn / max(mo, 1e-3):.0f} |",
-                flush=True,
-            )
+            ts = f"{measure(sdpa)[0]:.1f}" if name == "attention" and dev != "cpu" else "-"
+            speed = f"| {name} | {T} | {to:.1f} | {tn:.1f} | {tn / to:.2f} | {ts} | "
+            print(speed + f"{mo:.1f} | {mn:.1f} | {mn / max(mo, 1e-3):.0f} |", flush=True)
 
 
 # the folders of the scorers python train.py wrote for the baby, every kind
 def shipped_scorers(task, target):
-    return [
-        d
-        for k in kvpop.SCORERS
-        if os.path.isfile(os.path.join(d := f"baby/scorers/{task}-{target}/{k}", "scorer.json"))
-    ]
+    folders = [f"baby/scorers/{task}-{target}/{k}" for k in kvpop.SCORERS]
+    return [d for d in folders if os.path.isfile(os.path.join(d, "scorer.json"))]
+
+
+def need_known(need, flag, what, names, known):  # every name known, or exit naming the first that is not
+    bad = [x for x in names if x not in known]
+    need(not bad, f"--{flag}: unknown {what} {(bad or [''])[0]!r}; choose from {','.join(known)}")
 
 
 def cmd_quality(argv):
@@ -222,12 +212,9 @@ def cmd_quality(argv):
     a.model, a.window = a.model or "baby", a.window or 32
     policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
     task_names, targets = a.task.split(","), a.target.split(",")
-    bad = [p for p in policies if p not in kvpop.POLICIES]
-    need(not bad, f"--policies: unknown policy {(bad or [''])[0]!r}; choose from {','.join(kvpop.POLICIES)}")
-    bad = [t for t in task_names if t not in tasks.TASKS]
-    need(not bad, f"--task: unknown task {(bad or [''])[0]!r}; choose from {','.join(tasks.TASKS)}")
-    bad = [t for t in targets if t not in kvpop.TARGETS]
-    need(not bad, f"--target: unknown target {(bad or [''])[0]!r}; choose from {','.join(kvpop.TARGETS)}")
+    need_known(need, "policies", "policy", policies, kvpop.POLICIES)
+    need_known(need, "task", "task", task_names, tasks.TASKS)
+    need_known(need, "target", "target", targets, kvpop.TARGETS)
     for name, least in dict(n=1, T=64, sinks=0, window=1, threads=1).items():
         need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
     need(a.p_cue < 1, f"--p_cue {a.p_cue}: use a rate below 1 (-1: the cue task's own)")
@@ -235,11 +222,8 @@ def cmd_quality(argv):
     budgets = [flags.parse_value("bench.py quality", "budgets", b, float) for b in a.budgets.split(",")]
     try:
         limit = qwen3.Qwen3Config.from_json(os.path.join(checkpoint.checkpoint_dir(a.model), "config.json"))
-        folders = {
-            (t, r): shipped_scorers(t, r) if a.scorer == "shipped" else [d for d in a.scorer.split(",") if d]
-            for t in task_names
-            for r in targets
-        }
+        named = lambda t, r: shipped_scorers(t, r) if a.scorer == "shipped" else [d for d in a.scorer.split(",") if d]
+        folders = {(t, r): named(t, r) for t in task_names for r in targets}
         scorers = {d: kvpop.Scorer.from_pretrained(d) for ds in folders.values() for d in ds}
         # a scorer for another model or window, or a budget that leaves no room, raises
         for s in scorers.values():
@@ -253,8 +237,9 @@ def cmd_quality(argv):
         tok = tokenizer.Tokenizer.from_pretrained(checkpoint.checkpoint_dir(a.model))
     except (OSError, ValueError) as e:
         need(False, str(e))
-    t0, rows, head = time.time(), [], []
-    for task in task_names:  # the same held-out sequences for every policy and target of a task
+    t0, rows, counts = time.time(), [], []
+    # the same held-out sequences for every policy and target of a task
+    for task in task_names:
         rate = dict(p_cue=a.p_cue) if task == "cue" and a.p_cue >= 0 else {}
         idx, tgt, dist = tasks.task_batch(tok, a.n, a.T, random.Random(f"test-{a.seed}"), **tasks.TASKS[task] | rate)
         plain = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
@@ -264,19 +249,18 @@ def cmd_quality(argv):
             learned = ["oracle"] * ("oracle" in policies) + [scorers[d] for d in folders[task, target]]
             runs = tasks.quality_runs(net, idx, tgt, dist, learned, budgets, a.sinks, a.window, reduce=target)[0]
             rows += [dict(task=task, target=target, **r) for r in runs[1:]]  # full is above
-        head.append(f"{task}: {n} queries ({far:.0%} far)")
-    print(
-        f"{a.model}: {a.n} held-out sequences of {a.T} tokens (seed {a.seed}), {'; '.join(head)}; sinks {a.sinks}, "
-        f"window {a.window}\n\n{tasks.quality_table(rows)}\n\n{time.time() - t0:.0f}s"
-    )
+        counts.append(f"{task}: {n} queries ({far:.0%} far)")
+    head = f"{a.model}: {a.n} held-out sequences of {a.T} tokens (seed {a.seed}), {'; '.join(counts)}"
+    print(f"{head}; sinks {a.sinks}, window {a.window}\n\n{tasks.quality_table(rows)}\n\n{time.time() - t0:.0f}s")
     if a.json:
         checkpoint.write_json(rows, a.json)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# speed: a decoding step reads every weight and every kept key and value once, so its cost should
-# follow bytes
+# ------------------------------------------------------------------------------------------------
+# speed: a decoding step reads every weight and every kept key and value once, so its cost should follow bytes
 
+# a named shape: layers, hidden, MLP width, query heads, tied head; the rest, shared by every shape,
+# are Qwen3Config's defaults (vocab, 8 KV heads of 128, rope_theta)
 SHAPES = {"0.6B": (28, 1024, 3072, 16, True), "4B": (36, 2560, 9728, 32, True), "8B": (36, 4096, 12288, 32, False)}
 
 
@@ -292,16 +276,20 @@ def shape_model(c, device, dtype):  # a Qwen3 with random weights, built without
     return net.to(dtype).eval()
 
 
+# a cache for T tokens at budget b: `full` entries for full, else the budget's less those a scorer's state takes
+def empty_cache(net, policy, b, T, full, a, dt):
+    charge = kvpop.state_charge(policy, dt)
+    B = kvpop.budget_size(b, T, a.sinks, a.window, charge)[0]
+    return kvpop.KVCache(net, 1, full if policy == "full" else B - charge, policy, a.sinks, a.window)
+
+
 def fill(cache, C):
-    """Make the cache look as if it had read C tokens (sinks, a pool spread over the past, the
-    window), with synthetic keys and values: a step costs the same whatever they hold. Returns the
-    entries held."""
+    """Make the cache look as if it had read C tokens (sinks, a pool spread over the past, the window), with synthetic
+    keys and values: a step costs the same whatever they hold. Returns the entries held."""
     size, s, w = cache.size, cache.sinks, cache.window
-    pos = (
-        torch.arange(C)
-        if C <= size
-        else torch.cat([torch.arange(s), torch.linspace(s, C - w - 1, size - s - w).long(), torch.arange(C - w, C)])
-    )
+    pos = torch.arange(C)
+    if C > size:
+        pos = torch.cat([torch.arange(s), torch.linspace(s, C - w - 1, size - s - w).long(), torch.arange(C - w, C)])
     n = len(pos)
     cache.k[..., :n, :].normal_(), cache.v[..., :n].normal_()  # values are stored transposed
     cache.pos[..., :n], cache.score[..., :n], cache.t = pos.to(cache.pos.device), torch.rand(n), C
@@ -312,99 +300,20 @@ def fill(cache, C):
     return n
 
 
-def cmd_speed(argv):
-    """Decoding tokens/s, KV memory and bandwidth of each policy and budget beside full and the
-    matrix-vector limit, the scorer's share of a step; prefill time and peak memory; a scorer
-    training step, part by part. A step reads the weights (the input embedding only when tied to the
-    head; a learned scorer's too), kept keys, values, state."""
-    a, need = settings("speed", argv)
-    a.window = a.window or 256
-    for name, least in dict(layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1).items():
-        need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
-    need(a.shape in SHAPES, f"--shape {a.shape!r}: choose from {', '.join(SHAPES)}")
-    need(a.dtype in ("auto", "float32", "bfloat16"), f"--dtype {a.dtype!r}: auto, float32 or bfloat16")
-    dev = a.device
-    policies = [p for p in (a.policies or "streaming,kvpop-window,kvpop,kvpop-mlp").split(",") if p]
-    online = (*kvpop.STATIC, *kvpop.DYNAMIC, *kvpop.SCORERS)  # every policy but full and the oracle
-    dt = getattr(torch, a.dtype if a.dtype != "auto" else "bfloat16" if dev == "cuda" else "float32")
-    need(
-        all(x.isdecimal() and int(x) >= 1 for x in a.contexts.split(",") if a.contexts),
-        f"--contexts {a.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768",
-    )
-    bad = [p for p in policies if p not in online]
-    need(
-        not bad,
-        f"--policies: {(bad or [''])[0]!r} is not a policy that decodes online; choose from {', '.join(online)}",
-    )
-    budgets = [flags.parse_value("bench.py speed", "budgets", b, float) for b in a.budgets.split(",")]
-    contexts = [int(x) for x in a.contexts.split(",") if a.contexts]
-    try:  # every check first: the weights load or are drawn last
-        if a.model:
-            c = qwen3.Qwen3Config.from_json(os.path.join(checkpoint.checkpoint_dir(a.model), "config.json"))
-        # a named shape: layers, hidden, MLP width, query heads, tied head; the rest, shared by
-        # every shape, are Qwen3Config's defaults (vocab, 8 KV heads of 128, rope_theta)
-        else:
-            L, E, F_, Hq, tied = SHAPES[a.shape]
-            c = qwen3.Qwen3Config(
-                num_hidden_layers=a.layers or L,
-                hidden_size=E,
-                intermediate_size=F_,
-                num_attention_heads=Hq,
-                tie_word_embeddings=tied,
-                max_position_embeddings=131072,
-            )
-        torch.manual_seed(0)
-        make = {k: kvpop.Scorer(c, k, a.window, a.d_mem).eval().to(dev) for k in kvpop.SCORERS}
-        for C, b in [(C, b) for C in contexts for b in budgets] + [(T, budgets[0]) for T in (a.prefill, a.train) if T]:
-            kvpop.budget_size(b, C, a.sinks, a.window, make["kvpop"].charge(dt))  # no room: raises here
-        net = qwen3.Qwen3.from_pretrained(a.model, dev, dt) if a.model else shape_model(c, dev, dt)
-    except (OSError, ValueError) as e:
-        need(False, str(e))
-    net.requires_grad_(False)  # frozen: the timed passes build no graph
-    pol = lambda p: make.get(p, p)
-
-    # `full` entries for full, else the budget's less those the scorer's state takes
-    def empty_cache(p, b, T, full):
-        charge = kvpop.state_charge(pol(p), dt)
-        B = kvpop.budget_size(b, T, a.sinks, a.window, charge)[0]
-        return kvpop.KVCache(net, 1, full if p == "full" else B - charge, pol(p), a.sinks, a.window)
-
-    emb = net.model.embed_tokens.weight
-    W = sum(p.numel() * p.element_size() for p in net.parameters() if p is not emb or c.tie_word_embeddings)
-    # KV bytes of a token
-    per_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dt.itemsize
-    print(
-        f"{a.model or f'Qwen3-{a.shape} shape, {c.num_hidden_layers} layers, random weights'}; {dev} "
-        f"({torch.cuda.get_device_name() if dev == 'cuda' else f'{torch.get_num_threads()} threads'}), "
-        f"{str(dt)[6:]}; weights read per step {W / 1e9:.2f} GB; sinks {a.sinks}, window {a.window}\n"
-    )
+def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
+    """The decoding rows: tokens/s of full, then each policy at each budget, beside the bytes a step reads (W of
+    weights) and a model-sized matrix-vector product (the limit); a context's rows stepped in turn: the same minutes."""
+    c, dev, rows = net.config, a.device, []
+    per_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dt.itemsize  # KV bytes of a token
     med = lambda t: sorted(t[1:])[len(t) // 2 - 1]  # after the warm-up round
-    rows = []
-    if contexts:
-        print(
-            table(
-                "policy",
-                "budget",
-                "context",
-                "tokens/s",
-                "speedup",
-                "ideal",
-                "of ideal",
-                "KV+state MiB",
-                "GB/s",
-                "limit GB/s",
-                "of limit",
-                "scorer share",
-            )
-        )
-    # every row of a context in one cache each, stepped in turn with the limit: the same minutes
+    cols = "policy,budget,context,tokens/s,speedup,ideal,of ideal,KV+state MiB,GB/s,limit GB/s,of limit"
+    print(table(cols + ",scorer share"))
     for C in contexts:
-        # a model-sized matrix
-        M = torch.randn(W // (c.hidden_size * dt.itemsize), c.hidden_size, device=dev).to(dt)
-        x, tok, runs, lim = (torch.randn(c.hidden_size, device=dev, dtype=dt), torch.tensor([[13]], device=dev), {}, [])
+        M = torch.randn(W // (c.hidden_size * dt.itemsize), c.hidden_size, device=dev).to(dt)  # a model-sized matrix
+        x, tok, runs, lim = torch.randn(c.hidden_size, device=dev, dtype=dt), torch.tensor([[13]], device=dev), {}, []
+        # the cache, the entries it holds, its step times
         for p, b in [("full", 1)] + [(p, b) for b in budgets for p in policies]:
-            cache = empty_cache(p, b, C, C + a.steps + 1)
-            # the cache, the entries it holds, its step times
+            cache = empty_cache(net, scorers.get(p, p), b, C, C + a.steps + 1, a, dt)
             runs[p, b] = cache, fill(cache, C), []
         for _ in range(a.steps + 1):  # the first round warms up
             lim.append(clock(lambda: M @ x, dev))
@@ -414,118 +323,121 @@ def cmd_speed(argv):
         # full first: its seconds and bytes are the context's yardstick
         for (p, b), (cache, n, times) in runs.items():
             sec = med(times)
-            # held + state
-            kv = cache.nbytes() - 2 * cache.k.numel() * cache.k.element_size() + per_tok * n
-            # + a scorer's
-            w = W + sum(t.numel() * t.element_size() for t in make[p].parameters()) if p in make else W
+            kv = cache.nbytes() - 2 * cache.k.numel() * cache.k.element_size() + per_tok * n  # held + state
+            w = W + sum(t.numel() * t.element_size() for t in scorers[p].parameters()) if p in scorers else W
             full = (sec, W + kv) if p == "full" else full
             su, ideal, gbps = full[0] / sec, full[1] / (w + kv), (w + kv) / sec / 1e9
-            r = dict(
-                policy=p,
-                budget=b,
-                context=C,
-                tokens_per_s=round(1 / sec, 3),
-                kv_mib=kv / 2**20,
-                gbps=gbps,
-                limit_gbps=limit,
-                speedup=su,
-                ideal_speedup=ideal,
-            )
+            r = dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3), kv_mib=kv / 2**20, gbps=gbps)
+            r.update(limit_gbps=limit, speedup=su, ideal_speedup=ideal)
             # the scorer's share of a step: 1 - streaming's step / the scorer's, same round
             if p in kvpop.SCORERS and ("streaming", b) in runs:
                 r["scorer_share"] = 1 - med([x / y for x, y in zip(runs["streaming", b][2], times)])
             share = f"{r['scorer_share']:.1%}" if "scorer_share" in r else "-"
-            print(
-                f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {su:.2f}x | {ideal:.2f}x | {su / ideal:.0%} | "
-                f"{kv / 2**20:.0f} | {gbps:.1f} | {limit:.1f} | {gbps / limit:.0%} | {share} |",
-                flush=True,
-            )
+            speed = f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {su:.2f}x | {ideal:.2f}x | {su / ideal:.0%} | "
+            print(speed + f"{kv / 2**20:.0f} | {gbps:.1f} | {limit:.1f} | {gbps / limit:.0%} | {share} |", flush=True)
             rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
         del runs, M
-    # a prompt into an empty cache: full, then each policy at budgets[0]
-    for T in [a.prefill] * bool(a.prefill):
-        idx, b = torch.randint(0, net.config.vocab_size, (1, T), device=dev), budgets[0]
-        print(
-            f"\nprefill of a {T}-token prompt, logits of its last position\n\n"
-            + table(
-                "policy",
-                "budget",
-                "seconds",
-                "vs full",
-                "cache MiB",
-                "peak extra MiB",
-                "peak MiB",
-                "full's extra + budget's share MiB",
-            )
-        )
-        for p in ["full"] + [p for p in policies if kvpop.policy_kind(pol(p)) == "static"]:
-            cache = empty_cache(p, b, T, T)
-            (sec, extra), mem = peak(lambda: net(idx, cache=cache), dev), cache.nbytes()
-            # full's extra: one layer's working set
-            full = (sec, mem, extra) if p == "full" else full
-            rows.append(
-                dict(
-                    policy=p,
-                    budget=1 if p == "full" else b,
-                    prefill=T,
-                    seconds=round(sec, 2),
-                    cache_mib=round(mem / 2**20, 1),
-                    peak_mib=round((mem + extra) / 2**20, 1),
-                )
-            )
-            print(
-                f"| {p} | {rows[-1]['budget']:g} | {sec:.1f} | {full[0] / sec:.2f}x | {mem / 2**20:.0f} | "
-                f"{extra / 2**20:.0f} | {(mem + extra) / 2**20:.0f} | "
-                f"{'-' if p == 'full' else round((b * full[1] + full[2]) / 2**20)} |",
-                flush=True,
-            )
-            del cache
-    # one training step of the first learned policy, through train.py's own loss, timed by part
-    if a.train:
-        import train as trainer
+    return rows
 
-        kind = next((p for p in policies if p in kvpop.SCORERS), "kvpop-window")
-        T, b, scorer = a.train, budgets[0], make[kind].train()
-        pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge(dt))[1]
-        idx, seen = torch.randint(0, net.config.vocab_size, (1, T), device=dev), []
 
-        def attn(i, q, k, v, pos):  # the frozen forward, keeping what the targets are made of
-            y, lse = kernels.attention(q, k, v)
-            seen.append((q, k, v, lse))
-            return y
+def speed_prefill(net, scorers, a, dt, b, policies):
+    """Prefill rows: seconds and peak memory of a prompt into an empty cache, full, then each static policy at b."""
+    T, dev, rows, mib = a.prefill, a.device, [], lambda x: round(x / 2**20, 1)
+    idx = torch.randint(0, net.config.vocab_size, (1, T), device=dev)
+    cols = "policy,budget,seconds,vs full,cache MiB,peak extra MiB,peak MiB,full's extra + budget's share MiB"
+    print(f"\nprefill of a {T}-token prompt, logits of its last position\n\n" + table(cols))
+    for p in ["full"] + [p for p in policies if p not in kvpop.DYNAMIC]:
+        cache = empty_cache(net, scorers.get(p, p), b, T, T, a, dt)
+        (sec, extra), mem = peak(lambda: net(idx, cache=cache), dev), cache.nbytes()
+        full = (sec, mem, extra) if p == "full" else full  # full's extra: one layer's working set
+        budget, share = (1, "-") if p == "full" else (b, round((b * full[1] + full[2]) / 2**20))
+        row = dict(policy=p, budget=budget, prefill=T, seconds=round(sec, 2))
+        rows.append(row | dict(cache_mib=mib(mem), peak_mib=mib(mem + extra)))
+        speed = f"| {p} | {budget:g} | {sec:.1f} | {full[0] / sec:.2f}x | "
+        print(speed + f"{mem / 2**20:.0f} | {extra / 2**20:.0f} | {(mem + extra) / 2**20:.0f} | {share} |", flush=True)
+        del cache
+    return rows
 
-        forward = clock(lambda: net(idx, attn=attn, head=False), dev)
-        rs = []  # every layer's future-attention target r* (the default, max)
-        targets = clock(
-            lambda: rs.extend(kernels.future_attention(q, k, lse, a.window, reduce="max") for q, k, v, lse in seen), dev
-        )
-        # the teacher's eviction times, as boundary_loss makes them
-        pos = torch.arange(T, device=dev)
-        evict = clock(
-            lambda: [
-                kernels.eviction_times(r + F.softplus(scorer.theta[i]).detach()[:, None] * pos, a.sinks, a.window, pool)
-                for i, r in enumerate(rs)
-            ],
-            dev,
-        )
-        q = torch.arange(a.sinks + a.window + pool, T)  # every query at which the pool is over-full
-        kv = [(k, v) for _, k, v, _ in seen]
-        # fwd + bwd
-        loss = clock(lambda: trainer.boundary_loss(scorer, kv, rs, q, a.sinks, a.window, pool), dev)
-        parts = {
-            "frozen forward": forward,
-            "future-attention targets": targets,
-            "eviction times": evict,
-            # boundary_loss makes the eviction times again
-            "scorer forward + backward": loss - evict,
-        }
-        total = sum(parts.values())
-        print(
-            f"\n{kind} scorer training step, 1 x {T} tokens, budget {b:g}\n\n"
-            + table("part", "seconds", "share")
-            + "".join(f"\n| {k} | {v:.2f} | {v / total:.0%} |" for k, v in parts.items())
-        )
-        rows += [dict(train=T, kind=kind, part=k, seconds=round(v, 3)) for k, v in parts.items()]
+
+def speed_train(net, scorers, a, dt, b, policies):
+    """The training-step rows: one step of the first learned policy at budget b, through train.py's
+    own loss, timed part by part."""
+    import train as trainer
+
+    kind = next((p for p in policies if p in kvpop.SCORERS), "kvpop-window")
+    T, dev, scorer, seen, rs = a.train, a.device, scorers[kind].train(), [], []
+    pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge(dt))[1]
+    idx = torch.randint(0, net.config.vocab_size, (1, T), device=dev)
+
+    def attn(i, q, k, v, pos):  # the frozen forward, keeping what the targets are made of
+        y, lse = kernels.attention(q, k, v)
+        seen.append((q, k, v, lse))
+        return y
+
+    # the frozen forward with its logits: the default target (helpful) weighs each query by P(next token)
+    parts = {"frozen forward": clock(lambda: seen.append(net(idx, attn=attn)), dev)}
+    lw, seen = kvpop.next_logp(seen[-1], idx), seen[:-1]
+    # every layer's future-attention target r*
+    future = lambda: rs.extend(kernels.future_attention(q, k, lse - lw, a.window, reduce="max") for q, k, v, lse in seen)
+    parts["future-attention targets"] = clock(future, dev)
+    # the teacher's eviction times, as boundary_loss makes them
+    pos = torch.arange(T, device=dev)
+    evict = lambda: [kernels.eviction_times(r + scorer.recency(i, pos).detach(), a.sinks, a.window, pool) for i, r in enumerate(rs)]
+    parts["eviction times"] = clock(evict, dev)
+    q = torch.arange(a.sinks + a.window + pool, T)  # every query at which the pool is over-full
+    kv = [(k, v) for _, k, v, _ in seen]
+    # fwd + bwd, less the eviction times boundary_loss makes again
+    loss = clock(lambda: trainer.boundary_loss(scorer, kv, rs, q, a.sinks, a.window, pool), dev)
+    parts["scorer forward + backward"] = loss - parts["eviction times"]
+    total = sum(parts.values())
+    print(f"\n{kind} scorer training step, 1 x {T} tokens, budget {b:g}\n\n" + table("part,seconds,share"))
+    for k, v in parts.items():
+        print(f"| {k} | {v:.2f} | {v / total:.0%} |")
+    return [dict(train=T, kind=kind, part=k, seconds=round(v, 3)) for k, v in parts.items()]
+
+
+def cmd_speed(argv):
+    """Decoding tokens/s, KV memory and bandwidth of each policy and budget beside full and the matrix-vector limit,
+    the scorer's share of a step; prefill time and peak memory; a scorer training step, part by part."""
+    a, need = settings("speed", argv)
+    a.window = a.window or 256
+    for name, least in dict(layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1).items():
+        need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
+    need(a.shape in SHAPES, f"--shape {a.shape!r}: choose from {', '.join(SHAPES)}")
+    flags.check_dtype(a.dtype, ("float32", "bfloat16"), "bench.py speed")
+    dev, dt = a.device, getattr(torch, flags.auto_dtype(a.dtype, a.device) or "bfloat16")  # auto on a GPU: bf16
+    policies = [p for p in (a.policies or "streaming,kvpop-window,kvpop,kvpop-mlp").split(",") if p]
+    online = (*kvpop.STATIC, *kvpop.DYNAMIC, *kvpop.SCORERS)  # every policy but full and the oracle
+    ok = all(x.isdecimal() and int(x) >= 1 for x in a.contexts.split(",") if a.contexts)
+    need(ok, f"--contexts {a.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768")
+    bad = next((p for p in policies if p not in online), None)
+    need(bad is None, f"--policies: {bad!r} is not a policy that decodes online; choose from {', '.join(online)}")
+    budgets = [flags.parse_value("bench.py speed", "budgets", b, float) for b in a.budgets.split(",")]
+    contexts = [int(x) for x in a.contexts.split(",") if a.contexts]
+    try:  # every check first: the weights load or are drawn last
+        if a.model:
+            c = qwen3.Qwen3Config.from_json(os.path.join(checkpoint.checkpoint_dir(a.model), "config.json"))
+        else:
+            L, E, F_, Hq, tied = SHAPES[a.shape]
+            c = qwen3.Qwen3Config(hidden_size=E, intermediate_size=F_, num_attention_heads=Hq, tie_word_embeddings=tied)
+            c.num_hidden_layers, c.max_position_embeddings = a.layers or L, 131072
+        torch.manual_seed(0)
+        scorers = {k: kvpop.Scorer(c, k, a.window, a.d_mem).eval().to(dev) for k in kvpop.SCORERS}
+        for C, b in [(C, b) for C in contexts for b in budgets] + [(T, budgets[0]) for T in (a.prefill, a.train) if T]:
+            kvpop.budget_size(b, C, a.sinks, a.window, scorers["kvpop"].charge(dt))  # no room: raises here
+        net = qwen3.Qwen3.from_pretrained(a.model, dev, dt) if a.model else shape_model(c, dev, dt)
+    except (OSError, ValueError) as e:
+        need(False, str(e))
+    net.requires_grad_(False)  # frozen: the timed passes build no graph
+    # the weights a step reads: the input embedding only when tied to the head (and a learned scorer's: per row)
+    emb = net.model.embed_tokens.weight
+    W = sum(p.numel() * p.element_size() for p in net.parameters() if p is not emb or c.tie_word_embeddings)
+    where = f"{torch.get_num_threads()} threads" if dev == "cpu" else torch.cuda.get_device_name()
+    about = f"{a.model or f'Qwen3-{a.shape} shape, {c.num_hidden_layers} layers, random weights'}; {dev} ({where})"
+    print(f"{about}, {str(dt)[6:]}; weights read per step {W / 1e9:.2f} GB; sinks {a.sinks}, window {a.window}\n")
+    rows = speed_decode(net, scorers, a, dt, W, contexts, budgets, policies) if contexts else []
+    rows += speed_prefill(net, scorers, a, dt, budgets[0], policies) if a.prefill else []
+    rows += speed_train(net, scorers, a, dt, budgets[0], policies) if a.train else []
     if a.json:
         checkpoint.write_json(rows, a.json)
 

@@ -1,5 +1,5 @@
-"""Checkpoint files: config.json (checked), the Hugging Face cache and download, safetensors.
-A bad file is a one-line ValueError naming it; a download is never half-written.
+"""Checkpoint files: config.json (checked), the Hugging Face cache and download, safetensors. A bad file is a one-line
+ValueError naming it; a download is never half-written.
 """
 
 import ctypes
@@ -32,56 +32,40 @@ def write_json(d, f):  # to a temporary name, then renamed: never half-written
 
 # a checkpoint's torch_dtype, sample.py's --dtype
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-CONFIG_REQUIRED = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-)  # the rest have defaults (head_dim: hidden_size / heads)
+# the fields a config.json must have; the rest have defaults (head_dim: hidden_size / heads)
+CONFIG_REQUIRED = tuple(
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads".split()
+)
 
 
 def read_config(path, cls):
-    """Read and check a config.json before any tensor is read -> cls (qwen3.Qwen3Config): a field that is
-    missing, of the wrong kind or out of range is a one-line ValueError naming the file and the
-    field, never a different model."""
+    """Read and check a config.json before any tensor is read -> cls (qwen3.Qwen3Config): a field that is missing, of
+    the wrong kind or out of range is a one-line ValueError naming the file and the field, never a different model."""
     d = read_json(path)
 
     def need(ok, msg):
         if not ok:
             raise ValueError(f"{path}: {msg}")
 
-    need(
-        type(d) is dict,
-        "must be a JSON object of model settings, not "
-        + {list: "an array", str: "a string", bool: "true/false", type(None): "null"}.get(type(d), "a number"),
-    )
+    what = {list: "an array", str: "a string", bool: "true/false", type(None): "null"}.get(type(d), "a number")
+    need(type(d) is dict, f"must be a JSON object of model settings, not {what}")
     d = {k: v for k, v in d.items() if v is not None}  # null = absent, as transformers reads it
     # transformers 5 moves rope_theta into rope_parameters
     rope, dt = d.get("rope_parameters", {}), "torch_dtype" if "torch_dtype" in d else "dtype"
     need(type(rope) is dict, "rope_parameters must be an object")
     # defaults as transformers reads them; version 5 writes "dtype"
-    d = {
-        "torch_dtype": d.get("dtype", "bfloat16"),
-        "rope_theta": rope.get("rope_theta", cls.rope_theta),
-        "tie_word_embeddings": False,
-        **d,
-    }
-    need(
-        rope.get("rope_type", "default") == "default" and not d.get("rope_scaling"),
-        "only default RoPE is supported (found rope scaling)",
-    )
+    d = dict(torch_dtype=d.get("dtype", "bfloat16"), rope_theta=rope.get("rope_theta", cls.rope_theta)) | d
+    d = dict(tie_word_embeddings=False) | d
+    plain = rope.get("rope_type", "default") == "default" and not d.get("rope_scaling")
+    need(plain, "only default RoPE is supported (found rope scaling)")
     need(d.get("hidden_act", "silu") == "silu", f"hidden_act {d.get('hidden_act')!r}: Qwen3 uses silu")
     need(not d.get("use_sliding_window"), "use_sliding_window: sliding-window attention is not supported")
     for f in fields(cls):
         v, t = d.get(f.name), f.type
         need(v is not None or f.name not in CONFIG_REQUIRED, f"{f.name} is missing; a Qwen3 config needs it")
         if v is not None and t is not str:
-            need(
-                (type(v) is t or t is float and type(v) is int) and (t is not float or math.isfinite(v)),
-                f"{f.name} {v!r} must be {KINDS[t]}",
-            )
+            ok = (type(v) is t or t is float and type(v) is int) and (t is not float or math.isfinite(v))
+            need(ok, f"{f.name} {v!r} must be {KINDS[t]}")
             need(t is bool or v > 0, f"{f.name} {v} must be positive")
             d[f.name] = t(v)
     h, kv = d["num_attention_heads"], d["num_key_value_heads"]
@@ -96,18 +80,9 @@ def read_config(path, cls):
 # checkpoint files: HF cache lookup, download, safetensors
 
 
-ST_DTYPES = dict(
-    F64=torch.float64,
-    F32=torch.float32,
-    F16=torch.float16,
-    BF16=torch.bfloat16,
-    I64=torch.int64,
-    I32=torch.int32,
-    I16=torch.int16,
-    I8=torch.int8,
-    U8=torch.uint8,
-    BOOL=torch.bool,
-)
+# safetensors' dtype names
+ST_DTYPES = dict(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16, BOOL=torch.bool)
+ST_DTYPES |= dict(I64=torch.int64, I32=torch.int32, I16=torch.int16, I8=torch.int8, U8=torch.uint8)
 ST_NAMES = {dt: name for name, dt in ST_DTYPES.items()}
 OPTIONAL = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"]
 
@@ -121,14 +96,12 @@ def shard_names(folder):
 
 
 def fetch(url, path, optional=False):
-    # Stream to <path>.incomplete, rename once every byte is in: a cut leaves nothing under the
-    # final name.
+    # Stream to <path>.incomplete, rename once every byte is in: a cut leaves nothing under the final name.
     part, name = path + ".incomplete", os.path.basename(path)
     if os.path.isfile(path):
         return
-    req = urllib.request.Request(
-        url, headers=dict(Range=f"bytes={os.path.getsize(part)}-") if os.path.isfile(part) else {}
-    )  # resume a cut download
+    resume = dict(Range=f"bytes={os.path.getsize(part)}-") if os.path.isfile(part) else {}  # resume a cut download
+    req = urllib.request.Request(url, headers=resume)
     # unredirected: the token is not passed on to the CDN that serves weights
     if os.environ.get("HF_TOKEN"):
         req.add_unredirected_header("Authorization", "Bearer " + os.environ["HF_TOKEN"])
@@ -163,13 +136,10 @@ def checkpoint_dir(path_or_repo, revision="main"):
             raise FileNotFoundError(f"checkpoint folder {p} has no config.json; pass a Qwen3 checkpoint")
         return p
     if path_or_repo.count("/") != 1 or p != path_or_repo or not all(s.strip(".") for s in p.split("/")):
-        raise FileNotFoundError(
-            f"no checkpoint folder {path_or_repo} (pass a folder with config.json or a "
-            "Hugging Face repo id such as Qwen/Qwen3-0.6B)"
-        )
-    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub"
-    )
+        hint = "pass a folder with config.json or a Hugging Face repo id such as Qwen/Qwen3-0.6B"
+        raise FileNotFoundError(f"no checkpoint folder {path_or_repo} ({hint})")
+    home = os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface")
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub")
     repo = os.path.join(hub, "models--" + path_or_repo.replace("/", "--"))
     ref, snaps = os.path.join(repo, "refs", revision), os.path.join(repo, "snapshots")
     rev = Path(ref).read_text().strip() if os.path.isfile(ref) else revision
@@ -186,11 +156,9 @@ def checkpoint_dir(path_or_repo, revision="main"):
         for f in shard_names(d) + OPTIONAL:
             fetch(url + f, os.path.join(d, f), f in OPTIONAL)
     except OSError as e:
-        raise ConnectionError(
-            f"cannot download {path_or_repo} ({e.reason if type(e) is urllib.error.URLError else e});"
-            " with no network, put the checkpoint files (config.json, *.safetensors, tokenizer.json)"
-            f" in {d}/ or pass a local folder"
-        ) from None
+        why, files = e.reason if type(e) is urllib.error.URLError else e, "config.json, *.safetensors, tokenizer.json"
+        msg = f"cannot download {path_or_repo} ({why}); with no network, put the checkpoint files ({files}) in {d}/"
+        raise ConnectionError(msg + " or pass a local folder") from None
     os.makedirs(os.path.dirname(ref), exist_ok=True)
     Path(ref + ".incomplete").write_text(rev)
     os.replace(ref + ".incomplete", ref)
@@ -211,18 +179,15 @@ def read_safetensors(path):
                 if k != "__metadata__"
             }
         except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ValueError(
-                f"{path}: bad safetensors header ({e!r}); the file is corrupt or uses an unsupported dtype"
-            ) from None
+            msg = f"{path}: bad safetensors header ({e!r}); the file is corrupt or uses an unsupported dtype"
+            raise ValueError(msg) from None
     # private mmap: no copy
     buf = torch.UntypedStorage.from_file(os.fspath(path), shared=False, nbytes=size)
     out = {}
     for k, (dt, shape, a, b) in header.items():
         if not 0 <= a <= b <= size - n or b - a != shape.numel() * dt.itemsize:
-            raise ValueError(
-                f"{path}: tensor {k} {list(shape)} needs {shape.numel() * dt.itemsize} bytes, "
-                f"the header says {a}..{b} of {size - n}; the file is truncated or corrupt"
-            )
+            msg = f"the header says {a}..{b} of {size - n}; the file is truncated or corrupt"
+            raise ValueError(f"{path}: tensor {k} {list(shape)} needs {shape.numel() * dt.itemsize} bytes, {msg}")
         u = torch.empty(0, dtype=torch.uint8).set_(buf, n + a, (b - a,))  # (bytes,)
         out[k] = (u if (n + a) % dt.itemsize == 0 else u.clone()).view(dt).reshape(shape)
     return out

@@ -12,10 +12,9 @@ KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str
 
 
 def configure(g, argv=None):
-    """Override the simple module-level defaults in g from --key value / --key=value (-> the keys
-    given); --help lists them under their headings. A bad key or value exits with one line on stderr.
-    g["__prog__"], if set, names the command in messages (bench.py's commands pass a copy of their
-    own defaults)."""
+    """Override the simple module-level defaults in g from --key value / --key=value (-> the keys given); --help
+    lists them under their headings. A bad key or value exits with one line on stderr. g["__prog__"], if set, names
+    the command in messages (bench.py's commands pass a copy of their own defaults)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = g.get("__prog__") or os.path.basename(g.get("__file__", "kvpop"))
     keys = {k for k, v in g.items() if not k.startswith("_") and type(v) in KINDS}
@@ -66,8 +65,7 @@ def parse_value(prog, key, val, typ):
 
 
 def need(ok, msg, prog=None):
-    """A script's check of its flags, right after configure: unless ok, exit with the one line
-    `prog: msg`."""
+    """A script's check of its flags, right after configure: unless ok, exit with the one line `prog: msg`."""
     if not ok:
         sys.exit(f"{prog or os.path.basename(sys.argv[0])}: {msg}")
 
@@ -75,17 +73,14 @@ def need(ok, msg, prog=None):
 # the checks every script makes of its --device and --dtype
 
 
-def check_device(device, prog=None):  # cpu, cuda or cuda:N, and a GPU that is visible
+def check_device(device, prog=None):  # cpu, cuda or cuda:N, and that GPU visible
     need(
-        re.fullmatch(r"cpu|cuda(:\d+)?", device),
-        f"--device {device!r} is not a device; use cpu or cuda (cuda:N for GPU N)",
-        prog,
+        re.fullmatch(r"cpu|cuda(:\d+)?", device), f"--device {device!r} is not a device; use cpu or cuda (cuda:N)", prog
     )
-    need(
-        device == "cpu" or torch.cuda.is_available(),
-        f"--device {device}: no CUDA GPU is visible; use --device cpu",
-        prog,
-    )
+    gpu = device != "cpu"
+    need(not gpu or torch.cuda.is_available(), f"--device {device}: no CUDA GPU is visible; use --device cpu", prog)
+    n = torch.cuda.device_count() if gpu else 0
+    need(not gpu or int(device[5:] or 0) < n, f"--device {device}: only {n} CUDA GPU(s) visible; use cuda:0", prog)
 
 
 def check_dtype(dtype, allowed, prog=None):  # auto or one of allowed

@@ -1,10 +1,8 @@
-"""KVpop kernels: causal attention under eviction times, the future-attention target, eviction
-times.
+"""KVpop kernels: causal attention under eviction times, the future-attention target, eviction times.
 
-Each operation is one public function. It runs a Triton kernel on CUDA tensors (or on any tensor
-when TRITON_INTERPRET=1 was set before import) and a plain-torch path otherwise. Both compute in
-fp32 and never build a T x T tensor. Formulas: README, Method: eviction times and Method: future
-attention.
+Each operation is one public function. It runs a Triton kernel on CUDA tensors (or on any tensor when TRITON_INTERPRET=1
+was set before import) and a plain-torch path otherwise. Both compute in fp32 and never build a T x T tensor. Formulas:
+README, Method: eviction times and Method: future attention.
 """
 
 # kernel annotations like `tl.constexpr` stay strings without triton
@@ -23,8 +21,8 @@ except ImportError:  # the torch paths need no triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK = 128  # torch-path tile: extra memory is O(T * BLOCK) per head
-# finite start for running maxima, so a fully masked tile gives exp(-inf - NEG) = 0, not nan
-# (the kernels spell it out: jit code reads no globals)
+# finite start for running maxima, so a fully masked tile gives exp(-inf - NEG) = 0, not nan (the kernels spell it out:
+# jit code reads no globals)
 NEG = -1e30
 
 
@@ -61,13 +59,11 @@ def _check_heads(x, name, shape, device):
 
 
 def attention(q, k, v, evict_at=None, sinks=0, scale=None):
-    """Causal attention where key t is visible to query i iff t <= i and (t < sinks or i <
-    evict_at[b, h, t]).
+    """Causal attention where key t is visible to query i iff t <= i and (t < sinks or i < evict_at[b, h, t]).
 
-    q (B, Hq, T, D); k, v (B, Hkv, T, D); evict_at (B, Hkv, T) int or None (plain causal).
-    Returns out (B, Hq, T, D) in q's dtype and lse (B, Hq, T) fp32, the natural-log softmax
-    normaliser. Training (a gradient is needed): the torch path's autograd on CPU, FlexAttention's
-    fused backward on CUDA.
+    q (B, Hq, T, D); k, v (B, Hkv, T, D); evict_at (B, Hkv, T) int or None (plain causal). Returns out (B, Hq, T, D) in
+    q's dtype and lse (B, Hq, T) fp32, the natural-log softmax normaliser. Training (a gradient is needed): the torch
+    path's autograd on CPU, FlexAttention's fused backward on CUDA.
     """
     B, Hq, Hkv, T, D = _check_qk(q, k, v)
     if evict_at is not None:
@@ -123,8 +119,7 @@ def _attention_torch(q, k, v, evict_at, sinks, scale):
 def _attention_kernel(
     Q, K, V, E, O, L, T, D, G, sinks, scale, HAS_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr
 ):
-    # query block; b * Hq + query head, in int64 because offsets like bh * T * D pass 2**31 at long
-    # T
+    # query block; b * Hq + query head, in int64 because offsets like bh * T * D pass 2**31 at long T
     i0, bh = tl.program_id(0) * BM, tl.program_id(1).to(tl.int64)
     kvh = bh // G  # = b * Hkv + KV head, since query heads h*G .. h*G+G-1 read KV head h
     i, d = i0 + tl.arange(0, BM), tl.arange(0, BD)
@@ -197,8 +192,7 @@ _flex = None
 
 
 def _attention_flex(q, k, v, evict_at, sinks, scale):
-    """Training on CUDA: PyTorch's FlexAttention, block-sparse from the same visibility rule, with
-    its backward."""
+    """Training on CUDA: PyTorch's FlexAttention, block-sparse from the same visibility rule, with its backward."""
     global _flex
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
@@ -220,13 +214,12 @@ def _attention_flex(q, k, v, evict_at, sinks, scale):
 
 
 def future_attention(q, k, lse, window, eps=1e-6, scale=None, reduce="mean"):
-    """Target r[b, h, t] = max over h's query heads of log(eps + reduce_{t+window <= d < T} p[d,
-    t]), reduce the mean (the paper's) or the max over those queries.
+    """Target r[b, h, t] = max over h's query heads of log(eps + reduce_{t+window <= d < T} p[d, t]), reduce the mean
+    (the paper's) or the max over those queries.
 
-    p[d, t] = exp(q_d . k_t * scale - lse[d]); q (B, Hq, T, D), k (B, Hkv, T, D), lse (B, Hq, T)
-    from the forward pass. Returns (B, Hkv, T) fp32, -inf where t + window >= T (no query outside
-    the window). Computed as a transposed attention in which keys play queries; memory O(B * H * T).
-    README, Method: future attention.
+    p[d, t] = exp(q_d . k_t * scale - lse[d]); q (B, Hq, T, D), k (B, Hkv, T, D), lse (B, Hq, T) from the forward pass.
+    Returns (B, Hkv, T) fp32, -inf where t + window >= T (no query outside the window). Computed as a transposed
+    attention in which keys play queries; memory O(B * H * T). README, Method: future attention.
     """
     B, Hq, Hkv, T, D = _check_qk(q, k)
     _check_heads(lse, "lse", (B, Hq, T), q.device)
@@ -331,43 +324,40 @@ def _future_triton(q, k, lse, window, eps, scale, reduce):
 # times
 
 
-def eviction_times(priority, sinks, window, k):
-    """e[b, h, t]: the first query that no longer sees token t (README, Method: eviction times), T
-    meaning never.
+def eviction_times(priority, sinks, window, pool):
+    """e[b, h, t]: the first query that no longer sees token t (README, Method: eviction times), T meaning never.
 
-    With u_k(t) the k-th smallest position u >= sinks whose (priority[u], u) beats (priority[t], t):
-    e[t] = min(T, max(t + window, window + u_k(t))), T when fewer than k such u exist or t < sinks.
-    priority (B, Hkv, T) static per token; returns (B, Hkv, T) int64.
+    With u_pool(t) the pool-th smallest position u >= sinks whose (priority[u], u) beats (priority[t], t): e[t] = min(T,
+    max(t + window, window + u_pool(t))), T when fewer than pool such u exist or t < sinks. priority (B, Hkv, T) static
+    per token; returns (B, Hkv, T) int64.
     """
     if priority.dim() != 3:
         raise ValueError(f"priority must be (B, Hkv, T), got shape {tuple(priority.shape)}")
-    if window < 1 or sinks < 0 or k < 0:
-        raise ValueError(f"need window >= 1, sinks >= 0, k >= 0; got window={window}, sinks={sinks}, k={k}")
+    if window < 1 or sinks < 0 or pool < 0:
+        raise ValueError(f"need window >= 1, sinks >= 0, pool >= 0; got window={window}, sinks={sinks}, pool={pool}")
     if priority.is_floating_point() and priority.isnan().any():
         raise ValueError("priority contains NaN; every token needs a comparable priority")
     if _use_triton(priority):
-        return _evict_triton(priority, sinks, window, k)
-    return _evict_torch(priority, sinks, window, k)
+        return _evict_triton(priority, sinks, window, pool)
+    return _evict_torch(priority, sinks, window, pool)
 
 
-def _evict_torch(priority, sinks, window, k):
+def _evict_torch(priority, sinks, window, pool):
     B, H, T = priority.shape
     dev, N = priority.device, B * H
     pos = torch.arange(T, device=dev)
-    e = (pos + window).clamp(max=T).repeat(N, 1)  # (N, T); k = 0 is the sliding window
+    e = (pos + window).clamp(max=T).repeat(N, 1)  # (N, T); pool = 0 is the sliding window
     e[:, :sinks] = T
-    if k >= T - sinks:  # room for every eligible token: nobody is evicted
+    if pool >= T - sinks:  # room for every eligible token: nobody is evicted
         e[:, sinks:] = T
-    if k == 0 or k >= T - sinks:
+    if pool == 0 or pool >= T - sinks:
         return e.view(B, H, T)
-    # Visit order: decreasing (priority, t), sinks last. Sorting the reversed row stably puts the
-    # newer token first among equal priorities; a second stable sort moves the (never eligible)
-    # sinks to the end.
+    # Visit order: decreasing (priority, t), sinks last. Sorting the reversed row stably puts the newer token first
+    # among equal priorities; a second stable sort moves the (never eligible) sinks to the end.
     order = (T - 1) - priority.reshape(N, T).flip(1).sort(dim=1, descending=True, stable=True).indices
     order = order.gather(1, (order < sinks).to(torch.uint8).sort(dim=1, stable=True).indices)
-    # Fenwick tree over positions (index u + 1), size P a power of two; upd[u] lists the cells that
-    # an insert of u touches, padded with the unused cell 0 so that one scatter inserts a token in
-    # every head.
+    # Fenwick tree over positions (index u + 1), size P a power of two; upd[u] lists the cells that an insert of u
+    # touches, padded with the unused cell 0 so that one scatter inserts a token in every head.
     P = 1 << max(T - 1, 1).bit_length()
     i, upd = pos + 1, []
     while len(upd) < P.bit_length():
@@ -375,55 +365,53 @@ def _evict_torch(priority, sinks, window, k):
         i = i + (i & -i)
     upd = torch.stack(upd, 1)  # (T, levels)
     tree = torch.zeros(N, P + 1, dtype=torch.long, device=dev)
-    # Visits go C at a time (10x fewer Python steps): token j of a chunk sees the tree plus the
-    # chunk's tokens before it, which binary lifting adds to each Fenwick cell it reads (cell nxt
-    # covers p+1..nxt).
+    # Visits go C at a time (10x fewer Python steps): token j of a chunk sees the tree plus the chunk's tokens before
+    # it, which binary lifting adds to each Fenwick cell it reads (cell nxt covers p+1..nxt).
     C, M = 64, T - sinks
     before = torch.ones(C, C, dtype=torch.bool, device=dev).tril(-1)  # [j, j2]: j2 visited before j
     for c in range(0, M, C):
         t = order[:, c : min(c + C, M)]  # (N, n)
         n, idx = t.shape[1], (t + 1)[:, None, :]
-        # p: largest with prefix count < k
-        p, rem, bit = torch.zeros_like(t), torch.full_like(t, k), P // 2
+        # p: largest with prefix count < pool
+        p, rem, bit = torch.zeros_like(t), torch.full_like(t, pool), P // 2
         while bit:
             nxt = p + bit
             inside = (idx > p[:, :, None]) & (idx <= nxt[:, :, None]) & before[:n, :n]  # (N, n, n)
             cnt = tree.gather(1, nxt) + inside.sum(-1)
             go = cnt < rem
             p, rem, bit = torch.where(go, nxt, p), rem - cnt * go, bit // 2
-        # tokens visited before: fewer than k means never evicted
+        # tokens visited before: fewer than pool means never evicted
         better = c + torch.arange(n, device=dev)
-        e.scatter_(1, t, torch.where(better >= k, (torch.maximum(t, p) + window).clamp(max=T), T))
+        e.scatter_(1, t, torch.where(better >= pool, (torch.maximum(t, p) + window).clamp(max=T), T))
         tree.scatter_add_(1, upd[t].view(N, -1), torch.ones(N, n * upd.shape[1], dtype=torch.long, device=dev))
     return e.view(B, H, T)
 
 
 @_jit
-def _evict_kernel(PR, E, T, sinks, window, k, BT: tl.constexpr, BU: tl.constexpr):
-    # Parallel form for the GPU: each token scans all positions u in order and counts those that
-    # beat it until the count reaches k. O(T^2) work but O(T) memory, and every token block runs
-    # independently.
+def _evict_kernel(PR, E, T, sinks, window, pool, BT: tl.constexpr, BU: tl.constexpr):
+    # Parallel form for the GPU: each token scans all positions u in order and counts those that beat it until the count
+    # reaches pool. O(T^2) work but O(T) memory, and every token block runs independently.
     n = tl.program_id(1).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     pt = tl.load(PR + n * T + t, mask=t < T, other=0.0)
     cnt = tl.zeros([BT], tl.int32)
-    uk = tl.full([BT], T, tl.int32)  # T: fewer than k better tokens
+    uk = tl.full([BT], T, tl.int32)  # T: fewer than pool better tokens
     for u0 in range(sinks, T, BU):
         u = u0 + tl.arange(0, BU)
         pu = tl.load(PR + n * T + u, mask=u < T, other=0.0)
         better = (pu[None, :] > pt[:, None]) | ((pu[None, :] == pt[:, None]) & (u[None, :] > t[:, None]))
         better = (better & (u[None, :] < T)).to(tl.int32)  # (BT, BU)
         run = cnt[:, None] + tl.cumsum(better, 1)
-        # k = 0 stops at u = sinks <= t
-        uk = tl.minimum(uk, tl.min(tl.where(run >= k, u[None, :], T), 1))
+        # pool = 0 stops at u = sinks <= t
+        uk = tl.minimum(uk, tl.min(tl.where(run >= pool, u[None, :], T), 1))
         cnt += tl.sum(better, 1)
     e = tl.where(uk < T, tl.minimum(tl.maximum(t, uk) + window, T), T)
     tl.store(E + n * T + t, tl.where(t < sinks, T, e).to(tl.int64), mask=t < T)
 
 
-def _evict_triton(priority, sinks, window, k):
+def _evict_triton(priority, sinks, window, pool):
     B, H, T = priority.shape
     e = torch.empty(B, H, T, dtype=torch.int64, device=priority.device)
     pr = priority.to(torch.float64).contiguous()  # exact for every float and for ints below 2**53
-    _evict_kernel[(triton.cdiv(T, 64), B * H)](pr, e, T, sinks, window, k, BT=64, BU=64)
+    _evict_kernel[(triton.cdiv(T, 64), B * H)](pr, e, T, sinks, window, pool, BT=64, BU=64)
     return e

@@ -1,6 +1,6 @@
-"""Qwen3, self-contained: Hugging Face's module names, so loading a checkpoint is a 1:1 copy with a
-count and shape check. Every layer's attention is a hook, attn(layer, q, k, v, pos): kvpop.py's
-evicting cache and masked pass plug in there.
+"""Qwen3, self-contained: Hugging Face's module names, so loading a checkpoint is a 1:1 copy with a count and shape
+check. Every layer's attention is a hook, attn(layer, q, k, v, pos): kvpop.py's evicting cache and masked pass plug in
+there.
 """
 
 import os
@@ -52,21 +52,21 @@ def rope(x, cos, sin):  # x (B, H, T, D); split-halves rotation
 
 
 class Attention(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, layer_idx):
         super().__init__()
-        self.Hq, self.Hkv, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.layer_idx, self.Hq, self.Hkv, self.D = layer_idx, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_proj = nn.Linear(c.hidden_size, self.Hq * self.D, bias=False)
         self.k_proj, self.v_proj = (nn.Linear(c.hidden_size, self.Hkv * self.D, bias=False) for _ in range(2))
         self.o_proj = nn.Linear(self.Hq * self.D, c.hidden_size, bias=False)
         self.q_norm, self.k_norm = RMSNorm(self.D, c.rms_norm_eps), RMSNorm(self.D, c.rms_norm_eps)
 
-    # attn: plain causal, masked by eviction times, or through a cache
-    def forward(self, x, cos, sin, attn):
+    # attn(layer, q, k, v, pos): plain causal, masked by eviction times, or through a cache
+    def forward(self, x, cos, sin, pos, attn):
         # (B, Hq, T, D)
         q = rope(self.q_norm(self.q_proj(x).unflatten(-1, (-1, self.D))).transpose(1, 2), cos, sin)
         k = rope(self.k_norm(self.k_proj(x).unflatten(-1, (-1, self.D))).transpose(1, 2), cos, sin)
         v = self.v_proj(x).unflatten(-1, (-1, self.D)).transpose(1, 2)  # (B, Hkv, T, D)
-        return self.o_proj(attn(q, k, v).transpose(1, 2).flatten(2))
+        return self.o_proj(attn(self.layer_idx, q, k, v, pos).transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
@@ -80,15 +80,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, layer_idx):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, layer_idx)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cos, sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+    def forward(self, x, cos, sin, pos, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -100,24 +100,19 @@ class Qwen3(nn.Module):
     def __init__(self, config):
         super().__init__()
         c = self.config = config
-        self.model = nn.ModuleDict(
-            dict(
-                embed_tokens=nn.Embedding(c.vocab_size, c.hidden_size),
-                layers=nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers)),
-                norm=RMSNorm(c.hidden_size, c.rms_norm_eps),
-            )
-        )
+        layers = nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers))
+        embed, norm = nn.Embedding(c.vocab_size, c.hidden_size), RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.model = nn.ModuleDict(dict(embed_tokens=embed, layers=layers, norm=norm))
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, idx, targets=None, cache=None, attn=causal, head=True):
-        """idx (B, T) -> logits (B, T, vocab), or (logits, loss) with targets (-1 = ignored), or
-        with head=False the last layer's output (B, T, hidden). attn(i, q, k, v, pos) is layer i's
-        attention; with a cache the tokens continue the cached sequence and only the last position's
-        logits are computed."""
-        # a prompt the cache cannot take whole goes token by token, each through every layer:
-        # exactly the sequence of decoding steps
+        """idx (B, T) -> logits (B, T, vocab), or (logits, loss) with targets (-1 = ignored), or with head=False the
+        last layer's output (B, T, hidden). attn(i, q, k, v, pos) is layer i's attention; with a cache the tokens
+        continue the cached sequence and only the last position's logits are computed."""
+        # a prompt the cache cannot take whole goes token by token, each through every layer: exactly the sequence of
+        # decoding steps
         if cache is not None and idx.shape[1] > 1 and not cache.whole(idx.shape[1]):
             for t in range(idx.shape[1] - 1):
                 self(idx[:, t : t + 1], cache=cache, head=False)
@@ -129,24 +124,22 @@ class Qwen3(nn.Module):
         inv = 1.0 / self.config.rope_theta ** (torch.arange(0, D, 2, device=idx.device).float() / D)
         f = (pos.float()[:, None] * inv).repeat(1, 2)  # each frequency twice, for the two halves
         cos, sin = f.cos().to(x.dtype), f.sin().to(x.dtype)
-        for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, lambda q, k, v, i=i: attn(i, q, k, v, pos))
+        for block in self.model.layers:
+            x = block(x, cos, sin, pos, attn)
         if cache is not None:
             cache.t += len(pos)
             x = x[:, -1:]
         if not head:  # passes that only need the layers' attention: no (B, T, vocab) logits
             return x
         logits = self.lm_head(self.model.norm(x))
-        return (
-            logits
-            if targets is None
-            else (logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1))
-        )
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     @classmethod
-    def from_pretrained(cls, path_or_repo, device=None, dtype=None):
+    def from_pretrained(cls, path_or_repo, device=None, dtype=None, config=None):  # config: its config.json, if read
         folder = checkpoint_dir(path_or_repo)
-        config = Qwen3Config.from_json(os.path.join(folder, "config.json"))
+        config = config or Qwen3Config.from_json(os.path.join(folder, "config.json"))
         with torch.device("meta"):
             model = cls(config)
         # tied: lm_head.weight is not listed
@@ -156,11 +149,8 @@ class Qwen3(nn.Module):
             sd.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
         bad = [f"missing tensor {k} (this config.json expects it)" for k in sorted(want.keys() - sd.keys())]
         bad += [f"unexpected tensor {k} (not part of a Qwen3 model)" for k in sorted(sd.keys() - want.keys())]
-        bad += [
-            f"tensor {k} has shape {list(sd[k].shape)}, config.json implies {list(shape)}"
-            for k, shape in want.items()
-            if k in sd and sd[k].shape != shape
-        ]
+        wrong = [k for k, shape in want.items() if k in sd and sd[k].shape != shape]
+        bad += [f"tensor {k} has shape {list(sd[k].shape)}, config.json implies {list(want[k])}" for k in wrong]
         for msg in bad[:1]:  # the first problem, in this order
             raise ValueError(f"{folder}: {msg}")
         dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or config.torch_dtype)
@@ -168,26 +158,16 @@ class Qwen3(nn.Module):
         model.load_state_dict(sd, strict=False, assign=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        print(
-            f"loaded {len(sd)} tensors ({sum(t.numel() for t in sd.values()) / 1e6:.1f}M parameters) from {folder}",
-            file=sys.stderr,
-        )
+        n = sum(t.numel() for t in sd.values())
+        print(f"loaded {len(sd)} tensors ({n / 1e6:.1f}M parameters) from {folder}", file=sys.stderr)
         return model.to(device=device, dtype=dtype).eval()
 
     def save_pretrained(self, folder, state=None):
-        """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads.
-        state: the weights to write instead of the parameters (a sharded model's, gathered)."""
+        """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads. state: the
+        weights to write instead of the parameters (a sharded model's, gathered)."""
         os.makedirs(folder, exist_ok=True)
         state = state or dict(self.named_parameters())
         save_safetensors({k: state[k] for k, _ in self.named_parameters()}, os.path.join(folder, "model.safetensors"))
         dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
-        write_json(
-            dict(
-                asdict(self.config),
-                architectures=["Qwen3ForCausalLM"],
-                model_type="qwen3",
-                hidden_act="silu",
-                torch_dtype=dtype,
-            ),
-            os.path.join(folder, "config.json"),
-        )
+        hf = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", torch_dtype=dtype)
+        write_json(dict(asdict(self.config), **hf), os.path.join(folder, "config.json"))

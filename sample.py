@@ -16,8 +16,8 @@ import torch
 
 from tasks import recall_score, task_ids
 from checkpoint import DTYPES, checkpoint_dir, read_json
-from flags import configure, need
-from kvpop import SCORERS, KVCache, Scorer, budget_size, generate, policy_kind, state_charge
+from flags import auto_dtype, check_device, check_dtype, configure, need
+from kvpop import SCORERS, KVCache, Scorer, budget_size, entries, generate, resolve, state_charge
 from qwen3 import Qwen3, Qwen3Config
 from tokenizer import Tokenizer
 
@@ -70,17 +70,9 @@ num_samples = num_samples or (4 if baby else 1)
 temperature = (1.0 if baby else 0.6 if think else 0.7) if temperature == -1 else temperature
 top_k = (0 if baby else 20) if top_k == -1 else top_k
 top_p = (1.0 if baby else 0.95 if think else 0.8) if top_p == -1 else top_p
-try:  # every flag on its own first: nothing is looked up, downloaded or loaded for a bad one
-    dev = torch.device(device)
-except RuntimeError:
-    dev = torch.device("meta")  # not a device name: refused below
-need(dev.type in ("cpu", "cuda"), f"--device {device!r} is not a device; use cpu or cuda (cuda:N for GPU N)")
-need(dev.type == "cpu" or torch.cuda.is_available(), f"--device {device}: no CUDA GPU is visible; use --device cpu")
-need(
-    dev.type == "cpu" or (dev.index or 0) < torch.cuda.device_count(),
-    f"--device {device}: only {torch.cuda.device_count()} CUDA GPU(s) visible; use cuda:0 or --device cpu",
-)
-need(dtype in ("auto",) + DTYPES, f"--dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+# every flag on its own first: nothing is looked up, downloaded or loaded for a bad one
+check_device(device)
+check_dtype(dtype, DTYPES)
 need(chat or not think, "--think only applies to the chat template; add --chat or drop --think")
 need(num_samples >= 1, f"--num_samples {num_samples}: use 1 or more (0: the default)")
 need(max_new_tokens >= 1, f"--max_new_tokens {max_new_tokens}: generate at least 1 token")
@@ -90,7 +82,7 @@ need(0 < top_p <= 1, f"--top_p {top_p:g}: use 0 < top_p <= 1 (1 = off)")
 need(0 <= seed < 2**32, f"--seed {seed}: use an integer 0 <= seed < 2**32")
 need(
     0 < budget <= 1 or budget > 1 and budget == int(budget),
-    f"--budget {budget:g}: use a fraction 0 < x <= 1 of the tokens or an integer B > 1",
+    f"--budget {budget:g}: use a fraction 0 < x <= 1 of the tokens or an integer S > 1",
 )
 need(sinks >= 0, f"--sinks {sinks}: use 0 or more")
 need(window >= 0, f"--window {window}: use 1 or more (0: the default)")
@@ -105,14 +97,15 @@ try:
         if not scorer:  # out/ if train.py wrote this kind there, else the baby's
             out = os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy
             scorer = "out" if out else os.path.join("baby", "scorers", "recall-helpful", policy)
-        pol = Scorer.from_pretrained(scorer).to(dev)  # beside the model and its cache
+        pol = Scorer.from_pretrained(scorer).to(device)  # beside the model and its cache
         need(pol.kind == policy, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
         window = window or pol.window
-    kind, pol = (policy_kind(pol if policy in SCORERS else policy), pol if policy in SCORERS else policy)
+    pol = pol if policy in SCORERS else policy
+    rule = resolve(pol)[0]
 except (OSError, ValueError) as e:
     fail(f"--policy {policy}: {e}")
 window = window or (32 if baby else 256)
-need(kind != "full" or budget == 1, "--policy full never evicts; use --budget 1 or an evicting --policy")
+need(rule != "full" or budget == 1, "--policy full never evicts; use --budget 1 or an evicting --policy")
 try:
     text = open(prompt[5:], encoding="utf-8").read() if prompt.startswith("FILE:") else prompt
 except (OSError, UnicodeDecodeError) as e:
@@ -133,19 +126,18 @@ try:  # then against the checkpoint, all before the (slow) weights load
         )
     if policy in SCORERS:
         pol.check(config, window)
-    if dtype == "auto":
-        dtype = None if device.startswith("cuda") else "float32"
+    dtype = auto_dtype(dtype, device)
     # a delayed scorer's state, charged to the budget in cache entries of its bytes
     charge = state_charge(pol, getattr(torch, dtype or config.torch_dtype))
-    B, _ = budget_size(budget, total, sinks, window, charge)
-    net = Qwen3.from_pretrained(folder, device=device, dtype=dtype)
+    S = budget_size(budget, total, sinks, window, charge)[0]
+    net = Qwen3.from_pretrained(folder, device=device, dtype=dtype, config=config)
 except (OSError, ValueError) as e:
     fail(e)
 
 
 def draw(pol, size, echo):
-    """num_samples samples from the prompt under policy pol with `size` entries per head, seeded
-    alike -> the sampled ids of each; echo: print each with its timing and cache lines."""
+    """num_samples samples from the prompt under policy pol with `size` entries per head, seeded alike -> the sampled
+    ids of each; echo: print each with its timing and cache lines."""
     torch.manual_seed(seed)
     x, outs = torch.tensor([ids], device=device), []
     for _ in range(num_samples):
@@ -172,12 +164,12 @@ def report(cache, out, t, dec):  # a sample's timing and cache lines, and with -
     print(f"\n---\nprefill {len(ids)} tokens in {t[1] - t[0]:.2f} s; decode {len(out)} tokens at {rate:.1f} tokens/s")
     # every position, every layer
     full = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size() * total
-    state = f" + scorer state worth {charge}" if charge and B < total else ""
+    state = f" + scorer state worth {charge}" if charge and S < total else ""
     held = int((cache.pos >= 0).sum(-1).max())  # the most entries any (layer, row, head) holds
     print(
         f"KV cache: {held} entries kept per head{state} of {cache.t} tokens; "
         f"{cache.nbytes() / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * cache.nbytes() / full:.1f}%), "
-        f"policy {policy if B < total else 'full'}" + (f" ({scorer})" if policy in SCORERS and B < total else "")
+        f"policy {policy if S < total else 'full'}" + (f" ({scorer})" if policy in SCORERS and S < total else "")
     )
     if show:
         seq = ids + out[: cache.t - len(ids)]
@@ -186,12 +178,12 @@ def report(cache, out, t, dec):  # a sample's timing and cache lines, and with -
     print("=" * 80)
 
 
-outs = draw(pol if B < total else "full", B - charge if B < total else total, True)
+outs = draw(pol if S < total else "full", entries(S, charge, total), True)
 # the baby: its recall scoreboard, the same prompt and seed under the policy, full and streaming
 if baby:
     word = {i: w for w, i in task_ids(tok)[0].items()}
-    board = {(policy if B < total else "full"): outs}
-    for p, size in [("full", total)] + [("streaming", B)] * (B < total):
+    board = {(policy if S < total else "full"): outs}
+    for p, size in [("full", total)] + [("streaming", S)] * (S < total):
         if p not in board:
             board[p] = draw(p, size, False)
     for p, samples in board.items():

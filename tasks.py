@@ -1,19 +1,17 @@
 """The baby's tasks and the eviction-quality evaluation on them, for train.py and bench.py.
 
-recall: multi-query associative recall in single-token Qwen3 words (README, The baby). cue: the
-same, plus distractor bindings that only the next word marks as useless (README, The baby).
+recall: multi-query associative recall in single-token Qwen3 words (README, The baby). cue: the same, plus distractor
+bindings that only the next word marks as useless (README, The baby).
 """
-
 
 import torch
 
 import kvpop
 
 # ----------------------------------------------------------------------------------------------------------
-# the words. A binding is the bigram `key value`; a later `key value'` reassigns (the old value is
-# useless from then on); a query is `key value` with the current value, predicted at the key.
-# Fillers are never needed again. cue: a distractor `key' value' no` binds a key never queried in
-# that sequence, and the marker `no` says so.
+# the words. A binding is the bigram `key value`; a later `key value'` reassigns (the old value is useless from then
+# on); a query is `key value` with the current value, predicted at the key. Fillers are never needed again. cue: a
+# distractor `key' value' no` binds a key never queried in that sequence, and the marker `no` says so.
 
 KEYS = "name time data value type file user key size state model color group table game car".split()
 VALUES = (
@@ -42,11 +40,10 @@ def task_ids(tok):  # word -> token id of every task word (each must be one toke
 
 
 def task(rng, T, keys=8, p_mention=0.06, p_reassign=0.1, p_oldest=0.7, p_cue=0.0):
-    """One sequence of T words (after bos) -> words, [(q, value, q - p)]: at position q (a key) the
-    next word is `value`, last written at position p. Keys are bound first; later mentions go mostly
-    to the key mentioned longest ago, which is what puts bindings far back. With p_cue > 0 (the cue
-    task) that share of the words that would be fillers start a distractor `key' value' no` instead,
-    key' one never queried here."""
+    """One sequence of T words (after bos) -> words, [(q, value, q - p)]: at position q (a key) the next word is
+    `value`, last written at position p. Keys are bound first; later mentions go mostly to the key mentioned longest
+    ago, which is what puts bindings far back. With p_cue > 0 (the cue task) that share of the words that would be
+    fillers start a distractor `key' value' no` instead, key' one never queried here."""
     K = rng.sample(KEYS, min(keys, len(KEYS), max(2, T // 32)))
     spare = [k for k in KEYS if k not in K]  # the distractors' keys
     words, val, last, ans = ["<|endoftext|>"], {}, {}, []
@@ -73,8 +70,8 @@ def task(rng, T, keys=8, p_mention=0.06, p_reassign=0.1, p_oldest=0.7, p_cue=0.0
 
 
 def task_batch(tok, n, T, rng, **kw):
-    """n sequences of task(rng, T, **kw) -> idx (n, T) token ids, tgt (n, T) answer ids (-1
-    elsewhere), dist (n, T) how far back the answer was last written (0 elsewhere)."""
+    """n sequences of task(rng, T, **kw) -> idx (n, T) token ids, tgt (n, T) answer ids (-1 elsewhere), dist (n, T)
+    how far back the answer was last written (0 elsewhere)."""
     ids, bos = task_ids(tok)
     idx, tgt, dist = (torch.full((n, T), f, dtype=torch.long) for f in (bos, -1, 0))
     for b in range(n):
@@ -86,10 +83,10 @@ def task_batch(tok, n, T, rng, **kw):
 
 
 def recall_score(words, start):
-    """The recall scoreboard of a sample: words (the prompt's, then the sample's from index start)
-    -> (R, N): N times the sample writes a bound key and a word after it, R of them that word is
-    the key's current value. Bindings come from the prompt and from the sample itself: `key value`
-    binds or reassigns; a distractor `key value no` (the cue task) neither binds nor counts."""
+    """The recall scoreboard of a sample: words (the prompt's, then the sample's from index start) -> (R, N): N times
+    the sample writes a bound key and a word after it, R of them that word is the key's current value. Bindings come
+    from the prompt and from the sample itself: `key value` binds or reassigns; a distractor `key value no` (the cue
+    task) neither binds nor counts."""
     val, R, N = {}, 0, 0
     for j in range(len(words) - 1):
         a, b = words[j], words[j + 1]
@@ -102,11 +99,39 @@ def recall_score(words, start):
     return R, N
 
 
+@torch.no_grad()
+def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, reduce="mean"):
+    """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True, token by token through
+    the evicting KVCache; online=False (static policies only), one pass with the eviction-time mask. The two agree.
+    reduce: the oracle's target, one of TARGETS."""
+    B, T = idx.shape
+    if isinstance(policy, kvpop.Scorer):
+        policy.check(model.config, window)
+    charge = kvpop.state_charge(policy, next(model.parameters()).dtype)  # a delayed scorer's state
+    size, pool = kvpop.budget_size(budget, T, sinks, window, charge)  # the cache's size S, and its pool
+    if isinstance(policy, str) and policy == "oracle":
+        policy = kvpop.oracle_policy(model, idx, window, reduce)
+    if online:
+        cache = kvpop.KVCache(model, B, kvpop.entries(size, charge, T), policy, sinks, window)
+        return torch.cat([model(idx[:, t : t + 1], cache=cache) for t in range(T)], dim=1)
+    rule, priority = kvpop.resolve(policy)
+    if rule == "dynamic":
+        raise ValueError(
+            f"policy {policy} re-scores tokens at every query: it has no eviction-time mask, use online=True"
+        )
+    if rule == "full" or size >= T:
+        return model(idx)
+
+    def attn(i, q, k, v, pos):
+        return kvpop.masked_attention(q, k, v, priority(i, k, v, pos), sinks, window, pool)[0]
+
+    return model(idx, attn=attn)
+
+
 def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None, reduce="mean"):
-    """Every (policy, budget) on the same sequences, teacher-forced through kvpop.evaluate -> rows
-    of accuracy on all queries, on far ones, relative to full, and mean KL(full || policy) past
-    position B. `full` is the dense pass of ref (a fine-tuned net's starting point), default net
-    itself."""
+    """Every (policy, budget) on the same sequences, teacher-forced through evaluate -> rows of accuracy on all
+    queries, on far ones, relative to full, and mean KL(full || policy) past position B. `full` is the dense pass of
+    ref (a fine-tuned net's starting point), default net itself."""
     size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]
     # queries out of reach of a window at every budget
     far = (dist >= max(map(size, budgets)) - sinks)[tgt >= 0]
@@ -117,33 +142,19 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
     # full-vocabulary log-probs of a chunk, then every run on it
     for c in range(0, len(idx), chunk):
         x, m = idx[c : c + chunk], tgt[c : c + chunk] >= 0
-        full = kvpop.evaluate(ref or net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
+        full = evaluate(ref or net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
         for p, b in runs:
-            lp = (
-                full
-                if p == "full"
-                else kvpop.evaluate(net, x, p, b, sinks, window, name(p) in kvpop.DYNAMIC, reduce)
-                .float()
-                .log_softmax(-1)
-            )
+            online = name(p) in kvpop.DYNAMIC
+            lp = full if p == "full" else evaluate(net, x, p, b, sinks, window, online, reduce).float().log_softmax(-1)
             hit[p, b].append(lp.argmax(-1)[m] == tgt[c : c + chunk][m])
-            # (chunk * (T - B),)
+            # (chunk * (T - S),)
             kl[p, b].append((full.exp() * (full - lp)).sum(-1)[:, size(b) :].flatten())
     acc_full = torch.cat(hit["full", 1]).float().mean().item()
     for p, b in runs:
         h, k = torch.cat(hit[p, b]).float(), torch.cat(kl[p, b])
         acc = h.mean().item()
-        rel = acc / acc_full
-        rows.append(
-            dict(
-                policy=name(p),
-                budget=b,
-                accuracy=round(acc, 4),
-                far_accuracy=round(h[far].mean().item(), 4),
-                relative=round(rel, 4),
-                kl=round(k.mean().item(), 4) if len(k) else 0.0,
-            )
-        )
+        row = dict(policy=name(p), budget=b, accuracy=round(acc, 4), far_accuracy=round(h[far].mean().item(), 4))
+        rows.append(row | dict(relative=round(acc / acc_full, 4), kl=round(k.mean().item(), 4) if len(k) else 0.0))
     return rows, far.float().mean().item(), len(far)
 
 

@@ -332,7 +332,6 @@ BAD_FLAGS = [
 ]
 # flag -> bad values (wrong type, out of range, unknown choice); the line must name the flag
 TRAIN_BAD = {
-    "stage": ["bogus"],
     "out_dir": ["", "/"],
     "resume": ["maybe"],
     "seed": ["-1", str(2**32), "x"],
@@ -359,16 +358,7 @@ TRAIN_BAD = {
     "eval_interval": ["0"],
     "eval_seqs": ["0"],
     "final_seqs": ["-1"],
-    "vocab_ranks": ["100", "200000", "x"],
-    "n_layer": ["0"],
-    "n_embd": ["130", "16", "0", "x"],
-    "n_ff": ["0"],
-    "rope_theta": ["0", "-1", "inf"],
     "keys": ["0", "17", "x"],
-    "tokens": ["0"],
-    "phase_steps": ["0"],
-    "advance_acc": ["0", "1.5"],
-    "final_steps": ["0"],
     "finetune": ["maybe"],
     "policy": ["h2o", "x"],
     "model_lr": ["0", "nan"],
@@ -376,32 +366,56 @@ TRAIN_BAD = {
     "task": ["x"],
     "target": ["sum"],
 }
-# with --stage pretrain
-PRETRAIN_BAD = {"out_dir": [HERE], "seq_len": ["8192"], "tokens": ["100"], "warmup": ["0"]}
+# pretrain.py's (the baby's pretraining)
+PRETRAIN_BAD = {
+    "out_dir": [HERE, "", "/"],
+    "seed": ["-1", str(2**32), "x"],
+    "threads": ["0", "1.5"],
+    "task": ["x"],
+    "final_tasks": ["recall,x", ""],
+    "keys": ["0", "17", "x"],
+    "seq_len": ["8192", "32", "x"],
+    "tokens": ["100", "0"],
+    "lr": ["0", "-1", "nan"],
+    "warmup": ["0", "-1"],
+    "vocab_ranks": ["100", "200000", "x"],
+    "n_layer": ["0"],
+    "n_embd": ["130", "16", "0", "x"],
+    "n_ff": ["0"],
+    "rope_theta": ["0", "-1", "inf"],
+    "phase_steps": ["0"],
+    "advance_acc": ["0", "1.5"],
+    "final_steps": ["0"],
+    "answer_weight": ["-1", "x"],
+}
 BAD_FLAGS += [("train.py", [f"--{k}", v], [f"--{k}"]) for k, vs in TRAIN_BAD.items() for v in vs]
-BAD_FLAGS += [
-    ("train.py", ["--stage", "pretrain", f"--{k}", v], [f"--{k}"]) for k, vs in PRETRAIN_BAD.items() for v in vs
-]
+BAD_FLAGS += [("pretrain.py", [f"--{k}", v], [f"--{k}"]) for k, vs in PRETRAIN_BAD.items() for v in vs]
 BAD_FLAGS += [("train.py", ["--bogus"], ["unknown option '--bogus'"]), ("train.py", ["--lr"], ["--lr needs a value"])]
+BAD_FLAGS += [("pretrain.py", ["--bogus"], ["unknown option '--bogus'"]), ("pretrain.py", ["--lr"], ["needs a value"])]
+# each script takes only its own flags: the scorer's and the fine-tune's are no pretrain.py flags, and back
+BAD_FLAGS += [
+    ("pretrain.py", [f"--{k}", v], [f"unknown option '--{k}'"])
+    for k, v in [("finetune", "true"), ("resume", "true"), ("device", "cpu"), ("final_seqs", "0"), ("target", "mean")]
+]
+BAD_FLAGS += [
+    ("train.py", [f"--{k}", v], [f"unknown option '--{k}'"])
+    for k, v in [("stage", "pretrain"), ("stage", "scorer"), ("n_embd", "64"), ("tokens", "4096")]
+]
 BAD_FLAGS += [
     ("train.py", ["--policy", "streaming"], ["--policy streaming", "--finetune"]),
-    ("train.py", ["--stage", "pretrain", "--finetune"], ["pretrain", "--finetune"]),
     ("train.py", ["--kind", "kvpop-mlp", "--d_mem", "8"], ["--d_mem does nothing", "--kind kvpop-mlp"]),
     ("train.py", ["--kind", "kvpop", "--d_hidden", "32"], ["--d_hidden does nothing", "--kind kvpop;"]),
     ("train.py", ["--d_mem", "8"], ["--d_mem does nothing", "--kind kvpop-window;"]),
     ("train.py", ["--resume", "--out_dir", NOWHERE], ["--resume", "train_state.pt", "drop --resume"]),
-    ("train.py", ["--stage", "pretrain", "--resume", "--out_dir", "baby"], ["--resume", "pretrain", "drop"]),
 ]
 IDLE = [
-    (["--stage", "pretrain", "--device", "cpu"], "--stage pretrain"),
-    (["--n_embd", "64"], "--stage scorer"),
-    (["--stage", "pretrain", "--final_seqs", "0"], "--stage pretrain"),
     (["--model_lr", "1e-4"], "no --finetune"),
+    (["--top_logits", "64"], "no --finetune"),
+    (["--finetune", "--policy", "streaming", "--kind", "kvpop"], "--policy streaming"),
     (["--policy", "scorer"], "no --finetune"),
     (["--finetune", "--policy", "streaming", "--gamma", "0.01"], "--policy streaming"),
     (["--data", NOWHERE, "--keys", "4"], f"--data {NOWHERE} (not the baby's task)"),
     (["--data", NOWHERE, "--task", "cue"], f"--data {NOWHERE} (not the baby's task)"),
-    (["--stage", "pretrain", "--target", "mean"], "--stage pretrain"),
 ]
 # ignored: an error
 BAD_FLAGS += [("train.py", a, [f"{a[-2]} does nothing with {why}", "drop it"]) for a, why in IDLE]
@@ -416,15 +430,15 @@ def test_bad_flags_one_line_before_any_work(monkeypatch, script, args, words):
 
 
 def test_pretrain_into_a_checkpoint_folder_keeps_its_other_files(tmp_path):
-    """--stage pretrain writes its model files into --out_dir and leaves the rest (baby/ ships a
+    """pretrain.py writes its model files into --out_dir and leaves the rest (baby/ ships a
     prompt and scorers beside its model); a folder that is no checkpoint is refused."""
     tiny = ["--seq_len", "64", "--tokens", "256", "--phase_steps", "2", "--final_steps", "2"]
     d = tmp_path / "b"
     (d / "scorers").mkdir(parents=True)
     (d / "prompt.txt").write_text("hi")
-    one_line_error(run("train.py", "--stage", "pretrain", "--out_dir", str(d), *tiny), "no checkpoint")
+    one_line_error(run("pretrain.py", "--out_dir", str(d), *tiny), "no checkpoint")
     (d / "config.json").write_text(open(os.path.join(MODEL_DIR, "config.json")).read())
-    r = run("train.py", "--stage", "pretrain", "--out_dir", str(d), *tiny)
+    r = run("pretrain.py", "--out_dir", str(d), *tiny)
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(d)) == ["config.json", "model.safetensors", "prompt.txt", "scorers"]
     assert (d / "prompt.txt").read_text() == "hi" and not os.path.exists(str(d) + ".tmp")
@@ -459,7 +473,7 @@ def test_bench_help_lists_the_commands_defaults(command):
     assert heads and all(len(x) > 1 and x.endswith(":") for x in heads), heads
 
 
-@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+@pytest.mark.parametrize("script", ["train.py", "pretrain.py", "sample.py"])
 def test_help_lists_every_default_once(script):
     """--help names every module-level default (the simple assignments before configure() reads the
     flags) once, in file order, under non-empty headings; and a reader that closes the pipe early
@@ -505,6 +519,7 @@ def test_bad_input_end_to_end(tmp_path):
         (["sample.py", "--model", bad], "config.json: must be"),
         (["train.py", "--keys", "0"], "--keys"),
         (["train.py", "--data", str(tmp_path / "*.txt")], "--data"),
+        (["pretrain.py", "--tokens", "100"], "--tokens"),
         (["bench.py", "kernels", "--T", "abc"], "--T"),
         (["bench.py", "quality", "--budgets", "inf"], "'inf'"),
     ]
@@ -688,12 +703,37 @@ def small_model(tmp_path_factory):
     return qwen3.Qwen3.from_pretrained(str(folder))
 
 
+@pytest.mark.parametrize("delayed", [False, True])
+def test_cache_victims_are_the_plain_rule_per_layer(small_model, delayed):
+    """KVCache.victims finds every layer's evicted slot at once (a decoding step's batching); the
+    rule, per layer, batch row and KV head by a plain loop (README, How it works): among the slots
+    past the sinks whose token is at most p - w (below it for a delayed scorer, which scores p - w
+    just then), the lowest (priority, position); ties in priority are many here."""
+    g = torch.Generator().manual_seed(3)
+    cache = kvpop.KVCache(small_model, 2, 40, "streaming", sinks=3, window=8)
+    cache.delayed = delayed
+    L, B, H, S = cache.pos.shape
+    for p in (60, 77, 200):
+        cache.pos.copy_(torch.stack([torch.randperm(p - 9, generator=g)[:S] for _ in range(L * B * H)]).view(L, B, H, S))
+        cache.score.copy_(torch.randint(0, 4, (L, B, H, S), generator=g).float())
+        # the lowest priorities on a sink and on token p - w: the rule must pass over them as it should
+        cache.score[..., 0], cache.score[..., -1], cache.pos[..., -1] = -2.0, -1.0, p - 8
+        slots, least = cache.victims(p)
+        for i in range(L):
+            for b in range(B):
+                for h in range(H):
+                    pos, score = cache.pos[i, b, h].tolist(), cache.score[i, b, h].tolist()
+                    pool = [j for j in range(3, S) if pos[j] <= p - 8 - delayed]
+                    want = min(pool, key=lambda j: (score[j], pos[j]))
+                    assert slots[i][b, h, 0].item() == want and least[i][b, h, 0].item() == score[want]
+
+
 @pytest.mark.parametrize("policy", ["streaming", "knorm", "random", "oracle"])
 @pytest.mark.parametrize("budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (40, 2, 32), (1.0, 4, 16)])
 def test_online_cache_equals_masked_forward(small_model, policy, budget, sinks, window):
     idx = torch.randint(0, 384, (2, 200), generator=torch.Generator().manual_seed(7))
-    on = kvpop.evaluate(small_model, idx, policy, budget, sinks, window, online=True)
-    off = kvpop.evaluate(small_model, idx, policy, budget, sinks, window, online=False)
+    on = tasks.evaluate(small_model, idx, policy, budget, sinks, window, online=True)
+    off = tasks.evaluate(small_model, idx, policy, budget, sinks, window, online=False)
     full = small_model(idx)
     assert (on - off).abs().max().item() <= 1e-4
     if budget == 1.0:
@@ -723,8 +763,8 @@ def test_a_static_policy_added_as_documented_evicts_by_its_definition(small_mode
         )
         assert [x for x in held[0, 0, 0].tolist() if x >= 0] == want, t
         assert (held == held[:1, :1, :1]).all()  # every layer, row and head alike
-    on = kvpop.evaluate(small_model, idx, "oldest", size, sinks, w, online=True)
-    off = kvpop.evaluate(small_model, idx, "oldest", size, sinks, w, online=False)
+    on = tasks.evaluate(small_model, idx, "oldest", size, sinks, w, online=True)
+    off = tasks.evaluate(small_model, idx, "oldest", size, sinks, w, online=False)
     assert (on - off).abs().max().item() <= 1e-4 and t - w + 1 > sinks + k  # and eviction happened
 
 
@@ -750,7 +790,7 @@ def test_cache_never_exceeds_budget(small_model, policy):
         pos = torch.arange(T)
         e = [
             kernels.eviction_times(
-                kvpop.priority(policy, i, cache.k[i, :, :, :1].expand(-1, -1, T, -1), None, pos),
+                kvpop.resolve(policy)[1](i, cache.k[i, :, :, :1].expand(-1, -1, T, -1), None, pos),
                 sinks,
                 window,
                 S - sinks - window,
@@ -1685,7 +1725,7 @@ def test_cue_task_is_well_formed(baby):
 def test_shipped_baby_answers_the_cue_task(baby):
     net, tok = baby
     idx, tgt, dist = tasks.task_batch(tok, 48, 512, random.Random("test-0"), **tasks.TASKS["cue"])
-    pred = kvpop.evaluate(net, idx, "full", 1, 4, 32, online=False).argmax(-1)
+    pred = tasks.evaluate(net, idx, "full", 1, 4, 32, online=False).argmax(-1)
     m = (tgt >= 0) & (dist >= 124)
     assert (pred[m] == tgt[m]).float().mean() >= 0.95
 
@@ -1709,7 +1749,7 @@ def test_previous_token_head(baby):
 def test_shipped_baby_reaches_its_accuracy(baby):
     net, tok = baby
     idx, tgt, dist = tasks.task_batch(tok, 16, 512, random.Random("test-0"))
-    pred = kvpop.evaluate(net, idx, "full", 1, 4, 32, online=False).argmax(-1)
+    pred = tasks.evaluate(net, idx, "full", 1, 4, 32, online=False).argmax(-1)
     m, far = tgt >= 0, dist >= 124
     assert (pred[m] == tgt[m]).float().mean() >= 0.95
     assert (pred[m & far] == tgt[m & far]).float().mean() >= 0.95
@@ -1875,9 +1915,7 @@ def test_pretrain_writes_a_loadable_checkpoint(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            "train.py",
-            "--stage",
-            "pretrain",
+            "pretrain.py",
             "--out_dir",
             str(out),
             "--seq_len",
@@ -1902,7 +1940,7 @@ def test_pretrain_writes_a_loadable_checkpoint(tmp_path):
 
 # =========================================================================================================
 # policies and sampling against references written here from the method's definitions alone: nothing
-# below calls kvpop.priority, KVCache internals or kernels.eviction_times to build an expectation,
+# below calls kvpop.resolve, KVCache internals or kernels.eviction_times to build an expectation,
 # so a policy that kept the wrong tokens (a flipped sign, a wrong tie rule or hash) fails here even
 # where both sides agree
 
@@ -2019,7 +2057,7 @@ def test_cache_matches_reference_simulation(small_model, policy, size, sinks, wi
             got = small_model(idx[:, t : t + 1], cache=cache)[:, -1]
             assert torch.equal((cache.pos[..., None] == torch.arange(T)).any(-2), held), f"held sets differ at step {t}"
             assert (got - logits).abs().max().item() <= 1e-4, t
-        on = kvpop.evaluate(small_model, idx, policy, size, sinks, window, online=True)[:, -1]
+        on = tasks.evaluate(small_model, idx, policy, size, sinks, window, online=True)[:, -1]
     assert (on - want[-1][1]).abs().max().item() <= 1e-4
     # eviction happened: every head dropped T - size tokens
     assert held.sum(-1).eq(size).all() and size < T
@@ -2177,15 +2215,15 @@ def test_scorer_parallel_equals_recurrent(chunk):
     # S = [C; n], m per layer
     S, m, rec = torch.zeros(2, B, H, 13, 12), torch.full((2, B, H), -math.inf), [[], []]
     for q in range(T):  # recurrent form: read token q - w with the memory that took token q
-        upd = [s.step(i, m[i][..., None, None], k[:, :, q : q + 1], v[:, :, q : q + 1], s.rows()) for i in range(2)]
+        upd = [s.step(i, m[i][..., None, None], k[:, :, q : q + 1], v[:, :, q : q + 1], s.folded()) for i in range(2)]
         # every layer's recall at once, as the cache makes it (each layer here reads the same k, v)
         if q >= w:
             # (L, B, H, 1, D)
             x = [y[:, :, q - w : q - w + 1].expand(2, -1, -1, -1, -1) for y in (k, v)]
-            rd = s.recall(S, *x, q - w, s.rows())
+            rd = s.prepare_read(S, *x, q - w, s.folded())
             for i in range(2):
                 # rd: lists per layer
-                rec[i].append(s.read(i, upd[i], *[y[i] for y in rd], s.rows()))
+                rec[i].append(s.read(i, upd[i], *[y[i] for y in rd], s.folded()))
         for i in range(2):
             s.settle(S[i], m[i], upd[i])
     for i in range(2):
@@ -2328,8 +2366,8 @@ def test_scorer_online_equals_masked(small_model, budget, sinks, window):
     idx = torch.randint(0, 384, (2, 200), generator=torch.Generator().manual_seed(7))
     full = small_model(idx)
     for s in _scorers(small_model.config, window):
-        on = kvpop.evaluate(small_model, idx, s, budget, sinks, window, online=True)
-        off = kvpop.evaluate(small_model, idx, s, budget, sinks, window, online=False)
+        on = tasks.evaluate(small_model, idx, s, budget, sinks, window, online=True)
+        off = tasks.evaluate(small_model, idx, s, budget, sinks, window, online=False)
         assert (on - off).abs().max().item() <= 1e-4, s.kind
         # eviction happened, or not at all
         assert ((on - full).abs().max().item() <= 1e-4) == (budget == 1.0)
@@ -2388,8 +2426,8 @@ def test_every_scorer_online_equals_masked_on_every_shape(model_fp64, kind):
                 p.add_(0.3 * torch.randn_like(p))
         s = s.double()
         x = idx[:, :T]
-        on = kvpop.evaluate(model_fp64, x, s, b, sinks, w, online=True)
-        off = kvpop.evaluate(model_fp64, x, s, b, sinks, w, online=False)
+        on = tasks.evaluate(model_fp64, x, s, b, sinks, w, online=True)
+        off = tasks.evaluate(model_fp64, x, s, b, sinks, w, online=False)
         assert (on - off).abs().max().item() <= 1e-4, (w, sinks, b, T, gamma)
         evicted += (on - model_fp64(x)).abs().max().item() > 1e-3
     assert evicted >= 30  # the shapes evict (a budget that keeps everything proves nothing)
@@ -2417,8 +2455,8 @@ def test_trained_scorer_online_equals_masked(baby, kind):
     net, tok = baby
     idx = tasks.task_batch(tok, 2, 256, random.Random("t"))[0]
     for budget in (0.25, 48):
-        on = kvpop.evaluate(net, idx, s, budget, 4, 32, online=True)
-        off = kvpop.evaluate(net, idx, s, budget, 4, 32, online=False)
+        on = tasks.evaluate(net, idx, s, budget, 4, 32, online=True)
+        off = tasks.evaluate(net, idx, s, budget, 4, 32, online=False)
         assert (on - off).abs().max().item() <= 1e-4
 
 
@@ -2433,7 +2471,7 @@ def test_scorer_save_load_and_errors(small_model, tmp_path):
         kvpop.Scorer.from_pretrained(tmp_path)
     other = kvpop.Scorer(qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16), window=16)
     with pytest.raises(ValueError, match="trained for a model"):
-        kvpop.evaluate(small_model, torch.zeros(1, 50, dtype=torch.long), other, 0.5, 4, 16)
+        tasks.evaluate(small_model, torch.zeros(1, 50, dtype=torch.long), other, 0.5, 4, 16)
     with pytest.raises(ValueError, match="window 16"):
         kvpop.KVCache(small_model, 1, 40, _scorers(c, 16)[0], 4, 8)
     (tmp_path / "kvpop" / "scorer.json").write_text('{"kind": "kvpop"}')
@@ -2646,7 +2684,7 @@ def test_boundary_loss_accuracy_is_the_balanced_one():
 def test_finetune_loss_is_the_kl_to_the_teachers_top_k_under_eviction(baby):
     """train.finetune_loss's KL against KL(p_K || p) computed here: p_K the dense teacher's top-K
     probabilities, renormalised; p the student's softmax over the whole vocabulary, its logits from
-    kvpop.evaluate(online=False) under the scorer's eviction. A reversed KL or a student attending
+    tasks.evaluate(online=False) under the scorer's eviction. A reversed KL or a student attending
     without eviction fails by far more than the tolerance (checked below)."""
     import train
 
@@ -2666,7 +2704,7 @@ def test_finetune_loss_is_the_kl_to_the_teachers_top_k_under_eviction(baby):
         top = net(idx).float().topk(K, -1)
         p_K = top.values.softmax(-1)  # (B, T, K)
         lp = {
-            pol: kvpop.evaluate(student, idx, pol, budget, sinks, window, online=False).float().log_softmax(-1)
+            pol: tasks.evaluate(student, idx, pol, budget, sinks, window, online=False).float().log_softmax(-1)
             for pol in (scorer, "full")
         }
         ref, no_eviction = (
@@ -3152,6 +3190,11 @@ def test_train_distributed_bad_input(monkeypatch):
     one_line_error(exits(monkeypatch, "train.py", "--batch_size", "8"), "--batch_size 8", "3 processes")
 
 
+def test_pretrain_refuses_torchrun(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    one_line_error(exits(monkeypatch, "pretrain.py"), "one process", "torchrun")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # [11/11] every command the README shows runs (smaller where it must)
 
@@ -3232,7 +3275,7 @@ README_SMALL = {  # each README command -> the flags appended to run it here (a 
         "8",
     ],
     "python bench.py kernels --lengths 16384": ["--lengths", "256"],
-    "python train.py --stage pretrain --out_dir my_baby": [
+    "python pretrain.py --out_dir my_baby": [
         "--out_dir",
         "{tmp}/my_baby",
         "--seq_len",
@@ -3326,9 +3369,9 @@ def test_readme_command_runs(cmd, tmp_path, baby):
     r = _run_readme(cmd, README_SMALL[cmd], tmp_path)
     argv = cmd.split() + [x.format(tmp=tmp_path) for x in README_SMALL[cmd]]
     flag = lambda k, d: argv[len(argv) - 1 - argv[::-1].index(f"--{k}") + 1] if f"--{k}" in argv else d
-    if cmd.startswith("python train.py") and "pretrain" not in cmd:  # a scorer or a model was written
+    if cmd.startswith(("python train.py", "python pretrain.py")):  # a scorer or a model was written
         assert "saved" in r.stdout
-    if cmd.startswith("python train.py") and "--finetune" not in cmd and "pretrain" not in cmd:
+    if cmd.startswith("python train.py") and "--finetune" not in cmd:
         # the final table: bench.py quality's first sequences, the run's task, target and scorer
         net, tok = baby
         task, target = flag("task", "recall"), flag("target", "helpful")
@@ -3452,7 +3495,7 @@ def _ref_quality(net, seqs, runs, budgets, sinks=4, window=32):
         for b in budgets:
             online = policy in ("h2o", "tova")
             reduce = target if target != "-" else "mean"
-            lp = kvpop.evaluate(net, idx, policy, b, sinks, window, online, reduce).float().log_softmax(-1)
+            lp = tasks.evaluate(net, idx, policy, b, sinks, window, online, reduce).float().log_softmax(-1)
             B = math.ceil(b * T)
             kl = (full.exp() * (full - lp)).sum(-1)[:, B:].mean().item()
             h = hit(lp)

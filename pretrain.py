@@ -1,0 +1,200 @@
+"""The baby Qwen3 from scratch on the recall task (README, The baby), nanoGPT style: defaults below, override any
+with --name value (--help lists them).
+
+  # the shipped baby, bit for bit (about 4 minutes on 2 CPU cores)
+  python pretrain.py --out_dir my_baby
+  # a tiny one, in seconds
+  python pretrain.py --out_dir tiny --seq_len 64 --tokens 256 --phase_steps 2 --final_steps 2
+
+The same Qwen3 class as any checkpoint, 2 layers: layer 0 a hand-built previous-token head, frozen; the rest learns
+every position's next token plus --answer_weight x the task's answers, at lengths 64, 128, 256, then --seq_len. It
+writes config.json and model.safetensors into --out_dir and leaves the folder's other files (baby/'s prompt, scorers).
+"""
+
+import math
+import os
+import random
+import shutil
+import time
+
+import torch
+import torch.nn.functional as F
+
+import flags
+import qwen3
+import tokenizer
+from tasks import TASK_RANKS, TASKS, evaluate, task_batch
+
+# --- run
+out_dir = "out"  # written: config.json and model.safetensors (replaced; the folder's other files stay)
+seed = 0  # seeds the initialisation and the training sequences
+threads = 1  # CPU threads; 2 give the same bits, faster when idle, far slower when busy
+# --- baby model: Qwen3 architecture, 2 layers, head_dim 64 (README, The baby)
+vocab_ranks = 2048  # cut vocabulary: Qwen3 ranks below this, then the 26 added tokens
+n_layer = 2  # layers
+n_embd = 128  # hidden size (= 2 * head_dim: the upper half holds the previous token)
+n_ff = 256  # MLP width
+rope_theta = 1e4  # RoPE base
+# --- data: the baby's tasks (tasks.py)
+task = "recall"  # the task of the shorter curriculum lengths and of the held-out check: recall or cue
+final_tasks = "recall,cue"  # the tasks the steps at seq_len take in turn
+keys = 8  # recall task: keys per sequence; fewer at the shorter curriculum lengths
+seq_len = 512  # tokens per sequence at the curriculum's last length
+tokens = 4096  # tokens per step
+# --- optimisation
+lr = 3e-3  # AdamW peak learning rate
+warmup = 50  # linear warmup steps (1 = none)
+phase_steps = 500  # most steps at each shorter curriculum length
+advance_acc = 0.9  # next length once train accuracy (20-step mean) reaches this
+final_steps = 600  # steps at seq_len, cosine decay to 0
+answer_weight = 4.0  # weight of the answers' loss on top of every position's next-token loss
+flags.configure(globals())
+# bad input: one line, before any work
+need = lambda ok, msg: flags.need(ok, msg, "pretrain.py")
+# in the messages
+why_embd = "head_dim = n_embd / 2 is even and holds the seeded head's 6 rotation pairs"
+why_ranks = "every recall-task word must stay one token"
+names = ", ".join(TASKS)
+# a number in range
+for name in "threads n_layer n_embd n_ff tokens phase_steps final_steps warmup".split():
+    need(globals()[name] >= 1, f"--{name} {globals()[name]}: must be at least 1")
+for name in "lr rope_theta".split():
+    need(globals()[name] > 0, f"--{name} {globals()[name]}: must be positive")
+# the rest, each its own line
+for ok, msg in [
+    (int(os.environ.get("WORLD_SIZE", 1)) == 1, "pretraining runs in one process (not under torchrun)"),
+    (task in TASKS, f"--task {task!r}: choose from {names}"),
+    (set(final_tasks.split(",")) <= set(TASKS), f"--final_tasks {final_tasks!r}: comma-separated tasks from {names}"),
+    (0 < advance_acc <= 1, f"--advance_acc {advance_acc}: must be in (0, 1]"),
+    (answer_weight >= 0, f"--answer_weight {answer_weight}: use 0 or more"),
+    (1 <= keys <= 16, f"--keys {keys}: use 1..16 (the recall task)"),
+    (64 <= seq_len <= 4096, f"--seq_len {seq_len}: use 64 (the recall task) .. 4096 (the baby's positions)"),
+    (tokens >= seq_len, f"--tokens {tokens}: use at least --seq_len ({seq_len}), one sequence"),
+    (n_embd % 4 == 0 and n_embd >= 24, f"--n_embd {n_embd}: use a multiple of 4, at least 24 ({why_embd})"),
+    (TASK_RANKS <= vocab_ranks <= 151643, f"--vocab_ranks {vocab_ranks}: use {TASK_RANKS}..151643 ({why_ranks})"),
+    (0 <= seed < 2**32, f"--seed {seed}: use an integer 0 <= seed < 2**32"),
+    (out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name"),
+]:
+    need(ok, msg)
+# flags first, then the folder pretraining writes into
+need(
+    not os.path.exists(out_dir) or os.path.isfile(os.path.join(out_dir, "config.json")),
+    f"--out_dir {out_dir}: exists and is no checkpoint; pretrain.py writes its model files there, so name a new one",
+)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the baby: the same Qwen3 class, tiny, trained from scratch on the recall task
+
+
+def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
+    """Hand-built layer 0 (README, The baby): head 0's q and k read only dim 0 (a constant 1), the query rotated back
+    one RoPE step: it attends to distance 1 and copies the previous token to the residual's upper half; head 1 off."""
+    a, E, D = (model.model.layers[0].self_attn, model.model.embed_tokens.weight, model.config.head_dim)
+    # the nf highest RoPE frequencies
+    th = model.config.rope_theta ** (-torch.arange(0, D, 2).float() / D)[:nf]
+    with torch.no_grad():
+        E.normal_()
+        E[:, 0], E[:, D:] = 1.0, 0.0
+        for w in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight):
+            w.zero_()
+        a.k_proj.weight[:nf, 0] = 1.0  # key: (1, 0) in each rotation pair
+        # R(-theta) key
+        a.q_proj.weight[:nf, 0], a.q_proj.weight[D // 2 : D // 2 + nf, 0] = th.cos(), -th.sin()
+        a.q_norm.weight.fill_(g)
+        a.k_norm.weight.fill_(g)
+        a.v_proj.weight[:, :D] = torch.eye(D)
+        a.o_proj.weight[D:, :D] = alpha * torch.eye(D)
+    for p in [E, *a.parameters(), *model.model.layers[0].input_layernorm.parameters()]:
+        # frozen: gradient destroys the seed in ~250 steps (README, The baby)
+        p.requires_grad_(False)
+
+
+def init_baby():
+    torch.manual_seed(seed)
+    # 2 query heads on 1 KV head; the input embedding is frozen, the output layer learns: untied
+    shape = dict(vocab_size=vocab_ranks + 26, hidden_size=n_embd, intermediate_size=n_ff, num_hidden_layers=n_layer)
+    heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=n_embd // 2, rope_theta=rope_theta)
+    config = qwen3.Qwen3Config(**shape, **heads, max_position_embeddings=4096, tie_word_embeddings=False)
+    config.torch_dtype = "float32"
+    model = qwen3.Qwen3(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(std=0.02)
+        # sharper long-range attention from the start (README, The baby)
+        for layer in model.model.layers[1:]:
+            layer.self_attn.q_norm.weight.fill_(1.5)
+            layer.self_attn.k_norm.weight.fill_(1.5)
+    seed_previous_token_head(model)
+    return model
+
+
+def accuracy(logits, tgt):  # on the answers (tgt >= 0)
+    return (logits.argmax(-1)[tgt >= 0] == tgt[tgt >= 0]).float().mean().item()
+
+
+def train_steps(model, tok, opt, params):
+    """The curriculum: at each shorter length until the train accuracy reaches --advance_acc (at most --phase_steps),
+    then --final_steps at --seq_len, the tasks in turn -> the steps taken."""
+    rng = random.Random(f"train-{seed}")  # the benchmark draws from "test-..." streams
+    sdpa = lambda i, q, k, v, pos: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    step, t0, finals = 0, time.time(), final_tasks.split(",")
+    for T in [L for L in (64, 128, 256) if L < seq_len] + [seq_len]:
+        last, n, accs = T == seq_len, final_steps if T == seq_len else phase_steps, []
+        for i in range(n):
+            f = min(1, (step + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * i / n)) if last else 1)
+            opt.param_groups[0]["lr"] = lr * f
+            now = finals[i % len(finals)] if last else task
+            idx, tgt, _ = task_batch(tok, tokens // T, T, rng, keys=keys, **TASKS[now])
+            # sdpa: plain causal, torch's fused kernel (autograd); the next token everywhere, and
+            # the answers (tgt: the next token where it is a recalled value) once more
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(idx, attn=sdpa)
+            ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), idx[:, 1:].flatten(), reduction="none")
+            loss = ce.mean() + answer_weight * ce[tgt[:, :-1].flatten() >= 0].mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step, accs = step + 1, (accs + [accuracy(logits, tgt)])[-20:]
+            if step % 50 == 0:
+                acc = sum(accs) / len(accs)
+                print(f"step {step} T {T} loss {loss.item():.3f} acc {acc:.3f} {time.time() - t0:.0f}s")
+            if not last and len(accs) == 20 and sum(accs) / 20 >= advance_acc:
+                break
+    return step
+
+
+def pretrain():
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = init_baby()
+    # the tokenizer (cut vocabulary) is read from the checkpoint's config
+    model.save_pretrained(tmp)
+    tok = tokenizer.Tokenizer.from_pretrained(tmp)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n, trained = sum(p.numel() for p in model.parameters()) / 1e6, sum(p.numel() for p in params) / 1e6
+    print(f"baby: {n:.2f}M parameters, {trained:.2f}M trained")
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    t0 = time.time()
+    step = train_steps(model, tok, opt, params)
+    wall = time.time() - t0
+    idx, tgt, dist = task_batch(tok, 64, seq_len, random.Random(f"valid-{seed}"), keys=keys, **TASKS[task])
+    logits = evaluate(model.eval(), idx, "full", 1, online=False)
+    # farther back than a 25% budget's plain window
+    far = tgt.masked_fill(dist < seq_len // 4 - 4, -1)
+    acc, far_acc = accuracy(logits, tgt), accuracy(logits, far)
+    print(f"pretrained in {wall:.0f}s ({step} steps); held-out accuracy {acc:.3f}, far {far_acc:.3f}")
+    model.save_pretrained(tmp)
+    # file by file: what else out_dir holds (baby/'s prompt and scorers) stays
+    os.makedirs(out_dir, exist_ok=True)
+    for f in os.listdir(tmp):
+        os.replace(os.path.join(tmp, f), os.path.join(out_dir, f))
+    os.rmdir(tmp)
+    print(f"saved {out_dir}/")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(threads)
+    pretrain()
