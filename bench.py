@@ -28,7 +28,7 @@ import tasks
 # --- shared (each command reads those it names)
 model = ""  # checkpoint folder; empty: the baby (quality), a random model of --shape (speed)
 policies = ""  # comma-separated; empty: all (quality), streaming + learned kinds (speed)
-budgets = "0.25,0.125"  # comma-separated fractions of the tokens kept per head (or integers B)
+budgets = "0.25,0.125"  # comma-separated fractions of the tokens kept per head (or integers S)
 sinks = 4  # first tokens never evicted
 window = 0  # recent tokens never evicted; 0: 32 (quality: the baby's) or 256 (speed: the paper's)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N (speed, kernels)

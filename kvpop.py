@@ -535,8 +535,8 @@ class KVCache:
         return (torch.cat([kw, k], 2), torch.cat([vw, v], 2)) if t + n == p else (kw, vw)
 
     def victims(self, p):
-        """Per layer of a full cache: the slot (L, B, Hkv, 1) of the lowest (score, position) in the pool s <= t <= p
-        - w (the sinks hold slots [0, s)), and that score. A delayed scorer's p - w is read later."""
+        """Per layer of a full cache: the slot (L, B, Hkv, 1) of the lowest (score, position) in the pool
+        s <= t <= p - w (the sinks hold slots [0, s)), and that score. A delayed scorer's p - w is read later."""
         s, P = self.sinks, self.pos[..., self.sinks :]
         # torch.where, not masked_fill (a copy, then a fill): one pass over each table (8.1 -> 4.8 ms a step at 32k)
         low = torch.where(P > p - self.window - int(self.delayed), math.inf, self.score[..., s:])
@@ -551,8 +551,8 @@ class KVCache:
         # the newcomer takes the next free slot (B, Hkv, 1) while there is one
         if p < self.size:
             slot = self.pos.new_full(k.shape[:3], p)
-        # else the slot of the lowest (priority, position) in the eligible pool: slots past the sinks, positions up to p
-        # - w; every layer's at once at layer 0 (a layer's scores change only at that layer), ties to the older token
+        # else the slot of the lowest (priority, position) in the eligible pool: slots past the sinks, positions up to
+        # p - w; every layer's at once at layer 0 (a layer's scores change only at that layer), ties to the older token
         else:
             if i == 0:
                 self.low = self.victims(p)

@@ -37,7 +37,7 @@ top_k = -1  # keep the k most likely tokens (0 = off); -1: off for the baby, els
 top_p = -1.0  # nucleus sampling (1 = off); -1: off for the baby, else Qwen3's 0.8 (0.95 thinking)
 seed = 1337  # random seed
 # --- KV budget (README, Method: budget)
-budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer B; 1 = full cache
+budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer S; 1 = full cache
 policy = ""  # kvpop-window, kvpop, kvpop-mlp, streaming, knorm, random, h2o, tova, full
 scorer = ""  # a learned scorer's folder; empty: out/ if it holds --policy's kind, else the baby's
 sinks = 4  # first tokens never evicted

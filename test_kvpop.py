@@ -2596,6 +2596,8 @@ class _FixedScorer(torch.nn.Module):
     parameter theta (L, H): what boundary_loss needs of a scorer, with priorities the test
     chooses."""
 
+    recency = kvpop.Scorer.recency  # the teacher's gamma_h t, from theta (_ref_boundary_loss computes its own)
+
     def __init__(self, pi, theta):
         super().__init__()
         self.pi, self.theta = torch.nn.Parameter(pi.clone()), torch.nn.Parameter(theta.clone())

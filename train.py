@@ -66,7 +66,7 @@ keys = 8  # --data baby: keys per sequence
 seq_len = 512  # tokens per sequence
 queries = 0  # query positions per sequence in the loss, drawn at random (0 = every one)
 # --- eviction at training time (README, Method: budget)
-budget = 0.125  # the training budget: fraction of seq_len (or an integer B) per head
+budget = 0.125  # the training budget: fraction of seq_len (or an integer S) per head
 sinks = 4  # first tokens never evicted
 window = 32  # recent tokens never evicted; a delayed scorer reads this many tokens late
 # --- optimisation
