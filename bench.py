@@ -83,37 +83,6 @@ def settings(command, argv):
 # kernels
 
 
-def naive_attention(q, k, v, evict_at=None, sinks=0):
-    T, G = q.shape[2], q.shape[1] // k.shape[1]
-    s = q.float() @ k.float().repeat_interleave(G, 1).transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, Hq, T, T)
-    i, t = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)
-    vis = t <= i
-    if evict_at is not None:
-        vis = vis & ((t < sinks) | (i < evict_at.repeat_interleave(G, 1)[:, :, None, :]))
-    lse = s.masked_fill(~vis, -math.inf).logsumexp(-1)
-    return (s - lse[..., None]).exp().masked_fill(~vis, 0) @ v.float().repeat_interleave(G, 1), lse
-
-
-def naive_future(q, k, lse, window, eps=1e-6):
-    (B, Hq, T, D), Hkv = q.shape, k.shape[1]
-    p = (q.float() @ k.float().repeat_interleave(Hq // Hkv, 1).transpose(-1, -2) * D**-0.5 - lse[..., None]).exp()
-    d, t = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)
-    n = T - window - t  # (T,)
-    m = p.masked_fill(d < t + window, 0).sum(2) / n.clamp(min=1)  # (B, Hq, T keys)
-    return torch.log(eps + m).view(B, Hkv, -1, T).amax(2).masked_fill(n <= 0, -math.inf)
-
-
-def naive_eviction_times(priority, sinks, window, k):
-    T = priority.shape[-1]
-    u = torch.arange(T, device=priority.device)
-    pt, pu = priority[..., :, None], priority[..., None, :]  # (B, H, t, 1), (B, H, 1, u)
-    better = ((pu > pt) | ((pu == pt) & (u > u[:, None]))) & (u >= sinks)  # (B, H, T, T)
-    hit = better.cumsum(-1) >= k  # k-th better position reached at u
-    uk = torch.where(hit.any(-1), hit.int().argmax(-1), T)
-    e = torch.where(uk < T, (torch.maximum(u, uk) + window).clamp(max=T), T)
-    return e.masked_fill(u < sinks, T)
-
-
 class LiveBytes(TorchDispatchMode):
     """CPU peak meter: bytes of the storages ops create while active, dropped from the count when
     freed."""
@@ -183,10 +152,10 @@ def cmd_kernels(argv):
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         # each op, ours and naive, on the same inputs
         for name, ours, naive, x in [
-            ("attention", kernels.attention, naive_attention, (q, k, v)),
-            ("attention+evict", kernels.attention, naive_attention, (q, k, v, e, sinks)),
-            ("future_attention", kernels.future_attention, naive_future, (q, k, lse, window)),
-            ("eviction_times", kernels.eviction_times, naive_eviction_times, (pri, sinks, window, T // 4)),
+            ("attention", kernels.attention, kernels.plain_attention, (q, k, v)),
+            ("attention+evict", kernels.attention, kernels.plain_attention, (q, k, v, e, sinks)),
+            ("future_attention", kernels.future_attention, kernels.plain_future_attention, (q, k, lse, window)),
+            ("eviction_times", kernels.eviction_times, kernels.plain_eviction_times, (pri, sinks, window, T // 4)),
         ]:
             (to, mo), (tn, mn) = measure(lambda: ours(*x)), measure(lambda: naive(*x))
             ts = f"{measure(sdpa)[0]:.1f}" if name == "attention" and dev != "cpu" else "-"
@@ -293,8 +262,7 @@ def fill(cache, C):
     n = len(pos)
     cache.k[..., :n, :].normal_(), cache.v[..., :n].normal_()  # values are stored transposed
     cache.pos[..., :n], cache.score[..., :n], cache.t = pos.to(cache.pos.device), torch.rand(n), C
-    if cache.delayed:  # the window's slots, as decoding left them
-        cache.ring[..., pos[-w:] % w] = torch.arange(n - w, n, device=cache.ring.device)
+    cache.ring[..., pos[-w:] % w] = torch.arange(n - w, n, device=cache.ring.device)  # the window's slots
     if cache.memory:
         cache.S.normal_(0, 0.01), cache.m.zero_()
     return n
@@ -380,14 +348,14 @@ def speed_train(net, scorers, a, dt, b, policies):
     # every layer's future-attention target r*
     future = lambda: rs.extend(kernels.future_attention(q, k, lse - lw, a.window, reduce="max") for q, k, v, lse in seen)
     parts["future-attention targets"] = clock(future, dev)
-    # the teacher's eviction times, as boundary_loss makes them
+    # the teacher's eviction times, as kvpop.boundary_loss makes them
     pos = torch.arange(T, device=dev)
     evict = lambda: [kernels.eviction_times(r + scorer.recency(i, pos).detach(), a.sinks, a.window, pool) for i, r in enumerate(rs)]
     parts["eviction times"] = clock(evict, dev)
     q = torch.arange(a.sinks + a.window + pool, T)  # every query at which the pool is over-full
     kv = [(k, v) for _, k, v, _ in seen]
-    # fwd + bwd, less the eviction times boundary_loss makes again
-    loss = clock(lambda: trainer.boundary_loss(scorer, kv, rs, q, a.sinks, a.window, pool), dev)
+    # fwd + bwd, less the eviction times kvpop.boundary_loss makes again
+    loss = clock(lambda: trainer.scorer_loss(scorer, kv, rs, [q], a.sinks, a.window, [pool]), dev)
     parts["scorer forward + backward"] = loss - parts["eviction times"]
     total = sum(parts.values())
     print(f"\n{kind} scorer training step, 1 x {T} tokens, budget {b:g}\n\n" + table("part,seconds,share"))

@@ -1,8 +1,9 @@
 """KVpop kernels: causal attention under eviction times, the future-attention target, eviction times.
 
-Each operation is one public function. It runs a Triton kernel on CUDA tensors (or on any tensor when TRITON_INTERPRET=1
-was set before import) and a plain-torch path otherwise. Both compute in fp32 and never build a T x T tensor. Formulas:
-README, Method: eviction times and Method: future attention.
+Each operation is first defined in its plain O(T^2) form, the T x T map the README's formulas describe (README, Method:
+eviction times and Method: future attention). Then its fast form, one public function of the same signature: a Triton
+kernel on CUDA tensors (or on any tensor when TRITON_INTERPRET=1 was set before import), a plain-torch path otherwise,
+in tiles, never a T x T tensor. Sums run in fp32 (fp64 for fp64 inputs on the torch paths).
 """
 
 # kernel annotations like `tl.constexpr` stay strings without triton
@@ -28,6 +29,51 @@ NEG = -1e30
 
 def wide(x):  # fp32, or fp64 for an fp64 input: every sum of the attention and the scorers
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# the definitions, plain O(T^2): what the fast forms below compute, and what bench.py kernels times them against
+
+
+def plain_attention(q, k, v, evict_at=None, sinks=0):
+    """Query i sees key t iff t <= i and (t < sinks or i < evict_at[t]): softmax over the visible keys -> (out, lse)."""
+    T, G = q.shape[2], q.shape[1] // k.shape[1]
+    s = q.float() @ k.float().repeat_interleave(G, 1).transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, Hq, T, T)
+    i, t = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)
+    vis = t <= i
+    if evict_at is not None:
+        vis = vis & ((t < sinks) | (i < evict_at.repeat_interleave(G, 1)[:, :, None, :]))
+    lse = s.masked_fill(~vis, -math.inf).logsumexp(-1)
+    return (s - lse[..., None]).exp().masked_fill(~vis, 0) @ v.float().repeat_interleave(G, 1), lse
+
+
+def plain_future_attention(q, k, lse, window, eps=1e-6, reduce="mean"):
+    """r[t] = max over the group's query heads of log(eps + reduce_{d >= t + window} p[d, t]), p[d, t] = exp(q_d . k_t
+    / sqrt(D) - lse[d]); an lse[d] raised by -log P[d] weighs query d by P[d] (the helpful target)."""
+    (B, Hq, T, D), Hkv = q.shape, k.shape[1]
+    p = (q.float() @ k.float().repeat_interleave(Hq // Hkv, 1).transpose(-1, -2) * D**-0.5 - lse[..., None]).exp()
+    d, t = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)
+    n = T - window - t  # N_t: the queries that see t only past the window
+    p = p.masked_fill(d < t + window, 0)  # (B, Hq, T queries, T keys)
+    m = p.sum(2) / n.clamp(min=1) if reduce == "mean" else p.amax(2)
+    return torch.log(eps + m).view(B, Hkv, -1, T).amax(2).masked_fill(n <= 0, -math.inf)
+
+
+def plain_eviction_times(priority, sinks, window, pool):
+    """e[t] = max(t + window, window + u_pool(t)), u_pool(t) the pool-th position u >= sinks with (pi[u], u) > (pi[t],
+    t); T (never) for the sinks and where fewer than pool such u exist."""
+    T = priority.shape[-1]
+    u = torch.arange(T, device=priority.device)
+    pt, pu = priority[..., :, None], priority[..., None, :]  # (B, H, t, 1), (B, H, 1, u)
+    better = ((pu > pt) | ((pu == pt) & (u > u[:, None]))) & (u >= sinks)  # (B, H, T, T)
+    hit = better.cumsum(-1) >= pool  # the pool-th better position reached at u
+    uk = torch.where(hit.any(-1), hit.int().argmax(-1), T)
+    e = torch.where(uk < T, (torch.maximum(u, uk) + window).clamp(max=T), T)
+    return e.masked_fill(u < sinks, T)
+
+
+# ----------------------------------------------------------------------------------------------
+# the fast forms
 
 
 def _use_triton(x):

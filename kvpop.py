@@ -155,6 +155,13 @@ def rms(x):  # x / RMS(x) over the last dim (the model's RMSNorm keeps HF's orde
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
 
 
+ALL = slice(None)  # every layer at once (decoding), in place of one layer's index i
+
+
+def at(p, i):  # a scorer parameter (L, H, ...) of layer i (H, ...), or of ALL layers beside a batch dim (L, 1, H, ...)
+    return p[i] if i != ALL else p[:, None]
+
+
 class Scorer(nn.Module):
     """Learned static priorities pi[t] = r[t] + softplus(theta_h) * t per layer and KV head, from the cached key and
     value (README, Method: scorers). kvpop-mlp scores t on arrival. The delayed kinds score t when it leaves the
@@ -166,37 +173,42 @@ class Scorer(nn.Module):
     # kvpop-window: reads, their width, the most tokens after t they see (ours)
     reads, d_key, ahead = 2, 16, 32
 
-    def __init__(self, config, kind="kvpop-window", window=256, d_mem=128, d_hidden=128, gamma=0.002):
+    def __init__(self, config, kind="kvpop-window", window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
         super().__init__()
         if kind not in SCORERS or not all(type(n) is int and n >= 1 for n in (window, d_mem, d_hidden)):
             raise ValueError(f"scorer kind {kind!r} (use {' or '.join(SCORERS)}), window, d_mem, d_hidden >= 1")
+        if arrival and kind != "kvpop":
+            raise ValueError(f"arrival: only the kvpop scorer can be read on arrival (the delay ablation), not {kind}")
         L, H, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.kind, self.window, self.d_mem, self.d_hidden, self.meta = (kind, window, d_mem, d_hidden, {})
+        if kind == "kvpop-window" and window < 2:
+            raise ValueError("kvpop-window reads the tokens between t and the query that pushes t out: use window >= 2")
+        # kvpop reads t from the memory of tokens up to t + delay: t .. t + w - 1, all the cache holds when t leaves
+        # the window; or on arrival, t itself (the delay ablation, masked pass only)
+        self.arrival, self.delay = arrival, 0 if arrival else window - 1
         self.shape = dict(num_hidden_layers=L, num_key_value_heads=H, head_dim=D)
         X, M = 2 * D, d_mem
         # parameters of shape (L, H, ...)
         w = lambda *s: nn.Parameter(torch.randn(L, H, *s) / math.sqrt(s[0]))
         z = lambda *s, c=0.0: nn.Parameter(torch.full((L, H, *s), float(c)))
         self.theta = z(c=math.log(math.expm1(gamma)))  # softplus(theta) = gamma at the start
-        if kind == "kvpop-mlp":
-            self.w1, self.b1, self.w2, self.b2 = w(X, d_hidden), z(d_hidden), w(d_hidden), z()
-        # A reads over t+1..t+n, n = min(w, ahead), each by content and by offset
-        elif kind == "kvpop-window":
-            A, d, n = self.reads, self.d_key, min(window, self.ahead)
+        # A reads over t+1..t+n, n = min(w - 1, ahead) (the tokens cached when t leaves), by content and by offset
+        if kind == "kvpop-window":
+            A, d, n = self.reads, self.d_key, min(window - 1, self.ahead)
             # query (from x[t]), key and value
             self.wq, self.wk, self.wv = w(X, A * d), w(X, A * d), w(X, A * d)
             # offset bias -slope (o - 1): read 0 starts on the next token, read 1 evenly
             slope = torch.tensor([1.0, 0.0])[:A, None]
             self.bo = nn.Parameter((-slope * torch.arange(n)).expand(L, H, A, n).clone())
-            self.w1, self.b1, self.w2, self.b2 = (w(X + A * d, d_hidden), z(d_hidden), w(d_hidden), z())
-        else:
+        elif kind == "kvpop":
             # memory key, value and read projections
             self.wk, self.wv, self.wr = w(X, M), w(X, M), w(X, M)
             self.wi, self.bi, self.wf = w(X), z(), w(X)  # input and forget gate pre-activations
             # forget gate near 1 - 1/window: the memory spans the window
             self.bf = z(c=math.log(window))
-            # read-out of norm(h), linear skip from x, bias
-            self.wo, self.ws, self.b = w(M), w(X), z()
+        # the read-out every kind shares, head(x, z): z is what the kind read (kvpop-mlp: nothing)
+        Z = {"kvpop-mlp": 0, "kvpop-window": self.reads * self.d_key, "kvpop": M}[kind]
+        self.w1, self.b1, self.w2, self.b2 = w(X + Z, d_hidden), z(d_hidden), w(d_hidden), z()
 
     def charge(self, dtype):
         """m (README, Method: budget): the cache entries (a key and a value of head_dim in the cache's dtype) whose
@@ -235,8 +247,8 @@ class Scorer(nn.Module):
                 memory.append(state)
         return r + self.recency(i, pos.to(r.dtype))
 
-    def recency(self, i, t):  # gamma_h t = softplus(theta_h) t of layer i (every layer's: i = slice(None))
-        return F.softplus(self.theta[i])[..., None] * t
+    def recency(self, i, t):  # gamma_h t = softplus(theta_h) t of layer i (every layer's: i = ALL)
+        return F.softplus(at(self.theta, i))[..., None] * t
 
     # kvpop-window: the delayed scorer that reads its window from the cache
 
@@ -256,10 +268,11 @@ class Scorer(nn.Module):
         a = s.softmax(-1).nan_to_num(0.0)
         return self.head(i, x, (a @ v).transpose(2, 3).flatten(-2))  # z (B, H, n, A d)
 
-    # r = w_2 . silu(W_1 [x; z] + b_1) + b_2: x (B, H, n, X), z (B, H, n, A d) -> (B, H, n)
+    # the read-out of every kind, r = w_2 . silu(W_1 [x; z] + b_1) + b_2: x (B, H, n, X) and what the kind read z
+    # (B, H, n, Z) -> (B, H, n); every layer's (i = ALL): a leading layer dim
     def head(self, i, x, z):
-        h = F.silu(torch.cat([x, z], -1) @ self.w1[i] + self.b1[i][:, None])  # (B, H, n, d_hidden)
-        return (h * self.w2[i][:, None]).sum(-1) + self.b2[i][:, None]
+        h = F.silu(torch.cat([x, z], -1) @ at(self.w1, i) + at(self.b1, i)[..., None, :])  # (B, H, n, d_hidden)
+        return (h * at(self.w2, i)[..., None, :]).sum(-1) + at(self.b2, i)[..., None]
 
     def look_parallel(self, i, x):
         """kvpop-window over a whole sequence x (B, H, T, X): chunks of c tokens, each reading the tokens up to n
@@ -274,28 +287,38 @@ class Scorer(nn.Module):
 
     def look_online(self, i, k, v, t):
         """kvpop-window when decoding: the priority (B, H, 1) of token t from the cached keys and values k, v (B, H,
-        1 + n, D) of t and of the n tokens after it, in position order. W_k and W_v are folded into the read, u_a =
-        W_k,a (W_q x)_a / sqrt(d) and z_a = W_v,a^T (sum_o softmax * xw), so the n tokens are never projected."""
+        1 + n, D) of t and of the n tokens after it, in position order (i = ALL: every layer's, (L, B, H, ...)). W_k
+        and W_v are folded into the read, u_a = W_k,a (W_q x)_a / sqrt(d) and z_a = W_v,a^T (sum_o softmax * xw), so
+        the n tokens are never projected."""
         x = self.features(k, v)
         xt, xw = x[..., :1, :], x[..., 1:, :]  # (B, H, 1, X), (B, H, n, X)
         A, d = self.reads, self.d_key
-        q = (xt @ self.wq[i]).view(*xt.shape[:2], A, d)  # (B, H, A, d)
-        # (B, H, A, X)
-        u = torch.einsum("bhad,hxad->bhax", q, self.wk[i].unflatten(-1, (A, d))) / math.sqrt(d)
-        a = (u @ xw.mT + self.bo[i]).softmax(-1)  # (B, H, A, n): offsets 1..n
-        # (B, H, A, d)
-        z = torch.einsum("bhax,hxad->bhad", a @ xw, self.wv[i].unflatten(-1, (A, d)))
-        return self.head(i, xt, z.flatten(-2)[:, :, None]) + self.recency(i, t)
+        q = (xt @ at(self.wq, i))[..., 0, :].unflatten(-1, (A, d))  # (B, H, A, d)
+        u = torch.einsum("...ad,...xad->...ax", q, at(self.wk, i).unflatten(-1, (A, d))) / math.sqrt(d)  # (B, H, A, X)
+        a = (u @ xw.mT + at(self.bo, i)).softmax(-1)  # (B, H, A, n): offsets 1..n
+        z = torch.einsum("...ax,...xad->...ad", a @ xw, at(self.wv, i).unflatten(-1, (A, d)))  # (B, H, A, d)
+        return self.head(i, xt, z.flatten(-2)[..., None, :]) + self.recency(i, t)
+
+    def online(self, k, v, t, S=None, m=None):
+        """Decoding: every layer's priority (L, B, H, 1) of token t as it leaves the window, in one call, from the
+        cache: k, v (L, B, H, 1 + n, D) of t and the n tokens after it (kvpop-window; else n = 0); kvpop's memories
+        S, m."""
+        if self.kind == "kvpop":
+            return self.read(S, m, k, v, t)
+        if self.kind == "kvpop-window":
+            return self.look_online(ALL, k, v, t)
+        x = self.features(k, v)
+        return self.head(ALL, x, x[..., :0]) + self.recency(ALL, t)
 
     # kvpop: the mLSTM memory, parallel form (training, the masked pass, prefill)
 
     def parallel(self, i, x):
         """kvpop, decay-masked form over a whole sequence x (B, H, T, 2D) -> scores (B, H, T) and the final state.
-        Token t is read at q = min(t + w, T - 1) (t > T - 1 - w never leaves the window here) as C_q u = sum_{j <= q}
+        Token t is read at q = min(t + w - 1, T - 1) (on arrival: q = t) as C_q u = sum_{j <= q}
         exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum log f, under one max per row as the recurrent form's
         stabiliser. Chunk by chunk over q: the reads in a chunk add the state S = [C; n] carried from the tokens
         before it, and S then moves to the chunk's last token. Only x is made at full length."""
-        (B, H, T, _), M, W, c = x.shape, self.d_mem, self.window, self.chunk
+        (B, H, T, _), M, W, c = x.shape, self.d_mem, self.delay, self.chunk
         xs = x.split(c, -2)  # the chunks of x
         # every token's gates: log i (exponential input), log f (sigmoid forget), and F_j = log f_0 + .. + log f_j
         li = torch.cat([(xc * self.wi[i][:, None]).sum(-1) for xc in xs], -1)  # (B, H, T)
@@ -333,81 +356,55 @@ class Scorer(nn.Module):
             y = (e[..., :-1, :] * (uc @ kc.transpose(-1, -2))) @ vc  # (B, H, R, M + 1)
             if c0:
                 y = y + g[..., :-1, :] * (uc @ S.transpose(-1, -2))
-            # h = C u / max(|n . u|, 1), stabilised; r = w_o . rms(h) + w_s . x
+            # h = C u / max(|n . u|, 1), stabilised; r = head(x, rms(h))
             h = y[..., :M] / torch.maximum(y[..., M:].abs(), (-mq[..., :-1, :]).exp())
-            out.append((rms(h) * self.wo[i][:, None]).sum(-1) + (xr * self.ws[i][:, None]).sum(-1))
+            out.append(self.head(i, xr, rms(h)))
             # S moves to the chunk's last token
             S = g[..., -1:, :] * S + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc
             m = mq[..., -1, 0]
-        return torch.cat(out, -1) + self.b[i][:, None], (S, m)
+        return torch.cat(out, -1), (S, m)
 
-    # kvpop: recurrent form (decoding), folded for speed; the tests check it against the plain equations
+    # kvpop: recurrent form (decoding), every layer at once; the tests check it against the plain equations
 
     @torch.no_grad()
     def folded(self):
-        """kvpop's decoding weights, made once per cache, with the RMS scale of the raw x = [k; v] folded in (rms(x)
-        = sqrt(2D) x rsqrt(|x|^2 + 2D eps)): z = W x rsqrt(|x|^2 + 2D eps) + b is [k'; v'; 1; log i; the forget
-        gate's pre-activation; 0] in one product. Per layer: W (H, 2M + 4, 2D), b (H, 1, 2M + 4) and sqrt(M) w_o (H,
-        1, M); then W_r^T (L, H, M, 2D), every layer's read projection, for prepare_read."""
+        """kvpop's update weights, made once per cache, with the RMS scale of the raw x = [k; v] folded in (rms(x) =
+        sqrt(2D) x rsqrt(|x|^2 + 2D eps)): z = W x rsqrt(|x|^2 + 2D eps) + b is [k'; v'; 1; log i; the forget gate's
+        pre-activation] in one product. W (L, 1, H, 2M + 3, 2D), b (L, 1, H, 1, 2M + 3)."""
         X, M = 2 * self.shape["head_dim"], self.d_mem
-        zero = torch.zeros_like(self.wi[..., None])  # (L, H, 2D, 1)
-        w = torch.cat([self.wk / math.sqrt(M), self.wv, zero, self.wi[..., None], self.wf[..., None], zero], -1)
-        w = w.transpose(-1, -2) * math.sqrt(X)  # (L, H, 2M + 4, 2D)
-        b = torch.stack([torch.ones_like(self.bi), self.bi, self.bf, torch.zeros_like(self.bi)], -1)
-        b = F.pad(b, (2 * M, 0))  # (L, H, 2M + 4): no bias on k', v'
-        per_layer = zip(w.contiguous(), b[:, :, None], self.wo[:, :, None] * math.sqrt(M))
-        return list(per_layer), self.wr.mT.contiguous()
+        one = torch.zeros_like(self.wi[..., None])  # its bias makes the 1 of [v'; 1]
+        w = torch.cat([self.wk / math.sqrt(M), self.wv, one, self.wi[..., None], self.wf[..., None]], -1)
+        b = F.pad(torch.stack([torch.ones_like(self.bi), self.bi, self.bf], -1), (2 * M, 0))  # no bias on k', v'
+        return (w.mT * math.sqrt(X)).contiguous()[:, None], b[:, None, :, None]
 
-    def step(self, i, m, k, v, fold):
-        """kvpop's recurrent form, for one token k, v (B, H, 1, D) and the memory's log-scale m (B, H, 1, 1): the
-        pending update z = [k'; v'; 1; log i; log f + m; 0] and e = [g, f, exp(-m')] = exp([log i, log f + m, 0] -
-        m'), m' = max(log f + m, log i): xLSTM's stabiliser. `read` uses it at once, `settle` after the last layer."""
-        w, b, _ = fold[0][i]
-        x = torch.cat([k, v], -1).to(w.dtype)  # (B, H, 1, 2D)
-        s = torch.rsqrt((x * x).sum(-1, keepdim=True) + x.shape[-1] * EPS)  # rms(x) = sqrt(2D) x s
-        z = torch.addcmul(b, (w @ x.mT).mT, s)  # (B, H, 1, 2M + 4)
-        # views into z: log i, the forget gate's pre-activation
-        li, lf = z[..., -3:-2], z[..., -2:-1]
-        # in place, z[..., -3:] becomes [log i, log f + m, 0], log f = -softplus(-x) (F.logsigmoid wakes a thread)
-        torch.sub(m, F.softplus(-lf), out=lf)
-        m_new = torch.maximum(li, lf)  # (amax over the slice costs 2-3x more in a step)
-        e = (z[..., -3:] - m_new).exp()  # [g, f, exp(-m')]
-        return z, e, m_new
+    def remember(self, S, m, k, v, fold):
+        """Every layer's memory takes one more token (k, v (L, B, H, 1, D)), in place: S = [C; n] = f S + g [v'; 1]
+        k'^T, stabilised by the log-scale m (L, B, H) as in xLSTM: m' = max(log f + m, log i), g = exp(log i - m'),
+        f = exp(log f + m - m')."""
+        w, b = fold
+        M, x = self.d_mem, torch.cat([k, v], -1).to(w.dtype)  # (L, B, H, 1, 2D)
+        z = torch.addcmul(b, (w @ x.mT).mT, torch.rsqrt((x * x).sum(-1, keepdim=True) + x.shape[-1] * EPS))
+        li, lf = z[..., 0, -2], m - F.softplus(-z[..., 0, -1])  # log i, log f + m (L, B, H)
+        m_new = torch.maximum(li, lf)
+        g, f = (li - m_new).exp()[..., None, None], (lf - m_new).exp()[..., None, None]
+        S.mul_(f).add_(z[..., M : 2 * M + 1].mT @ (g * z[..., :M]))  # (L, B, H, M + 1, M)
+        m.copy_(m_new)
 
-    def prepare_read(self, S, k, v, t, fold):
-        """What reading the token at t (k, v (L, B, H, 1, D)) of every layer needs from the states S as they are, one
-        pass for all: u = W_r x, S u = [C u, n . u] and w_s . x + b + softplus(theta) t, lists per layer."""
-        x = self.features(k, v)  # (L, B, H, 1, 2D)
-        u = (fold[1][:, None] @ x.mT).mT  # (L, B, H, 1, M)
-        skip = (x[..., 0, :] * self.ws[:, None]).sum(-1) + self.b[:, None] + F.softplus(self.theta)[:, None] * t
-        # u S^T: 6-7x faster than S u on CPU
-        return [y.unbind(0) for y in (u, u @ S.mT, skip[..., None])]
-
-    def read(self, i, upd, u, Su, skip, fold):
-        """kvpop: the priority (B, H, 1) of layer i's leaving token from prepare_read's (u, S u, skip) and the pending
-        update, without forming the new state: y = S' u = f S u + g [v'; 1] (k' . u), d = max(|n' . u|, exp(-m')), r
-        = skip + w_o . rms(y / d), computed as sqrt(M) w_o . y rsqrt(|y|^2 + M eps d^2): no division, no mean."""
-        (z, e, _), M = upd, self.d_mem
-        g, f = e[..., :1], e[..., 1:2]  # the input and forget factors, stabilised
-        k1, v1 = z[..., :M], z[..., M : 2 * M + 1]  # k' and [v'; 1]
-        y = torch.addcmul(f * Su, v1, g * (k1 * u).sum(-1, keepdim=True))  # (B, H, 1, M + 1)
-        d = torch.maximum(y[..., M:].abs(), e[..., 2:])  # (B, H, 1, 1)
-        y = y[..., :M]
-        s = torch.rsqrt(torch.addcmul((y * y).sum(-1, keepdim=True), d, d, value=M * EPS))
-        return torch.addcmul(skip, (y * fold[0][i][2]).sum(-1), s[..., 0])
-
-    @staticmethod
-    def settle(S, m, upd):
-        """In place, batched over the leading dims (a layer's heads, or every layer's): S = f S + g [v', 1] k'^T."""
-        (z, e, m_new), M = upd, S.shape[-1]
-        S.mul_(e[..., 1:2]).addcmul_(z[..., M : 2 * M + 1].mT, e[..., :1] * z[..., :M])
-        m.copy_(m_new.view(m.shape))
+    def read(self, S, m, k, v, t):
+        """kvpop's priority (L, B, H, 1) of the token at t (k, v (L, B, H, 1, D)), every layer at once, from the
+        memories as they are: u = W_r x, [C u; n . u] = S u, h = C u / max(|n . u|, exp(-m)), r = head(x, rms(h)) +
+        gamma_h t."""
+        x, M = self.features(k, v), self.d_mem
+        y = (x @ at(self.wr, ALL)) @ S.mT  # (L, B, H, 1, M + 1)
+        h = y[..., :M] / torch.maximum(y[..., M:].abs(), (-m).exp()[..., None, None])
+        return self.head(ALL, x, rms(h)) + self.recency(ALL, t)
 
     def save_pretrained(self, folder):
         """scorer.safetensors + scorer.json (every setting needed to rebuild it, and what it was trained for)."""
         os.makedirs(folder, exist_ok=True)
         save_safetensors(self.state_dict(), os.path.join(folder, "scorer.safetensors"))
-        d = dict(kind=self.kind, window=self.window, d_mem=self.d_mem, d_hidden=self.d_hidden, **self.shape)
+        d = dict(kind=self.kind, window=self.window, d_mem=self.d_mem, d_hidden=self.d_hidden, arrival=self.arrival)
+        d |= self.shape
         write_json(d | dict(trained=self.meta), os.path.join(folder, "scorer.json"))
 
     @classmethod
@@ -418,7 +415,7 @@ class Scorer(nn.Module):
         d, sd = read_json(f), read_safetensors(os.path.join(folder, "scorer.safetensors"))
         try:
             shape = {k: d[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")}
-            s = cls(Qwen3Config(**shape), d["kind"], d["window"], d["d_mem"], d["d_hidden"])
+            s = cls(Qwen3Config(**shape), d["kind"], d["window"], d["d_mem"], d["d_hidden"], arrival=d["arrival"])
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{f}: missing or bad field ({e})") from None
         if {k: v.shape for k, v in sd.items()} != {k: v.shape for k, v in s.state_dict().items()}:
@@ -429,6 +426,46 @@ class Scorer(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the boundary loss (README, Method: boundary loss)
+
+
+def boundary(pi, e, q, sinks, window):
+    """The teacher's decision for t_new = q - window at each query q (Q,): keep (B, H, Q), and the cutoff t_bnd: the
+    pool-th best eligible token, or the best dropped one when that is t_new. pi: priorities, e: their eviction times."""
+    T = pi.shape[-1]
+    u, tn = torch.arange(T, device=pi.device), q - window
+    # by (pi, t)
+    rank = torch.empty_like(e).scatter_(-1, pi.sort(stable=True).indices, u.expand_as(e))
+    keep = e.gather(-1, tn.expand(*e.shape[:2], -1)) > q  # still visible at q
+    elig = (u >= sinks) & (u <= tn[:, None])  # (Q, T)
+    kept = elig & (e[..., None, :] > q[:, None])  # (B, H, Q, T): exactly the pool
+    worst = torch.where(kept, rank[..., None, :], T).argmin(-1)
+    best_dropped = torch.where(elig & ~kept, rank[..., None, :], -1).argmax(-1)
+    return keep, torch.where(worst == tn, best_dropped, worst)
+
+
+
+def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
+    """One layer's boundary loss: the student's priorities pi (B, H, T) against the teacher's pi* = r* + gamma_h t
+    (B, H, T), at the edge of each of `pools` at its queries qs[j] (Q,): y = keep t_new = q - w, t_bnd the cutoff;
+    sum omega softplus(-y (pi[t_new] - pi[t_bnd])), omega weighing each pool's keeps and drops half each -> (loss,
+    balanced keep/drop accuracy), each this layer's share of the mean over `layers` layers and the pools. `total`
+    sums the keep/drop counts over processes (training's batch split), None: one process."""
+    loss, hits, share = 0.0, 0.0, layers * len(pools)
+    for pool, q in zip(pools, qs):  # each pool's edge, its queries q (Q,)
+        q = q.to(pi.device)
+        y, bnd = boundary(teacher, kernels.eviction_times(teacher, sinks, window, pool), q, sinks, window)
+        d = pi.gather(-1, (q - window).expand(*pi.shape[:2], -1)) - pi.gather(-1, bnd)  # (B, H, Q)
+        n = torch.stack([y.sum(), (~y).sum()])
+        n = total(n) if total is not None else n
+        w = torch.where(y, 0.5 / n[0].clamp(min=1), 0.5 / n[1].clamp(min=1))  # keeps = drops
+        loss = loss + (w * F.softplus(-(2 * y.float() - 1) * d)).sum() / share
+        # the student ranks t_new on the teacher's side of t_bnd; balanced: chance is 0.5
+        hits += (w * ((d > 0) == y)).sum().item() / share
+    return loss, hits
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the evicting cache (README, How it works)
 
 
@@ -436,8 +473,9 @@ class KVCache:
     """At most `size` KV entries per layer and KV head, in buffers allocated once: keys (L, B, Hkv, size, D) and
     values transposed, (L, B, Hkv, D, size), so that both products of a decoding step read their matrix row by row,
     the matrix-vector layout that streams memory fastest. Filled slots are always [0, min(t, size)): an evicted slot
-    goes to the newcomer, in place. pos[slot]: the token's position; score[slot]: its priority (0 until a delayed
-    scorer reads it), or h2o/tova's. A delayed scorer's state sits beside them."""
+    goes to the newcomer, in place. pos[slot]: the token's position; score[slot]: its priority (a learned scorer's
+    given when it leaves the window, 0 before), or h2o/tova's. ring[..., t % w]: the slot of window token t. kvpop's
+    memories sit beside."""
 
     def __init__(self, model, batch, size, policy="full", sinks=4, window=256):
         c, p = model.config, next(model.parameters())
@@ -448,27 +486,27 @@ class KVCache:
         # priorities in a learned scorer's dtype (fp64 beside an fp64 model), else fp32
         sdt = policy.theta.dtype if isinstance(policy, Scorer) else torch.float32
         self.score = torch.zeros(shape, dtype=sdt, device=p.device)
+        self.ring = torch.zeros(*shape[:3], window, dtype=torch.long, device=p.device)
         # per-layer views, made once: a step indexes less
-        self.layer = list(zip(self.k, self.v, self.pos, self.score))
+        self.layer = list(zip(self.k, self.v, self.pos, self.score, self.ring))
         self.size, self.policy, self.sinks, self.window, self.t = size, policy, sinks, window, 0
         self.pool, (self.rule, self.priority) = size - sinks - window, resolve(policy)
         if isinstance(policy, Scorer):
             policy.check(c, window)
-        # scores t as it leaves the window
-        self.delayed = isinstance(policy, Scorer) and policy.kind in DELAYED
-        self.memory = self.delayed and policy.kind == "kvpop"  # the mLSTM's state, beside the cache
-        if self.delayed:  # the slot of t at t % w
-            self.ring = torch.zeros(*shape[:3], window, dtype=torch.long, device=p.device)
+            if policy.arrival:
+                raise ValueError("a kvpop scorer read on arrival (the delay ablation) runs in the masked pass only")
+        # a learned scorer scores t as it leaves the window, every layer at once; a heuristic on arrival
+        self.learned = isinstance(policy, Scorer)
+        # kvpop-window reads the n tokens after t
+        self.ahead = policy.bo.shape[-1] if self.learned and policy.kind == "kvpop-window" else 0
+        self.memory = self.learned and policy.kind == "kvpop"  # the mLSTM's state, beside the cache
         if self.memory:  # the memory of every layer and head: S = [C; n] (M + 1, M), log-scale m
             self.S = torch.zeros(*shape[:3], policy.d_mem + 1, policy.d_mem, dtype=sdt, device=p.device)
             self.m = torch.full(shape[:3], -math.inf, dtype=sdt, device=p.device)
-            # (B, Hkv, 1, 1) views, as the recurrent step takes m
-            self.ms = [m[..., None, None] for m in self.m]
-            # this step's updates; prepare_read's result and its step
-            self.pending, self.prepared = [], (-1, None)
-            self.fold = policy.folded()
+            # this step's tokens (k, v) per layer, which the memories take after the last layer
+            self.pending, self.fold = [], policy.folded()
 
-    def nbytes(self):  # keys, values and a delayed scorer's state
+    def nbytes(self):  # keys, values and a learned scorer's state
         state = sum(x.numel() * x.element_size() for x in (self.S, self.m)) if self.memory else 0
         return 2 * self.k.numel() * self.k.element_size() + state
 
@@ -479,20 +517,19 @@ class KVCache:
     @torch.no_grad()  # inference only: a learned scorer's priorities carry no graph
     # layer i: q (B, Hq, T, D), new k, v (B, Hkv, T, D) at positions pos
     def attend(self, i, q, k, v, pos):
-        return self.prefill(i, q, k, v, pos) if k.shape[2] > 1 else self.step(i, q, k, v, pos, self.t)
+        return self.prefill(i, q, k, v, pos) if k.shape[2] > 1 else self.step(i, q, k, v, pos)
 
     def prefill(self, i, q, k, v, pos):
         """An empty cache takes a whole prompt at once and ends exactly as if fed token by token."""
         T, size = k.shape[2], self.size
         pi = torch.zeros(k.shape[:3], device=k.device)
-        # tokens still in the window are not scored yet; the memory has read them all
-        if self.delayed:
+        if self.rule == "static":
             mem = []
-            pi = self.policy(i, k, v, pos, mem).masked_fill(pos > T - 1 - self.window, 0.0)
+            pi = self.policy(i, k, v, pos, mem) if self.memory else self.priority(i, k, v, pos)
+            if self.learned:  # tokens still in the window are not scored yet; the memory has read them all
+                pi = pi.masked_fill(pos > T - 1 - self.window, 0.0)
             if self.memory:
                 self.S[i], self.m[i] = mem[0]
-        elif self.rule == "static":
-            pi = self.priority(i, k, v, pos)
         if T <= size:  # nothing is evicted yet
             y, lse = kernels.attention(q, k, v)
             keep = torch.arange(T, device=k.device).expand(k.shape[:3])
@@ -509,95 +546,64 @@ class KVCache:
         self.v[i, :, :, :, :n] = v.gather(2, keep[..., None].expand(-1, -1, -1, D)).transpose(-1, -2)
         self.pos[i, :, :, :n], self.score[i, :, :, :n] = pos[keep], pi.gather(2, keep)
         # kept in position order: the last m tokens, still in the window, fill the last m slots
-        if self.delayed:
+        if self.learned:
             nw, a = min(T, self.window), torch.arange(n, device=k.device)
             self.ring[i][..., (a[-nw:] + T - n) % self.window] = a[-nw:]
         return y
 
-    # token t's slot (B, Hkv, 1) and what the scorer's read of it needs, lists over the layers
-    def prepare_read(self, t):
-        j = self.ring[..., t % self.window, None]  # (L, B, Hkv, 1): t is still in the window
-        r, shape = ((torch.arange(j.numel(), device=j.device), j.reshape(-1)), (*j.shape, self.k.shape[-1]))
-        k, v = self.k.flatten(0, 2)[r].view(shape), self.v.flatten(0, 2)[r[0], :, r[1]].view(shape)
-        return [j.unbind(0), *self.policy.prepare_read(self.S, k, v, t, self.fold)]
+    def step(self, i, q, k, v, pos):
+        """Layer i's decoding step for the new token at position p = pos[0] (q (B, Hq, 1, D), k, v (B, Hkv, 1, D)):
+        the eviction rule (README, How it works), every layer's decision made at layer 0 (the fast form of
+        test_kvpop.py's _ref_evicting_run: a layer's decision reads only what the layers stored before this step)."""
+        if i == 0:
+            self.slots = self.decide(self.t)
+        self.put(i, self.slots[i], k, v, pos)
+        return self.attention(i, q, self.t)
 
-    def window_kv(self, i, k, v, p):
-        """Layer i's keys and values (B, Hkv, 1 + n, D) of token t = p - w and of the n tokens after it (n = w: the
-        last is the new token p, not cached yet): from the cache, whose ring has the window's slots."""
-        K, V, D, n = *self.layer[i][:2], k.shape[-1], self.policy.bo.shape[-1]
-        t = p - self.window
-        # cached: t .. t + n, or .. p - 1
-        pos = torch.arange(t, min(t + n, p - 1) + 1, device=k.device)
-        slots = self.ring[i][..., pos % self.window]  # (B, Hkv, 1 + n or n)
-        kw = K.gather(2, slots[..., None].expand(-1, -1, -1, D))
-        # values are stored transposed
-        vw = V.gather(3, slots[:, :, None, :].expand(-1, -1, D, -1)).mT
-        return (torch.cat([kw, k], 2), torch.cat([vw, v], 2)) if t + n == p else (kw, vw)
-
-    def victims(self, p):
-        """Per layer of a full cache: the slot (L, B, Hkv, 1) of the lowest (score, position) in the pool
-        s <= t <= p - w (the sinks hold slots [0, s)), and that score. A delayed scorer's p - w is read later."""
-        s, P = self.sinks, self.pos[..., self.sinks :]
-        # torch.where, not masked_fill (a copy, then a fill): one pass over each table (8.1 -> 4.8 ms a step at 32k)
-        low = torch.where(P > p - self.window - int(self.delayed), math.inf, self.score[..., s:])
-        least = low.amin(-1, keepdim=True)  # ineligible tokens are at inf, above any eligible one
-        return (torch.where(low > least, 2**62, P).argmin(-1, keepdim=True) + s).unbind(0), least.unbind(0)
-
-    def step(self, i, q, k, v, pos, p):
-        """Layer i's decoding step for the new token at position p (q (B, Hq, 1, D), k, v (B, Hkv, 1, D), pos = [p]),
-        the eviction rule (README, How it works)."""
-        # a delayed scorer scores token p - w as it leaves the window: j its slot, r its priority
-        j, r = self.leaving(i, k, v, p)
-        # the newcomer takes the next free slot (B, Hkv, 1) while there is one
+    def decide(self, p):
+        """Every layer's slot (L, B, Hkv, 1) for the newcomer p: token p - w, leaving the window, gets its static
+        priority; then the next free slot while there is one, else the slot of the lowest (priority, position) in
+        the eligible pool, positions sinks .. p - w (the sinks hold slots [0, sinks)), ties to the older token."""
+        if self.learned and p >= self.window:
+            j, r = self.leaving(p - self.window)
+            self.score.scatter_(-1, j, r)
         if p < self.size:
-            slot = self.pos.new_full(k.shape[:3], p)
-        # else the slot of the lowest (priority, position) in the eligible pool: slots past the sinks, positions up to
-        # p - w; every layer's at once at layer 0 (a layer's scores change only at that layer), ties to the older token
-        else:
-            if i == 0:
-                self.low = self.victims(p)
-            slot, least = self.low[0][i], self.low[1][i]
-            # token p - w, scored only now, goes if it scored below the rest
-            if r is not None:
-                slot = torch.where(r < least, j, slot)
-        # the newcomer's key, value, position and priority (a delayed scorer's comes later) replace the slot's
-        self.put(i, slot, k, v, pos, p)
-        return self.attention(i, q, p)
+            return self.pos.new_full((*self.pos.shape[:3], 1), p)
+        s, P = self.sinks, self.pos[..., self.sinks :]
+        # torch.where, not masked_fill (a copy, then a fill): one pass over each table
+        low = torch.where(P > p - self.window, math.inf, self.score[..., s:])
+        least = low.amin(-1, keepdim=True)  # ineligible tokens are at inf, above any eligible one
+        return torch.where(low > least, 2**62, P).argmin(-1, keepdim=True) + s
 
-    def leaving(self, i, k, v, p):
-        """A delayed scorer's priority r (B, Hkv, 1) of token p - w, which leaves the window now, and its slot j,
-        both written into the cache; (None, None) for other policies and before p = w."""
-        j = r = None
-        if self.memory:  # kvpop: the memory reads token p, then token p - w is read from it
-            upd = self.policy.step(i, self.ms[i], k, v, self.fold)
-            if p >= self.window:
-                if self.prepared[0] != p:  # from the states as they are, every layer's at once
-                    self.prepared = p, self.prepare_read(p - self.window)
-                j, *rd = [x[i] for x in self.prepared[1]]
-                r = self.policy.read(i, upd, *rd, self.fold)
-            # the memories take token p after the last layer (attention), every layer's at once
-            self.pending.append(upd)
-        elif self.delayed and p >= self.window:  # kvpop-window: token p - w reads the w tokens after it
-            j = self.ring[i][..., p % self.window, None]
-            r = self.policy.look_online(i, *self.window_kv(i, k, v, p), p - self.window)
-        if r is not None:
-            self.score[i].scatter_(2, j, r)
-        return j, r
+    def leaving(self, t):
+        """Every layer's slot j (L, B, Hkv, 1) of token t, which leaves the window now, and its priority r by the
+        learned scorer, in one call for every layer: from the cached t and the tokens after it (kvpop-window), or
+        from the memories (kvpop)."""
+        j = self.ring[..., t % self.window, None]
+        slots = self.ring[..., torch.arange(t, t + self.ahead + 1, device=j.device) % self.window]  # (L, B, H, 1 + n)
+        D = self.k.shape[-1]
+        k = self.k.gather(3, slots[..., None].expand(-1, -1, -1, -1, D))  # (L, B, H, 1 + n, D)
+        v = self.v.gather(4, slots[..., None, :].expand(-1, -1, -1, D, -1)).mT  # values are stored transposed
+        return j, self.policy.online(k, v, t, *([self.S, self.m] if self.memory else []))
 
-    def put(self, i, slot, k, v, pos, p):
-        K, V, P, sc = self.layer[i]  # keys, values (transposed), positions and scores (B, Hkv, size)
-        D = k.shape[-1]
+    def put(self, i, slot, k, v, pos):
+        """The newcomer's key, value, position and priority (a heuristic's; a learned scorer's comes later) replace
+        the slot's."""
+        K, V, P, sc, ring = self.layer[i]  # keys, values (transposed), positions, scores (B, Hkv, size), ring
+        D, p = k.shape[-1], self.t
         K.scatter_(2, slot[..., None].expand(-1, -1, 1, D), k)
         V.scatter_(3, slot[..., None, :].expand(-1, -1, D, 1), v.transpose(-1, -2))
         P.scatter_(2, slot, p)
-        if self.delayed:
-            self.ring[i, ..., p % self.window] = slot[..., 0]
-        sc.scatter_(2, slot, self.priority(i, k, v, pos) if self.rule == "static" and not self.delayed else 0.0)
+        if self.learned:
+            ring[..., p % self.window] = slot[..., 0]
+        sc.scatter_(2, slot, self.priority(i, k, v, pos) if self.rule == "static" and not self.learned else 0.0)
+        if self.memory:  # kvpop: the memories take token p after the last layer (attention), every layer's at once
+            self.pending.append((k, v))
 
     def attention(self, i, q, p):
         """Attention (B, Hq, 1, D) over the filled slots, in slot order, in the cache's dtype; h2o and tova score
         from it; after the last layer, the memories take token p."""
-        K, V, _, sc = self.layer[i]
+        K, V, _, sc, _ = self.layer[i]
         (B, H, _, D), G, n = K.shape, q.shape[1] // K.shape[1], min(p + 1, self.size)
         K, V = K[:, :, :n], V[..., :n]
         s = K @ q.view(B, H, G, D).transpose(-1, -2).to(K.dtype)  # (B, Hkv, n, G)
@@ -609,11 +615,8 @@ class KVCache:
             sc[..., :n] = a.mean(-2)
         y = a.to(V.dtype) @ V.transpose(-1, -2)
         if self.memory and i == len(self.layer) - 1:
-            Scorer.settle(self.S, self.m, [torch.stack(x) for x in zip(*self.pending)])
+            self.policy.remember(self.S, self.m, *[torch.stack(x) for x in zip(*self.pending)], self.fold)
             self.pending.clear()
-            # and the next step's read is prepared now, while the states are in cache
-            if p + 1 >= self.window:
-                self.prepared = p + 1, self.prepare_read(p + 1 - self.window)
         return y.to(q.dtype).view(B, H * G, 1, D)  # (B, Hkv, G, D) -> (B, Hq, 1, D)
 
 

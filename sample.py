@@ -99,6 +99,7 @@ try:
             scorer = "out" if out else os.path.join("baby", "scorers", "recall-helpful", policy)
         pol = Scorer.from_pretrained(scorer).to(device)  # beside the model and its cache
         need(pol.kind == policy, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
+        need(not pol.arrival, f"--scorer {scorer} reads on arrival (the delay ablation): bench.py quality runs it")
         window = window or pol.window
     pol = pol if policy in SCORERS else policy
     rule = resolve(pol)[0]

@@ -136,7 +136,7 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
     # queries out of reach of a window at every budget
     far = (dist >= max(map(size, budgets)) - sinks)[tgt >= 0]
     # a learned scorer is named by its kind
-    name = lambda p: p if isinstance(p, str) else p.kind
+    name = lambda p: p if isinstance(p, str) else p.kind + " on arrival" * p.arrival
     runs = [("full", 1)] + [(p, b) for p in policies if p != "full" for b in budgets]
     hit, kl, rows = {r: [] for r in runs}, {r: [] for r in runs}, []
     # full-vocabulary log-probs of a chunk, then every run on it

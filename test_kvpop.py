@@ -4,6 +4,7 @@ checkpoint I/O."""
 
 import copy
 import http.server
+import itertools
 import importlib.util
 import json
 import math
@@ -703,29 +704,28 @@ def small_model(tmp_path_factory):
     return qwen3.Qwen3.from_pretrained(str(folder))
 
 
-@pytest.mark.parametrize("delayed", [False, True])
-def test_cache_victims_are_the_plain_rule_per_layer(small_model, delayed):
-    """KVCache.victims finds every layer's evicted slot at once (a decoding step's batching); the
-    rule, per layer, batch row and KV head by a plain loop (README, How it works): among the slots
-    past the sinks whose token is at most p - w (below it for a delayed scorer, which scores p - w
-    just then), the lowest (priority, position); ties in priority are many here."""
+def test_cache_victims_are_the_plain_rule_per_layer(small_model):
+    """KVCache.decide finds every layer's evicted slot at once (a decoding step's batching); the rule, per layer,
+    batch row and KV head by a plain loop (README, How it works): among the slots past the sinks whose token is at
+    most p - w, the lowest (priority, position); ties in priority are many here (h2o: no priority is given at
+    p - w, the scores set here stay)."""
     g = torch.Generator().manual_seed(3)
-    cache = kvpop.KVCache(small_model, 2, 40, "streaming", sinks=3, window=8)
-    cache.delayed = delayed
+    cache = kvpop.KVCache(small_model, 2, 40, "h2o", sinks=3, window=8)
     L, B, H, S = cache.pos.shape
     for p in (60, 77, 200):
         cache.pos.copy_(torch.stack([torch.randperm(p - 9, generator=g)[:S] for _ in range(L * B * H)]).view(L, B, H, S))
         cache.score.copy_(torch.randint(0, 4, (L, B, H, S), generator=g).float())
-        # the lowest priorities on a sink and on token p - w: the rule must pass over them as it should
-        cache.score[..., 0], cache.score[..., -1], cache.pos[..., -1] = -2.0, -1.0, p - 8
-        slots, least = cache.victims(p)
+        # the lowest priorities on a sink and on token p - w + 1: the rule must pass over them
+        cache.score[..., 0], cache.score[..., -1], cache.pos[..., -1] = -2.0, -1.0, p - 7
+        cache.score[..., -2], cache.pos[..., -2] = -0.5, p - 8  # token p - w: eligible
+        slots = cache.decide(p)
         for i in range(L):
             for b in range(B):
                 for h in range(H):
                     pos, score = cache.pos[i, b, h].tolist(), cache.score[i, b, h].tolist()
-                    pool = [j for j in range(3, S) if pos[j] <= p - 8 - delayed]
+                    pool = [j for j in range(3, S) if pos[j] <= p - 8]
                     want = min(pool, key=lambda j: (score[j], pos[j]))
-                    assert slots[i][b, h, 0].item() == want and least[i][b, h, 0].item() == score[want]
+                    assert slots[i, b, h, 0].item() == want
 
 
 @pytest.mark.parametrize("policy", ["streaming", "knorm", "random", "oracle"])
@@ -2152,13 +2152,12 @@ def test_generate_stops_each_sequence(monkeypatch, stop):
 # prefill equals token-by-token decoding, for every policy
 
 
-def _scorers(config, window):
+def _scorers(config, window):  # every kind (kvpop-window reads the w - 1 tokens after t: w >= 2)
     torch.manual_seed(0)
     return [
         kvpop.Scorer(config, "kvpop", window, d_mem=8),
         kvpop.Scorer(config, "kvpop-mlp", window, d_hidden=16),
-        kvpop.Scorer(config, "kvpop-window", window, d_hidden=16),
-    ]
+    ] + ([kvpop.Scorer(config, "kvpop-window", window, d_hidden=16)] if window >= 2 else [])
 
 
 def _held(cache):  # positions held per (layer, row, head), sorted, and the scores in that order
@@ -2212,35 +2211,48 @@ def test_scorer_parallel_equals_recurrent(chunk):
     k, v, pos = torch.randn(B, H, T, 16) * 3, torch.randn(B, H, T, 16), torch.arange(T)
     mem = []
     pi = [s(i, k, v, pos, mem) for i in range(2)]  # parallel form, each layer
-    # S = [C; n], m per layer
-    S, m, rec = torch.zeros(2, B, H, 13, 12), torch.full((2, B, H), -math.inf), [[], []]
-    for q in range(T):  # recurrent form: read token q - w with the memory that took token q
-        upd = [s.step(i, m[i][..., None, None], k[:, :, q : q + 1], v[:, :, q : q + 1], s.folded()) for i in range(2)]
-        # every layer's recall at once, as the cache makes it (each layer here reads the same k, v)
-        if q >= w:
-            # (L, B, H, 1, D)
-            x = [y[:, :, q - w : q - w + 1].expand(2, -1, -1, -1, -1) for y in (k, v)]
-            rd = s.prepare_read(S, *x, q - w, s.folded())
-            for i in range(2):
-                # rd: lists per layer
-                rec[i].append(s.read(i, upd[i], *[y[i] for y in rd], s.folded()))
-        for i in range(2):
-            s.settle(S[i], m[i], upd[i])
+    # S = [C; n], m of both layers
+    S, m, rec, fold = torch.zeros(2, B, H, 13, 12), torch.full((2, B, H), -math.inf), [], s.folded()
+    each = lambda y, q: y[:, :, q : q + 1].expand(2, -1, -1, -1, -1)  # (L, B, H, 1, D): each layer reads the same
+    for q in range(T):  # recurrent form: token q - w + 1 is read from the memory that took tokens up to q
+        s.remember(S, m, each(k, q), each(v, q), fold)
+        if q >= w - 1:
+            rec.append(s.read(S, m, each(k, q - w + 1), each(v, q - w + 1), q - w + 1))
+    rec = torch.cat(rec, -1)  # (L, B, H, T - w + 1)
     for i in range(2):
-        assert (torch.cat(rec[i], -1) - pi[i][..., : T - w]).abs().max().item() <= 1e-5
+        assert (rec[i] - pi[i][..., : T - w + 1]).abs().max().item() <= 1e-5
         assert all((x - y).abs().max().item() <= 1e-5 for x, y in zip(mem[i], (S[i], m[i])))
+
+
+def _ref_head(P, h, x, z, t):
+    """The read-out every scorer kind shares (README, Method: scorers), one token: r = w_2 . silu(W_1 [x; z] + b_1) +
+    b_2, plus the recency term softplus(theta) t."""
+    hid = torch.nn.functional.silu(torch.cat([x, z]) @ P["w1"][h] + P["b1"][h])
+    return hid @ P["w2"][h] + P["b2"][h] + torch.nn.functional.softplus(P["theta"][h]) * t
+
+
+def _ref_mlp_scores(s, i, k, v):
+    """kvpop-mlp from its definition, token by token in fp64: r = head(x_t, nothing) + softplus(theta) t."""
+    P = {name: p[i].double() for name, p in s.named_parameters()}
+    x = torch.cat([k, v], -1).double()
+    x = x / (x.pow(2).mean(-1, keepdim=True) + kvpop.EPS).sqrt()
+    (B, H, T, X) = x.shape
+    r = torch.zeros(B, H, T, dtype=torch.float64)
+    for b, h, t in itertools.product(range(B), range(H), range(T)):
+        r[b, h, t] = _ref_head(P, h, x[b, h, t], torch.zeros(0, dtype=torch.float64), t)
+    return r
 
 
 def _ref_mlstm_scores(s, i, k, v):
     """kvpop from the README's equations, token by token in fp64, unstabilised: x = rms([k; v]); the
     memory reads every token q, C = f C + i v' k'^T, n = f n + i k' (k' = W_k x / sqrt(M), v' = W_v
-    x, i = exp(w_i . x + b_i), f = sigmoid(w_f . x + b_f)); token t is read at q = min(t + w, T - 1)
-    with u = W_r x_t: h = C u / max(|n . u|, 1), r = w_o . rms(h) + w_s . x_t + b + softplus(theta)
-    t. -> (B, H, T)."""
+    x, i = exp(w_i . x + b_i), f = sigmoid(w_f . x + b_f)); token t is read at q = min(t + w - 1, T - 1), the
+    last query before it leaves the window (on arrival: q = t), with u = W_r x_t: h = C u / max(|n . u|, 1), r =
+    head(x_t, rms(h)) + softplus(theta) t. -> (B, H, T)."""
     P = {name: p[i].double() for name, p in s.named_parameters()}
     x = torch.cat([k, v], -1).double()
     x = x / (x.pow(2).mean(-1, keepdim=True) + kvpop.EPS).sqrt()
-    (B, H, T, X), M, w = x.shape, s.d_mem, s.window
+    (B, H, T, X), M, w = x.shape, s.d_mem, 0 if s.arrival else s.window - 1
     r = torch.zeros(B, H, T, dtype=torch.float64)
     for b in range(B):
         for h in range(H):
@@ -2257,30 +2269,34 @@ def _ref_mlstm_scores(s, i, k, v):
                     u = x[b, h, t] @ P["wr"][h]
                     hv = C @ u / torch.clamp((n @ u).abs(), min=1.0)
                     hv = hv / (hv.pow(2).mean() + kvpop.EPS).sqrt()
-                    r[b, h, t] = (
-                        hv @ P["wo"][h]
-                        + x[b, h, t] @ P["ws"][h]
-                        + P["b"][h]
-                        + torch.nn.functional.softplus(P["theta"][h]) * t
-                    )
+                    r[b, h, t] = _ref_head(P, h, x[b, h, t], hv, t)
     return r
 
 
-def test_mlstm_scorer_equals_its_equations(small_model):
+@pytest.mark.parametrize("arrival", [False, True])
+def test_mlstm_scorer_equals_its_equations(small_model, arrival):
     """kvpop's parallel form (one chunk, several) and the scores the evicting cache gives each token
     as it leaves the window (the recurrent form: stabilised, RMS folded into the projection, read
-    before the state is formed), against the README's equations token by token."""
+    before the state is formed), against the README's equations token by token. Read on arrival (the
+    delay ablation): the parallel form, the only one it has."""
     torch.manual_seed(3)
     w, T = 7, 40
-    s = kvpop.Scorer(small_model.config, "kvpop", w, d_mem=8)
+    s = kvpop.Scorer(small_model.config, "kvpop", w, d_mem=8, d_hidden=8, arrival=arrival)
     with torch.no_grad():  # gates that matter: input gates over e^-4..e^4, forget gates far from 1
         s.wi.mul_(2), s.bf.fill_(1.0)
-    _check_scorer_against(small_model, s, _ref_mlstm_scores, T, seed=6, tol=1e-4)
+    _check_scorer_against(small_model, s, _ref_mlstm_scores, T, seed=6, tol=1e-4, cache=not arrival)
 
 
-def _check_scorer_against(small_model, s, ref, T, seed, tol):
-    """A delayed scorer's parallel form (one chunk, several, chunks shorter than the window) and the scores the
-    evicting cache gives each token as it leaves the window, against ref(s, i, k, v) -> (B, H, T)."""
+def test_mlp_scorer_equals_its_definition(small_model):
+    """kvpop-mlp, the shared read-out with nothing read, in the masked pass and in the cache (on arrival)."""
+    torch.manual_seed(5)
+    s = kvpop.Scorer(small_model.config, "kvpop-mlp", 7, d_hidden=8)
+    _check_scorer_against(small_model, s, _ref_mlp_scores, 40, seed=6, tol=1e-5)
+
+
+def _check_scorer_against(small_model, s, ref, T, seed, tol, cache=True):
+    """A scorer's parallel form (one chunk, several, chunks shorter than the window) and the scores the evicting
+    cache gives each token as it leaves the window (or on arrival), against ref(s, i, k, v) -> (B, H, T)."""
     w = s.window
     idx = torch.randint(0, 384, (2, T), generator=torch.Generator().manual_seed(seed))
     kv = kvpop.dense_targets(small_model, idx, w)[0]
@@ -2289,6 +2305,8 @@ def _check_scorer_against(small_model, s, ref, T, seed, tol):
         for chunk in (128, 16, 5):
             s.chunk = chunk
             assert (s(i, k, v, torch.arange(T)).double() - want).abs().max().item() <= tol, chunk
+    if not cache:
+        return
     # room for all: every token stays in its slot t
     cache = kvpop.KVCache(small_model, 2, T, s, 4, w)
     for t in range(T):
@@ -2300,14 +2318,14 @@ def _check_scorer_against(small_model, s, ref, T, seed, tol):
 
 def _ref_window_scores(s, i, k, v):
     """kvpop-window from its definition (README, Method: scorers), token by token in fp64: x =
-    rms([k; v]); read a of token t attends over o = 1..min(n, T - 1 - t), n = min(w, ahead), with
+    rms([k; v]); read a of token t attends over o = 1..min(n, T - 1 - t), n = min(w - 1, ahead), with
     logits (W_q x_t)_a . (W_k x_{t+o})_a / sqrt(d) + b_a[o] and pools z_a = sum_o softmax * (W_v
     x_{t+o})_a (zeros with nothing after t); r = w_2 . silu(W_1 [x_t; z] + b_1) + b_2 +
     softplus(theta) t. k, v (B, H, T, D) -> (B, H, T)."""
     P = {name: p[i].double() for name, p in s.named_parameters()}
     x = torch.cat([k, v], -1).double()
     x = x / (x.pow(2).mean(-1, keepdim=True) + kvpop.EPS).sqrt()
-    (B, H, T, X), A, d, n = x.shape, s.reads, s.d_key, min(s.window, s.ahead)
+    (B, H, T, X), A, d, n = x.shape, s.reads, s.d_key, min(s.window - 1, s.ahead)
     r = torch.zeros(B, H, T, dtype=torch.float64)
     for b in range(B):
         for h in range(H):
@@ -2328,8 +2346,7 @@ def _ref_window_scores(s, i, k, v):
                     )
                     p = logit.softmax(0)
                     z.append(sum((p[j] * (x[b, h, t + o] @ wv) for j, o in enumerate(after)), torch.zeros(d)))
-                hid = torch.nn.functional.silu(torch.cat([x[b, h, t], *z]) @ P["w1"][h] + P["b1"][h])
-                r[b, h, t] = hid @ P["w2"][h] + P["b2"][h] + torch.nn.functional.softplus(P["theta"][h]) * t
+                r[b, h, t] = _ref_head(P, h, x[b, h, t], torch.cat(z), t)
     return r
 
 
@@ -2419,6 +2436,8 @@ def test_every_scorer_online_equals_masked_on_every_shape(model_fp64, kind):
     idx = torch.randint(0, 300, (2, 230), generator=torch.Generator().manual_seed(11))
     evicted = 0
     for n, (w, sinks, b, T, gamma) in enumerate(_sweep()):
+        if kind == "kvpop-window" and w < 2:  # it reads the w - 1 tokens after t
+            continue
         torch.manual_seed(7 + n)
         s = kvpop.Scorer(model_fp64.config, kind, w, d_mem=16, d_hidden=32, gamma=gamma)
         with torch.no_grad():
@@ -2434,12 +2453,12 @@ def test_every_scorer_online_equals_masked_on_every_shape(model_fp64, kind):
 
 
 def test_delayed_scorer_ties_evict_the_older_token(small_model):
-    """Every priority equal (w_o = w_s = 0, softplus(theta) t lost to rounding): the older token
+    """Every priority equal (w_2 = 0, softplus(theta) t lost to rounding): the older token
     goes, so the pool is StreamingLLM's. The cache compares the newly read token with the rest of
     the pool; a tie must not evict it."""
     s = _scorers(small_model.config, 8)[0]
     with torch.no_grad():
-        s.wo.zero_(), s.ws.zero_(), s.b.fill_(0.5), s.theta.fill_(-100.0)
+        s.w2.zero_(), s.b2.fill_(0.5), s.theta.fill_(-100.0)
     idx = torch.randint(0, 384, (2, 90), generator=torch.Generator().manual_seed(5))
     a, b = (kvpop.KVCache(small_model, 2, 40, s, 4, 8), kvpop.KVCache(small_model, 2, 40, "streaming", 4, 8))
     for t in range(90):
@@ -2576,7 +2595,7 @@ def test_boundary_labels_equal_brute_force():
         pi = torch.randint(0, 6, (2, 3, T), generator=g).float()  # few values: many ties
         e = kernels.eviction_times(pi, sinks, window, k)
         q = torch.arange(sinks + window + k, T)
-        y, bnd = train.boundary(pi, e, q, sinks, window)
+        y, bnd = kvpop.boundary(pi, e, q, sinks, window)
         for b in range(2):
             for h in range(3):
                 want = _simulate_boundary(pi[b, h].tolist(), sinks, window, k, T)
@@ -2633,8 +2652,16 @@ def _ref_boundary_loss(pi, r, gamma, sinks, window, k):
     return loss, acc, pairs
 
 
+def _ref_edges_loss(pi, r, gamma, sinks, window, pool, edges=3):
+    """train.py's loss by default (README, Method: boundary loss): the mean of _ref_boundary_loss over the pools
+    pool, pool // 2, pool // 4, ... (edges of them, at least 1 token each, each once) -> (loss, accuracy)."""
+    pools = sorted({max(pool // 2**j, 1) for j in range(edges)}, reverse=True)
+    each = [_ref_boundary_loss(pi, r, gamma, sinks, window, p)[:2] for p in pools]
+    return sum(x for x, _ in each) / len(pools), sum(a for _, a in each) / len(pools)
+
+
 def test_boundary_loss_equals_its_definition():
-    """train.boundary_loss on fixed priorities, target and theta: the loss and its gradient equal
+    """train.scorer_loss (kvpop.boundary_loss per layer) on fixed priorities, target and theta: the loss and its gradient equal
     the definition's (a flipped sign, the teacher without gamma_h t, or unbalanced weights fail),
     and one small gradient step moves pi[t_new] - pi[t_bnd] up wherever the teacher keeps t_new and
     down wherever it drops it."""
@@ -2646,7 +2673,7 @@ def test_boundary_loss_equals_its_definition():
         # gamma_h 0.08..0.2 a step: the recency term reorders the teacher
         theta = torch.rand(L, H, generator=g) - 2.5
         s, kv, q = _FixedScorer(pi, theta), [(None, None)] * L, torch.arange(sinks + window + k, T)
-        loss, acc = train.boundary_loss(s, kv, list(r), q, sinks, window, k)
+        loss, acc = train.scorer_loss(s, kv, list(r), [q], sinks, window, [k])
         ref_pi = pi.clone().requires_grad_(True)
         ref, _, pairs = _ref_boundary_loss(ref_pi, r, torch.nn.functional.softplus(theta), sinks, window, k)
         ref.backward()
@@ -2660,7 +2687,7 @@ def test_boundary_loss_equals_its_definition():
         # each pair alone
         q1 = torch.tensor([T - 1])
         s = _FixedScorer(pi, theta)
-        train.boundary_loss(s, kv, list(r), q1, sinks, window, k)
+        train.scorer_loss(s, kv, list(r), [q1], sinks, window, [k])
         step = pi - 0.1 * s.pi.grad
         for i, b, h, qq, kept, bnd in [p for p in pairs if p[3] == T - 1]:
             t = qq - window
@@ -2676,8 +2703,8 @@ def test_boundary_loss_accuracy_is_the_balanced_one():
     g = torch.Generator().manual_seed(1)
     pi, r, theta = (torch.randn(2, 2, 2, 60, generator=g), torch.randn(2, 2, 2, 60, generator=g), torch.zeros(2, 2))
     with torch.no_grad():
-        _, acc = train.boundary_loss(
-            _FixedScorer(pi, theta), [(None, None)] * 2, list(r), torch.arange(14, 60), 2, 8, 4
+        _, acc = train.scorer_loss(
+            _FixedScorer(pi, theta), [(None, None)] * 2, list(r), [torch.arange(14, 60)], 2, 8, [4]
         )
     _, ref, _ = _ref_boundary_loss(pi, r, torch.nn.functional.softplus(theta), 2, 8, 4)
     assert abs(acc - ref) <= 1e-6, (acc, ref)
@@ -2700,7 +2727,7 @@ def test_finetune_loss_is_the_kl_to_the_teachers_top_k_under_eviction(baby):
     budget, sinks, window, K = 0.5, 4, 32, 256
     B, pool = kvpop.budget_size(budget, 128, sinks, window, kvpop.state_charge(scorer, torch.float32))
     kl = train.finetune_loss(
-        student, net, scorer, idx, torch.arange(sinks + window + pool, 128), sinks, window, pool, K
+        student, net, scorer, idx, [torch.arange(sinks + window + pool, 128)], sinks, window, pool, [pool], K
     )[0]
     with torch.no_grad():
         top = net(idx).float().topk(K, -1)
@@ -2923,7 +2950,7 @@ def test_train_first_step_loss_is_the_definitions(tmp_path, baby, task, target):
     pool = kvpop.budget_size(0.375, 128, 4, 16)[1]
     with torch.no_grad():
         pi = torch.stack([s(i, k, v, torch.arange(128)) for i, (k, v) in enumerate(kv)])
-    ref = _ref_boundary_loss(pi, torch.stack(rs), torch.nn.functional.softplus(s.theta), 4, 16, pool)[0].item()
+    ref = _ref_edges_loss(pi, torch.stack(rs), torch.nn.functional.softplus(s.theta), 4, 16, pool)[0].item()
     assert abs(printed - ref) <= 2e-6, (printed, ref)
 
 
@@ -3556,3 +3583,272 @@ def test_readme_real_qwen3_commands_on_a_local_cache(tmp_path):
     out = [_run_readme(c, extra, tmp_path, tmp_path, env).stdout for c, extra in README_QWEN.items()]
     assert "tokens/s" in out[0] and "saved out/" in out[1]
     assert "policy kvpop-window (out)" in out[2] and (tmp_path / "out" / "scorer.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tests for what an audit broke on purpose ([16/19])
+
+
+def _ref_future_target(q, k, lse, window, reduce, P=None):
+    """r*[h, t] from its definition (README, Method: future attention), materialised in fp64: p[d, t] = exp(q_d .
+    k_t / sqrt(D) - lse[d]) with lse the pass's own normaliser; A[t] the mean (or max) over d >= t + w of p[d, t],
+    helpful: the max of P[d] p[d, t] (P (B, T)); r* = max over h's query heads of log(1e-6 + A); -inf where t + w >=
+    T. -> (B, Hkv, T) fp64."""
+    (B, Hq, T, D), H = q.shape, k.shape[1]
+    s = q.double() @ k.double().repeat_interleave(Hq // H, 1).mT / math.sqrt(D)
+    p = (s - lse.double()[..., None]).exp()  # (B, Hq, T queries, T keys)
+    if P is not None:
+        p = p * P.double()[:, None, :, None]
+    d, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    p = p * (d >= t + window)
+    A = p.sum(-2) / (T - window - torch.arange(T)).clamp(min=1) if reduce == "mean" else p.amax(-2)
+    r = torch.log(1e-6 + A).view(B, H, Hq // H, T).amax(2)
+    r[..., T - window :] = -math.inf
+    return r
+
+
+def _ref_pass(model, idx, visible):
+    """model on idx with every layer's attention the fp64 softmax over visible(i, k, v) -> (B, Hkv, T, T) bool ->
+    logits, and per layer (q, k, v, lse) with lse (B, Hq, T) the log normaliser over the visible keys."""
+    seen = []
+
+    def attn(i, q, k, v, pos):
+        m = visible(i, k, v)
+        y, _ = _ref_attention(q, k, v, m)
+        G = q.shape[1] // k.shape[1]
+        s = q.double() @ k.double().repeat_interleave(G, 1).mT / math.sqrt(q.shape[-1])
+        seen.append((q, k, v, s.masked_fill(~m.repeat_interleave(G, 1), -math.inf).logsumexp(-1)))
+        return y
+
+    with torch.no_grad():
+        return model(idx, attn=attn), seen
+
+
+def _next_token_p(logits, idx):  # P[d] = P(idx[d + 1] | idx[..d]) from logits, 0 at the last position
+    P = logits.double().softmax(-1)[:, :-1].gather(-1, idx[:, 1:, None])[..., 0]
+    return torch.cat([P, P.new_zeros(len(idx), 1)], 1)
+
+
+def test_finetune_boundary_loss_is_on_the_helpful_target_under_the_students_eviction(baby, monkeypatch):
+    """train.finetune_loss's boundary loss (--target helpful) against _ref_boundary_loss on targets made here from
+    the definition: the student's evicting pass (the scorer's priorities, eviction by _k_simulate, fp64 softmax over
+    what stays visible), each query's attention weighted by P(next token) from the dense teacher."""
+    import train
+
+    monkeypatch.setattr(train, "target", "helpful")
+    net, tok = baby
+    T, sinks, window, budget = 128, 4, 16, 0.375
+    idx = tasks.task_batch(tok, 2, T, random.Random("finetune-target"))[0]
+    student = copy.deepcopy(net).train()
+    with torch.no_grad():  # a student that differs from its teacher
+        for p in student.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
+    torch.manual_seed(4)
+    scorer = kvpop.Scorer(net.config, "kvpop-window", window, d_hidden=16)
+    pool = kvpop.budget_size(budget, T, sinks, window)[1]
+    qpos = torch.arange(sinks + window + pool, T)
+    _, loss, _ = train.finetune_loss(student, net, scorer, idx, [qpos], sinks, window, pool, [pool], 256)
+    d, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
+
+    def visible(i, k, v):  # the student's eviction: the scorer's priorities, the online pool simulated
+        with torch.no_grad():
+            e = _k_simulate(scorer(i, k, v, torch.arange(T)), sinks, window, pool)
+        return (t <= d) & ((t < sinks) | (d < e[..., None, :]))
+
+    _, seen = _ref_pass(student, idx, visible)
+    with torch.no_grad():
+        P = _next_token_p(net(idx), idx)  # the dense teacher's
+        pi = torch.stack([scorer(i, k, v, torch.arange(T)) for i, (_, k, v, _) in enumerate(seen)])
+    targets = lambda P: torch.stack([_ref_future_target(q, k, lse, window, "max", P) for q, k, _, lse in seen])
+    gamma = torch.nn.functional.softplus(scorer.theta.detach())
+    ref = _ref_boundary_loss(pi, targets(P).float(), gamma, sinks, window, pool)[0].item()
+    # the test tells P from 1 / P (a wrong sign of log P)
+    inv = _ref_boundary_loss(pi, targets(1 / P.clamp(min=1e-30)).float(), gamma, sinks, window, pool)[0].item()
+    assert abs(loss - ref) <= 1e-5 * max(1.0, ref), (loss, ref, inv)
+    assert abs(inv - ref) > 1e-3, (inv, ref)
+
+
+def test_quality_runs_take_full_from_the_reference_model(baby):
+    """tasks.quality_runs with ref (a fine-tuned net's dense start): the full row and every KL come from ref's
+    dense pass (README, Results: KL(full || policy)), the policy row from net under streaming, here by its mask
+    (the sinks and the last S - sinks tokens) and an fp64 softmax."""
+    net, tok = baby
+    ref = copy.deepcopy(net)
+    with torch.no_grad():  # a dense start that differs from the net evaluated
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7 + p.numel())) * 0.05)
+    idx, tgt, dist = seqs = tasks.task_batch(tok, 2, 256, random.Random("quality-ref"))
+    rows = tasks.quality_runs(net, *seqs, ["streaming"], [0.25], 4, 32, ref=ref)[0]
+    T, S, m = 256, 64, tgt >= 0
+    d, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    stream = (t <= d) & ((t < 4) | (t > d - (S - 4)))
+    with torch.no_grad():
+        full, own = ref(idx).double().log_softmax(-1), net(idx).double().log_softmax(-1)
+    lp = _ref_pass(net, idx, lambda i, k, v: stream.expand(2, k.shape[1], T, T))[0].double().log_softmax(-1)
+    hit = lambda x: (x.argmax(-1)[m] == tgt[m]).double()
+    far = dist[m] >= S - 4
+    kl = lambda a, b: (a.exp() * (a - b)).sum(-1)[:, S:].mean().item()
+    acc, acc_full = hit(lp).mean().item(), hit(full).mean().item()
+    want = {
+        "full": (acc_full, hit(full)[far].mean().item(), 1.0, 0.0),
+        "streaming": (acc, hit(lp)[far].mean().item(), acc / acc_full, kl(full, lp)),
+    }
+    assert [r["policy"] for r in rows] == ["full", "streaming"]
+    for r in rows:
+        got = (r["accuracy"], r["far_accuracy"], r["relative"], r["kl"])
+        assert all(abs(x - y) <= 5.1e-5 for x, y in zip(got, want[r["policy"]])), (r, want[r["policy"]])
+    # the test tells ref's dense pass from net's
+    assert abs(kl(full, lp) - kl(own, lp)) > 1e-3, (kl(full, lp), kl(own, lp))
+
+
+def test_recall_score_equals_its_definition_on_random_words():
+    """tasks.recall_score against _ref_recall on 400 random word sequences over a few keys, values, fillers and
+    `no`: bindings only by `key value` (a value, not any word), distractors skipped, counting from start."""
+    words = tasks.KEYS[:3] + tasks.VALUES[:3] + tasks.FILLERS[:2] + [tasks.MARK]
+    rng, rebound = random.Random(11), 0
+    for _ in range(400):
+        seq = [rng.choice(words) for _ in range(rng.randint(2, 30))]
+        start = rng.randint(0, len(seq))
+        assert tasks.recall_score(seq, start) == _ref_recall(seq, start), (seq, start)
+        # a bound key followed by a word that is no value: a binding the definition does not make
+        rebound += any(a in tasks.KEYS and b not in tasks.VALUES for a, b in zip(seq, seq[1:]))
+    assert rebound > 100
+
+
+def test_flags_read_booleans_in_any_case():
+    """A boolean flag takes true/yes/1 and false/no/0 in any case (flags.KINDS: `true or false`): --finetune True,
+    --finetune=FALSE, Yes, nO; anything else is one line naming the flag."""
+    for val, want in [("True", True), ("FALSE", False), ("Yes", True), ("nO", False), ("TRUE", True), ("0", False)]:
+        for argv in (["--finetune", val], [f"--finetune={val}"]):
+            g = dict(finetune=not want, __file__=os.path.join(HERE, "train.py"))
+            assert flags.configure(g, argv) == {"finetune"} and g["finetune"] is want, (argv, g["finetune"])
+    with pytest.raises(SystemExit, match="--finetune 'Truth' is not true or false"):
+        flags.configure(dict(finetune=False, __file__=os.path.join(HERE, "train.py")), ["--finetune", "Truth"])
+
+
+def test_pretrain_step_gradient_is_the_definitions_loss(baby, tmp_path, monkeypatch):
+    """pretrain.py's first step (in-process, a tiny run at --seq_len 64): the gradient its loss sends to the logits
+    equals that of the loss written here from its definition (README, The baby): the mean next-token cross entropy
+    over every position, plus --answer_weight x its mean over the answer positions, the keys q (tgt[q] >= 0) at
+    which the next token idx[q + 1] is the recalled value."""
+    import runpy
+
+    tok, w = baby[1], 4.0
+    argv = ["pretrain.py", "--out_dir", str(tmp_path / "o"), "--seq_len", "64", "--tokens", "256", "--final_steps", "1"]
+    monkeypatch.setattr(sys, "argv", argv + ["--answer_weight", str(w), "--final_tasks", "recall"])
+    g = runpy.run_path(os.path.join(HERE, "pretrain.py"), run_name="pretrain_under_test")
+    model = g["init_baby"]()
+    seen = {}
+
+    def hook(module, args, out):  # the step's logits, and the gradient its loss sends them
+        seen["idx"], seen["logits"] = args[0], out
+        out.register_hook(lambda grad: seen.__setitem__("grad", grad))
+
+    model.register_forward_hook(hook)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert g["train_steps"](model, tok, torch.optim.AdamW(params, lr=1e-3), params) == 1
+    idx, tgt, _ = tasks.task_batch(tok, 4, 64, random.Random("train-0"), keys=8)
+    assert torch.equal(seen["idx"], idx)
+    answers = [(b, q) for b in range(4) for q in range(63) if tgt[b, q] >= 0]
+    assert answers and all(idx[b, q + 1] == tgt[b, q] for b, q in answers)
+    x = seen["logits"].detach().requires_grad_(True)
+    ce = -x.float().log_softmax(-1)[:, :-1].gather(-1, idx[:, 1:, None])[..., 0]  # ce[b, q]: position q's next token
+    loss = ce.mean() + w * torch.stack([ce[b, q] for b, q in answers]).mean()
+    (want,) = torch.autograd.grad(loss, x)
+    err, top = (seen["grad"].float() - want.float()).abs().max().item(), want.float().abs().max().item()
+    assert err <= 1e-2 * top, (err, top)
+
+
+def test_train_on_text_holds_out_the_boundary_loss_of_its_target(tmp_path, baby):
+    """train.py --data FOLDER --target max, one step: the held-out line's boundary loss and keep/drop accuracy equal
+    _ref_boundary_loss of the saved scorer on the last packed sequence, its teacher the frozen model's max future
+    attention made here from a dense fp64 pass (README, Method: future attention, boundary loss)."""
+    net, tok = baby
+    rng = random.Random(3)
+    text = " ".join(rng.choice(tasks.KEYS + tasks.VALUES + tasks.FILLERS) for _ in range(700))
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text(text)
+    T, sinks, window, budget = 128, 4, 16, 0.375
+    r = run(
+        "train.py", "--out_dir", str(tmp_path / "o"), "--data", str(tmp_path / "texts"), "--target", "max",
+        "--max_iters", "1", "--batch_size", "2", "--seq_len", str(T), "--window", str(window),
+        "--budget", str(budget), "--eval_seqs", "1", "--d_hidden", "16",
+    )
+    assert r.returncode == 0, r.stderr
+    loss, acc = map(float, re.search(r"held-out boundary loss (\S+), keep/drop accuracy (\d\.\d+)", r.stdout).groups())
+    ids = tok.encode(text) + [tok.special["<|endoftext|>"]]
+    n = len(ids) // T
+    held = torch.tensor(ids[(n - 1) * T : n * T])[None]  # --eval_seqs 1: the last packed sequence is held out
+    scorer = kvpop.Scorer.from_pretrained(tmp_path / "o")
+    d, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    _, seen = _ref_pass(net, held, lambda i, k, v: (t <= d).expand(len(held), k.shape[1], T, T))
+    with torch.no_grad():
+        pi = torch.stack([scorer(i, k, v, torch.arange(T)) for i, (_, k, v, _) in enumerate(seen)])
+    gamma, pool = torch.nn.functional.softplus(scorer.theta.detach()), kvpop.budget_size(budget, T, sinks, window)[1]
+    ref = {
+        reduce: _ref_edges_loss(
+            pi, torch.stack([_ref_future_target(q, k, lse, window, reduce) for q, k, _, lse in seen]).float(),
+            gamma, sinks, window, pool,
+        )
+        for reduce in ("max", "mean")
+    }
+    ref = {reduce: (x.item(), a) for reduce, (x, a) in ref.items()}
+    assert abs(loss - ref["max"][0]) <= 1e-4 and abs(acc - ref["max"][1]) <= 1e-3, (loss, acc, ref)
+    # the test tells the targets apart
+    assert abs(ref["max"][0] - ref["mean"][0]) > 1e-3, ref
+
+
+def _sample_1thread(*args):
+    """sample.py with one CPU thread (on the shared 2-core machine, 10x faster than two for the baby)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "sample.py", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def _printed_samples(stdout, prompt):  # the words of each sample sample.py printed after the prompt
+    texts = [t.split("\n---\n")[0].split() for t in stdout.split("=" * 80)[:-1]]
+    assert texts and all(t[: len(prompt)] == prompt for t in texts)
+    return [t[len(prompt) :] for t in texts]
+
+
+def _scoreboard(stdout):
+    return {p: (int(a), int(n)) for p, a, n in re.findall(r"^recall (\S+) \S+: (\d+)/(\d+)$", stdout, re.M)}
+
+
+def test_sample_scoreboard_counts_from_the_first_sampled_word():
+    """python sample.py --num_samples 20 --max_new_tokens 2 (full cache): the scoreboard's R/N is _ref_recall of the
+    printed samples counted from the first sampled word, and some sample begins with a key the prompt bound, so a
+    count that starts a word late differs."""
+    r = _sample_1thread("--num_samples", "20", "--max_new_tokens", "2")
+    prompt = open(os.path.join(HERE, "baby", "prompt.txt"), encoding="utf-8").read().split()
+    samples = _printed_samples(r.stdout, prompt)
+    ref = [_ref_recall(prompt + s, len(prompt)) for s in samples]
+    assert len(samples) == 20 and _scoreboard(r.stdout) == {"full": tuple(map(sum, zip(*ref)))}
+    # the sample's first word: a key bound in the prompt, then a word after it
+    bound = {a for a, b in zip(prompt, prompt[1:]) if a in tasks.KEYS and b in tasks.VALUES}
+    assert any(len(s) == 2 and s[0] in bound for s in samples), samples
+
+
+def test_sample_scoreboard_streaming_row_keeps_all_s_entries(tmp_path):
+    """sample.py --scorer (an mLSTM kvpop scorer whose state takes 33 entries) --budget 80: the scoreboard's streaming
+    row is streaming sampled with all S = 80 entries (it keeps no state), i.e. _ref_recall of the samples that
+    sample.py --policy streaming prints with the same prompt, seed and budget."""
+    torch.manual_seed(0)
+    config = qwen3.Qwen3Config.from_json(os.path.join(HERE, "baby", "config.json"))
+    s = kvpop.Scorer(config, "kvpop", 32, d_mem=64, d_hidden=16)
+    assert s.charge(torch.float32) == 33
+    s.save_pretrained(tmp_path / "sc")
+    # the recall prompt's first 70 words (the file starts with a space): its keys bound, little to prefill
+    prompt = open(os.path.join(HERE, "baby", "prompt.txt"), encoding="utf-8").read().split(" ")[:71]
+    (tmp_path / "p.txt").write_text(" ".join(prompt))
+    common = ["--prompt", f"FILE:{tmp_path / 'p.txt'}", "--num_samples", "2", "--max_new_tokens", "48"]
+    board = _scoreboard(_sample_1thread("--scorer", str(tmp_path / "sc"), "--budget", "80", *common).stdout)
+    words, ref = " ".join(prompt).split(), {}
+    for S in (80, 80 - 33):  # all S entries; and S - 33, the kvpop scorer's entries
+        r = _sample_1thread("--policy", "streaming", "--budget", str(S), *common)
+        assert f"KV cache: {S} entries kept per head of" in r.stdout
+        ref[S] = tuple(map(sum, zip(*(_ref_recall(words + s, len(words)) for s in _printed_samples(r.stdout, words)))))
+    assert list(board) == ["kvpop", "full", "streaming"] and board["streaming"] == ref[80], (board, ref)
+    assert ref[80] != ref[80 - 33]  # the test tells the two apart

@@ -58,13 +58,16 @@ kind = "kvpop-window"  # delayed: kvpop-window (reads its window), kvpop (mLSTM)
 d_mem = 16  # kvpop: memory d_mem x d_mem; sets the state charge (3 entries on the baby)
 d_hidden = 64  # kvpop-mlp, kvpop-window: hidden width
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
+arrival = False  # kvpop: read each token on arrival, not as it leaves the window (the delay ablation)
+init_from = ""  # a trained scorer's folder to start from (its sizes), e.g. --finetune from a frozen run
 target = "helpful"  # the teacher: helpful or max (ours), mean (the paper's) future attention past the window
 # --- data
 data = "baby"  # baby: a baby task (tasks.py); else .txt/.jsonl files (folder, glob), packed
 task = "recall"  # --data baby: recall, or cue (distractors only the next word marks)
 keys = 8  # --data baby: keys per sequence
 seq_len = 512  # tokens per sequence
-queries = 0  # query positions per sequence in the loss, drawn at random (0 = every one)
+queries = 0  # query positions per sequence and pool in the loss, drawn at random (0 = every one)
+edges = 3  # the boundary loss at the edges of this many pools: the budget's, then each half the last
 # --- eviction at training time (README, Method: budget)
 budget = 0.125  # the training budget: fraction of seq_len (or an integer S) per head
 sinks = 4  # first tokens never evicted
@@ -98,7 +101,7 @@ choices = [("kind", kvpop.SCORERS), ("task", TASKS), ("target", kvpop.TARGETS), 
 for name, among in choices:
     need(globals()[name] in among, f"--{name} {globals()[name]!r}: choose from {', '.join(among)}")
 # a number in range
-counts = "threads d_mem d_hidden seq_len window batch_size max_iters log_interval eval_interval eval_seqs top_logits"
+counts = "threads d_mem d_hidden seq_len window batch_size max_iters log_interval eval_interval eval_seqs top_logits edges"
 for name in counts.split():
     need(globals()[name] >= 1, f"--{name} {globals()[name]}: must be at least 1")
 for name in "queries warmup final_seqs sinks".split():
@@ -126,8 +129,9 @@ need(B_train < seq_len, f"--budget {budget} keeps all {seq_len} tokens: nothing 
 # a flag that this run would ignore is an error, as an unknown one is
 for why, on, names in [
     ("no --finetune", not finetune, "policy model_lr top_logits"),
-    ("--policy streaming (no scorer)", policy == "streaming", "kind d_mem d_hidden gamma queries target"),
-    (f"--kind {kind}", True, {"kvpop": "d_hidden", "kvpop-mlp": "d_mem", "kvpop-window": "d_mem"}[kind]),
+    ("--policy streaming (no scorer)", policy == "streaming", "kind d_mem d_hidden gamma queries target init_from edges"),
+    (f"--kind {kind}", True, {"kvpop": "", "kvpop-mlp": "d_mem arrival", "kvpop-window": "d_mem arrival"}[kind]),
+    ("--init_from (its sizes are the folder's)", bool(init_from), "d_mem d_hidden gamma arrival"),
     (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
 ]:
     k = next((k for k in names.split() if on and k in given), None)
@@ -143,21 +147,6 @@ need(
 # the scorer: frozen-model targets, teacher decisions, the boundary loss
 
 
-def boundary(pi, e, q, sinks, window):
-    """The teacher's decision for t_new = q - window at each query q (Q,): keep (B, H, Q), and the cutoff t_bnd: the
-    k-th best eligible token, or the best dropped one when that is t_new. pi: priorities, e: their eviction times."""
-    T = pi.shape[-1]
-    u, tn = torch.arange(T, device=pi.device), q - window
-    # by (pi, t)
-    rank = torch.empty_like(e).scatter_(-1, pi.sort(stable=True).indices, u.expand_as(e))
-    keep = e.gather(-1, tn.expand(*e.shape[:2], -1)) > q  # still visible at q
-    elig = (u >= sinks) & (u <= tn[:, None])  # (Q, T)
-    kept = elig & (e[..., None, :] > q[:, None])  # (B, H, Q, T): exactly the pool, k tokens
-    worst = torch.where(kept, rank[..., None, :], T).argmin(-1)
-    best_dropped = torch.where(elig & ~kept, rank[..., None, :], -1).argmax(-1)
-    return keep, torch.where(worst == tn, best_dropped, worst)
-
-
 def allsum(x):  # in place: the sum over processes, each holding its share of the global batch
     if world > 1:
         dist.all_reduce(x)
@@ -165,46 +154,42 @@ def allsum(x):  # in place: the sum over processes, each holding its share of th
 
 
 def query_positions(T, it):
-    """The loss's queries: every q at which the pool is over-full (q >= sinks + window + pool), or --queries of them
-    drawn at random, a draw per step."""
-    # the pool is over-full: every step decides one token
-    q = torch.arange(sinks + window + pool, T)
-    if queries and queries < len(q):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + it)
-        q = q[torch.randperm(len(q), generator=g)[:queries].sort().values]
-    return q
+    """The loss's queries, a tensor for each of `pools`: every q at which that pool is over-full (q >= sinks +
+    window + pool), or --queries of them drawn at random, a draw per step and pool."""
+    qs = []
+    for j, p in enumerate(pools):
+        # the pool is over-full: every step decides one token
+        q = torch.arange(sinks + window + p, T)
+        if queries and queries < len(q):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + it + 7_919 * j)
+            q = q[torch.randperm(len(q), generator=g)[:queries].sort().values]
+        qs.append(q)
+    return qs
 
 
-def boundary_loss(scorer, kv, rs, q, sinks, window, pool, ddp=None):
-    """Mean over layers of the balanced boundary loss at queries q (Q,) (README, Method: boundary loss), backward per
-    layer (one layer's graph alive) when grad is enabled -> (loss, keep/drop accuracy). `ddp`: training's scorer; the
+def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
+    """kvpop.boundary_loss of every layer, each pool's queries qs[j]: backward per layer (one layer's graph alive)
+    when grad is enabled -> (loss, keep/drop accuracy), means over layers and pools. `ddp`: training's scorer; the
     keep/drop weights count the global batch, gradients are reduced once, in the last layer's backward."""
     T, L = rs[0].shape[-1], len(kv)  # rs: every layer's target r* (B, H, T)
-    q, pos, total, hits = q.to(rs[0].device), torch.arange(T, device=rs[0].device), 0.0, 0.0
+    pos, total, hits = torch.arange(T, device=rs[0].device), 0.0, 0.0
     for i, ((k, v), r) in enumerate(zip(kv, rs)):
         with ddp.no_sync() if isinstance(ddp, DDP) and i < L - 1 else contextlib.nullcontext():
             # (B, H, T); -inf past T - window
             teacher = r + scorer.recency(i, pos).detach()
-            y, bnd = boundary(teacher, kernels.eviction_times(teacher, sinks, window, pool), q, sinks, window)
             pi = (ddp or scorer)(i, k, v, pos)
-            # (B, H, Q)
-            d = pi.gather(-1, (q - window).expand(*pi.shape[:2], -1)) - pi.gather(-1, bnd)
-            n = torch.stack([y.sum(), (~y).sum()])
-            n = allsum(n) if ddp is not None else n
-            w = torch.where(y, 0.5 / n[0].clamp(min=1), 0.5 / n[1].clamp(min=1))  # keeps = drops
-            # this process's part of the global loss
-            loss = (w * F.softplus(-(2 * y.float() - 1) * d)).sum() / L
+            # this process's part of the global loss (the keep/drop counts summed over the processes)
+            loss, right = kvpop.boundary_loss(pi, teacher, qs, sinks, window, pools, L, allsum if ddp else None)
+            hits += right
             if torch.is_grad_enabled():
                 (loss * world).backward()  # DDP averages gradients over the processes
-        right = (d > 0) == y  # the student ranks t_new on the teacher's side of t_bnd
-        # balanced: chance is 0.5
-        total, hits = total + loss.item(), hits + (w * right).sum().item() / L
+        total += loss.item()
     if ddp is not None:
         total, hits = allsum(torch.tensor([total, hits], dtype=torch.float64)).tolist()
     return total, hits
 
 
-def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, top_logits, ddp=None):
+def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, pools, top_logits, ddp=None):
     """One --finetune step's backward: the model learns under the student's eviction by KL to the dense teacher's top
     `top_logits`, the scorer by the boundary loss at queries qpos on this evicting pass's future attention -> KL,
     boundary loss, keep/drop accuracy."""
@@ -229,7 +214,7 @@ def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, top_logi
     # FSDP averages gradients: every process holds as many tokens
     kl = (lt.exp() * (lt - lp)).sum(-1).mean()
     kl.backward()
-    b = boundary_loss(scorer, kv, rs, qpos, sinks, window, pool, ddp) if scorer is not None else (0.0, 0.0)
+    b = scorer_loss(scorer, kv, rs, qpos, sinks, window, pools, ddp) if scorer is not None else (0.0, 0.0)
     return allsum(kl.detach().double()).item() / world, *b
 
 
@@ -280,7 +265,7 @@ def held_out(net, tok, pol):
         return "no held-out measure for --finetune on text"
     with torch.no_grad():
         kv, rs = kvpop.dense_targets(net, chunks[-n_valid:].to(device), window, target)
-        loss, acc = boundary_loss(pol, kv, rs, query_positions(seq_len, 0), sinks, window, pool)
+        loss, acc = scorer_loss(pol, kv, rs, query_positions(seq_len, 0), sinks, window, pools)
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
 
@@ -299,7 +284,7 @@ def save(it, folder, scorer, opt, student, opt_m):
                 os.replace(dst + ".tmp", dst)
     if scorer is not None:
         # what the scorer was trained for, in scorer.json
-        scorer.meta = {k: globals()[k] for k in "model budget sinks window data task target".split()}
+        scorer.meta = {k: globals()[k] for k in "model budget sinks window data task target edges".split()}
         scorer.meta.update(iters=it, finetune=finetune)
         scorer.save_pretrained(out_dir)
     state = dict(scorer=scorer and scorer.state_dict(), opt=opt and opt.state_dict(), model=sd, model_opt=osd, iter=it)
@@ -311,7 +296,7 @@ def load():
     """Every check against the model's config, tokenizer and data first, the weights last -> the checkpoint folder,
     tokenizer, frozen dense model, the model to fine-tune (--finetune), the scorer (None for StreamingLLM+) and the
     checkpoint to resume from. Sets this module's data (chunks, n_valid) and the training pool."""
-    global chunks, n_valid, pool
+    global chunks, n_valid, pool, pools
     learned = policy == "scorer"  # else StreamingLLM+ (--finetune): no scorer
     try:
         folder = checkpoint.checkpoint_dir(model)
@@ -320,10 +305,15 @@ def load():
         need(seq_len <= (P := config.max_position_embeddings), f"--seq_len {seq_len}: the model has only {P} positions")
         chunks, n_valid = pack_files(tok) if data != "baby" else (None, 0)
         torch.manual_seed(seed)
-        scorer = kvpop.Scorer(config, kind, window, d_mem, d_hidden, gamma).to(device) if learned else None
+        scorer = kvpop.Scorer(config, kind, window, d_mem, d_hidden, gamma, arrival).to(device) if learned else None
         ck = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
+        # a trained scorer to start from: --resume's own, or --init_from's
+        if learned and (resume or init_from):
+            scorer = kvpop.Scorer.from_pretrained(out_dir if resume else init_from)
+            need(scorer.kind == kind, f"--init_from {init_from} holds a {scorer.kind} scorer; use --kind {scorer.kind}")
+            scorer.check(config, window)
+            scorer = scorer.to(device).requires_grad_(True).train()
         if resume and learned:
-            scorer = kvpop.Scorer.from_pretrained(out_dir).to(device).requires_grad_(True).train()
             scorer.load_state_dict(ck["scorer"])
         dt = flags.auto_dtype(dtype, device)
         charge = kvpop.state_charge(scorer, getattr(torch, dt or config.torch_dtype))
@@ -331,6 +321,8 @@ def load():
         B, pool = kvpop.budget_size(budget, seq_len, sinks, window, charge)
         fix = f"after sinks + window + the scorer's state ({charge}); raise --budget or lower --window/--d_mem"
         need(pool >= 1, f"--budget {budget}: B = {B} leaves no pool {fix}")
+        # the boundary loss's pools: the budget's, then halved, --edges in all
+        pools = list(dict.fromkeys(max(pool >> j, 1) for j in range(edges)))
         # the final table's budgets fit too
         for b in (0.25, 0.125) if data == "baby" and final_seqs else ():
             try:
@@ -387,10 +379,10 @@ def train_step(it, tok, net, student, scorer, ddp, opts):
     idx = batch(tok, it, batch_size)[rank * n : (rank + 1) * n].to(device)
     q = query_positions(seq_len, it)
     if finetune:  # the model under the scorer's eviction, and the scorer on that pass
-        kl, loss, acc = finetune_loss(student, net, scorer, idx, q, sinks, window, pool, top_logits, ddp)
+        kl, loss, acc = finetune_loss(student, net, scorer, idx, q, sinks, window, pool, pools, top_logits, ddp)
     else:  # the scorer on the frozen model's keys, values and targets
         kv, rs = kvpop.dense_targets(net, idx, window, target)
-        kl, (loss, acc) = 0.0, boundary_loss(scorer, kv, rs, q, sinks, window, pool, ddp)
+        kl, (loss, acc) = 0.0, scorer_loss(scorer, kv, rs, q, sinks, window, pools, ddp)
     for m, o in opts.items():
         torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
         o.step()
@@ -416,13 +408,16 @@ def train():
     folder, tok, net, student, scorer, ck = load()
     ddp = distribute(net, student, scorer)
     opts, it0 = optimizers(scorer, student, ck)
-    t0 = time.time()
+    t0, seen = time.time(), []
     for it in range(it0, max_iters):
-        kl, loss, acc = train_step(it, tok, net, student, scorer, ddp, opts)
+        seen.append(train_step(it, tok, net, student, scorer, ddp, opts))
         if (it + 1) % log_interval == 0 or it == it0:
+            # the means over this interval's steps so far (the first line: step 1 alone)
+            kl, loss, acc = (sum(x) / len(seen) for x in zip(*seen))
             parts = f" (KL {kl:.6f} + boundary {loss:.6f})" * finetune
             speed = (it + 1 - it0) * batch_size * seq_len / (time.time() - t0)
             log(f"step {it + 1}: loss {loss + kl:.6f}{parts}, keep/drop accuracy {acc:.3f}, {speed:.0f} tokens/s")
+            seen = seen if (it + 1) % log_interval else []
         if (it + 1) % eval_interval == 0 or it + 1 == max_iters:
             save(it + 1, folder, scorer, opts.get(scorer), student, opts.get(student))
             # the scorer as it trains: it has no dropout, so eval mode would change nothing
