@@ -10,7 +10,7 @@ import time
 import types
 import weakref
 
-# before torch loads: large tensors on 2 MB pages, see LOG.md
+# before torch loads: large tensors on 2 MB pages (fewer TLB misses as a step streams the cache)
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 import torch.nn.functional as F
@@ -216,7 +216,7 @@ def cmd_quality(argv):
         rows += [dict(task=task, target="-", **r) for r in runs]
         for target in targets:
             learned = ["oracle"] * ("oracle" in policies) + [scorers[d] for d in folders[task, target]]
-            runs = tasks.quality_runs(net, idx, tgt, dist, learned, budgets, a.sinks, a.window, reduce=target)[0]
+            runs = tasks.quality_runs(net, idx, tgt, dist, learned, budgets, a.sinks, a.window, target=target)[0]
             rows += [dict(task=task, target=target, **r) for r in runs[1:]]  # full is above
         counts.append(f"{task}: {n} queries ({far:.0%} far)")
     head = f"{a.model}: {a.n} held-out sequences of {a.T} tokens (seed {a.seed}), {'; '.join(counts)}"
@@ -248,8 +248,8 @@ def shape_model(c, device, dtype):  # a Qwen3 with random weights, built without
 # a cache for T tokens at budget b: `full` entries for full, else the budget's less those a scorer's state takes
 def empty_cache(net, policy, b, T, full, a, dt):
     charge = kvpop.state_charge(policy, dt)
-    B = kvpop.budget_size(b, T, a.sinks, a.window, charge)[0]
-    return kvpop.KVCache(net, 1, full if policy == "full" else B - charge, policy, a.sinks, a.window)
+    size = kvpop.budget_size(b, T, a.sinks, a.window, charge)[0]
+    return kvpop.KVCache(net, 1, full if policy == "full" else size - charge, policy, a.sinks, a.window)
 
 
 def fill(cache, C):
@@ -264,7 +264,7 @@ def fill(cache, C):
     cache.pos[..., :n], cache.score[..., :n], cache.t = pos.to(cache.pos.device), torch.rand(n), C
     cache.ring[..., pos[-w:] % w] = torch.arange(n - w, n, device=cache.ring.device)  # the window's slots
     if cache.memory:
-        cache.S.normal_(0, 0.01), cache.m.zero_()
+        cache.mem.normal_(0, 0.01), cache.scale.zero_()
     return n
 
 

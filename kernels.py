@@ -73,7 +73,7 @@ def plain_eviction_times(priority, sinks, window, pool):
 
 
 # ----------------------------------------------------------------------------------------------
-# the fast forms
+# the fast forms: one public function each, a Triton kernel or tiled torch
 
 
 def _use_triton(x):
@@ -212,24 +212,8 @@ def _attention_triton(q, k, v, evict_at, sinks, scale):
     e = evict_at.contiguous() if evict_at is not None else q  # q stands in for the unused pointer
     B_, BD = _tiles(D)
     grid = (triton.cdiv(T, B_), B * Hq)
-    _attention_kernel[grid](
-        q,
-        k,
-        v,
-        e,
-        out,
-        lse,
-        T,
-        D,
-        Hq // Hkv,
-        sinks,
-        scale,
-        HAS_E=evict_at is not None,
-        BM=B_,
-        BN=B_,
-        BD=BD,
-        num_stages=2,
-    )
+    args = (q, k, v, e, out, lse, T, D, Hq // Hkv, sinks, scale)
+    _attention_kernel[grid](*args, HAS_E=evict_at is not None, BM=B_, BN=B_, BD=BD, num_stages=2)
     return out, lse
 
 
@@ -255,8 +239,8 @@ def _attention_flex(q, k, v, evict_at, sinks, scale):
     return out, aux.lse.float()
 
 
-# -------------------------------------------------------------------------------------- future
-# attention
+# ----------------------------------------------------------------------------------------------
+# future attention
 
 
 def future_attention(q, k, lse, window, eps=1e-6, scale=None, reduce="mean"):
@@ -346,28 +330,13 @@ def _future_triton(q, k, lse, window, eps, scale, reduce):
     r = torch.empty(B, Hkv, T, device=q.device)
     B_, BD = _tiles(D)
     grid = (triton.cdiv(T, B_), B * Hkv)
-    _future_kernel[grid](
-        q.contiguous(),
-        k.contiguous(),
-        lse.contiguous(),
-        r,
-        T,
-        D,
-        Hq // Hkv,
-        window,
-        eps,
-        scale,
-        MAX=reduce == "max",
-        BM=B_,
-        BN=B_,
-        BD=BD,
-        num_stages=2,
-    )
+    args = (q.contiguous(), k.contiguous(), lse.contiguous(), r, T, D, Hq // Hkv, window, eps, scale)
+    _future_kernel[grid](*args, MAX=reduce == "max", BM=B_, BN=B_, BD=BD, num_stages=2)
     return r
 
 
-# --------------------------------------------------------------------------------------- eviction
-# times
+# ----------------------------------------------------------------------------------------------
+# eviction times
 
 
 def eviction_times(priority, sinks, window, pool):

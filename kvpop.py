@@ -108,8 +108,8 @@ def next_logp(logits, idx):
 
 
 @torch.no_grad()
-def dense_targets(model, idx, window, reduce="mean"):
-    """One dense pass: every layer's cached (k, v) and its future-attention target r* (B, Hkv, T), reduce one of
+def dense_targets(model, idx, window, target="mean"):
+    """One dense pass: every layer's cached (k, v) and its future-attention target r* (B, Hkv, T), target one of
     TARGETS over the queries past the window (README, Method: future attention): the oracle's priorities and the
     scorers' teacher. helpful needs the pass's logits: the targets are made after it."""
     seen = []
@@ -119,14 +119,15 @@ def dense_targets(model, idx, window, reduce="mean"):
         seen.append((q, k, v, lse))
         return y
 
-    logits = model(idx, attn=attn, head=reduce == "helpful")
-    lw = next_logp(logits, idx) if reduce == "helpful" else 0.0
-    r = [kernels.future_attention(q, k, lse - lw, window, reduce=REDUCE[reduce]) for q, k, _, lse in seen]
+    logits = model(idx, attn=attn, head=target == "helpful")
+    # helpful: query d's attention weighed by P(x[d + 1]), as its lse raised by -log P
+    lw = next_logp(logits, idx) if target == "helpful" else 0.0
+    r = [kernels.future_attention(q, k, lse - lw, window, reduce=REDUCE[target]) for q, k, _, lse in seen]
     return [(k, v) for _, k, v, _ in seen], r
 
 
-def oracle_policy(model, idx, window, reduce="mean"):  # pi = r*
-    r = dense_targets(model, idx, window, reduce)[1]
+def oracle_policy(model, idx, window, target="mean"):  # pi = r*
+    r = dense_targets(model, idx, window, target)[1]
     return lambda i, k, v, pos: r[i][:, :, pos]
 
 
@@ -188,27 +189,27 @@ class Scorer(nn.Module):
         self.arrival, self.delay = arrival, 0 if arrival else window - 1
         self.shape = dict(num_hidden_layers=L, num_key_value_heads=H, head_dim=D)
         X, M = 2 * D, d_mem
-        # parameters of shape (L, H, ...)
-        w = lambda *s: nn.Parameter(torch.randn(L, H, *s) / math.sqrt(s[0]))
-        z = lambda *s, c=0.0: nn.Parameter(torch.full((L, H, *s), float(c)))
-        self.theta = z(c=math.log(math.expm1(gamma)))  # softplus(theta) = gamma at the start
+        # parameters of shape (L, H, ...): random (scaled by the fan-in), or constant
+        randn = lambda *s: nn.Parameter(torch.randn(L, H, *s) / math.sqrt(s[0]))
+        const = lambda *s, c=0.0: nn.Parameter(torch.full((L, H, *s), float(c)))
+        self.theta = const(c=math.log(math.expm1(gamma)))  # softplus(theta) = gamma at the start
         # A reads over t+1..t+n, n = min(w - 1, ahead) (the tokens cached when t leaves), by content and by offset
         if kind == "kvpop-window":
             A, d, n = self.reads, self.d_key, min(window - 1, self.ahead)
             # query (from x[t]), key and value
-            self.wq, self.wk, self.wv = w(X, A * d), w(X, A * d), w(X, A * d)
+            self.wq, self.wk, self.wv = randn(X, A * d), randn(X, A * d), randn(X, A * d)
             # offset bias -slope (o - 1): read 0 starts on the next token, read 1 evenly
             slope = torch.tensor([1.0, 0.0])[:A, None]
             self.bo = nn.Parameter((-slope * torch.arange(n)).expand(L, H, A, n).clone())
         elif kind == "kvpop":
             # memory key, value and read projections
-            self.wk, self.wv, self.wr = w(X, M), w(X, M), w(X, M)
-            self.wi, self.bi, self.wf = w(X), z(), w(X)  # input and forget gate pre-activations
+            self.wk, self.wv, self.wr = randn(X, M), randn(X, M), randn(X, M)
+            self.wi, self.bi, self.wf = randn(X), const(), randn(X)  # input and forget gate pre-activations
             # forget gate near 1 - 1/window: the memory spans the window
-            self.bf = z(c=math.log(window))
+            self.bf = const(c=math.log(window))
         # the read-out every kind shares, head(x, z): z is what the kind read (kvpop-mlp: nothing)
         Z = {"kvpop-mlp": 0, "kvpop-window": self.reads * self.d_key, "kvpop": M}[kind]
-        self.w1, self.b1, self.w2, self.b2 = w(X + Z, d_hidden), z(d_hidden), w(d_hidden), z()
+        self.w1, self.b1, self.w2, self.b2 = randn(X + Z, d_hidden), const(d_hidden), randn(d_hidden), const()
 
     def charge(self, dtype):
         """m (README, Method: budget): the cache entries (a key and a value of head_dim in the cache's dtype) whose
@@ -299,12 +300,12 @@ class Scorer(nn.Module):
         z = torch.einsum("...ax,...xad->...ad", a @ xw, at(self.wv, i).unflatten(-1, (A, d)))  # (B, H, A, d)
         return self.head(i, xt, z.flatten(-2)[..., None, :]) + self.recency(i, t)
 
-    def online(self, k, v, t, S=None, m=None):
+    def online(self, k, v, t, mem=None, scale=None):
         """Decoding: every layer's priority (L, B, H, 1) of token t as it leaves the window, in one call, from the
         cache: k, v (L, B, H, 1 + n, D) of t and the n tokens after it (kvpop-window; else n = 0); kvpop's memories
-        S, m."""
+        mem, scale."""
         if self.kind == "kvpop":
-            return self.read(S, m, k, v, t)
+            return self.read(mem, scale, k, v, t)
         if self.kind == "kvpop-window":
             return self.look_online(ALL, k, v, t)
         x = self.features(k, v)
@@ -314,10 +315,10 @@ class Scorer(nn.Module):
 
     def parallel(self, i, x):
         """kvpop, decay-masked form over a whole sequence x (B, H, T, 2D) -> scores (B, H, T) and the final state.
-        Token t is read at q = min(t + w - 1, T - 1) (on arrival: q = t) as C_q u = sum_{j <= q}
-        exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum log f, under one max per row as the recurrent form's
-        stabiliser. Chunk by chunk over q: the reads in a chunk add the state S = [C; n] carried from the tokens
-        before it, and S then moves to the chunk's last token. Only x is made at full length."""
+        Token t is read at q = min(t + w - 1, T - 1) (on arrival: q = t) as
+        C_q u = sum_{j <= q} exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum log f,
+        under one max per row as the recurrent form's stabiliser. Chunk by chunk over q: the reads in a chunk add the state mem = [C; n] carried from the tokens
+        before it, and mem then moves to the chunk's last token. Only x is made at full length."""
         (B, H, T, _), M, W, c = x.shape, self.d_mem, self.delay, self.chunk
         xs = x.split(c, -2)  # the chunks of x
         # every token's gates: log i (exponential input), log f (sigmoid forget), and F_j = log f_0 + .. + log f_j
@@ -331,8 +332,8 @@ class Scorer(nn.Module):
         # chunk k holds the reads of tokens reads[k] .. reads[k+1]-1
         reads = [max(c0 - W, 0) for c0 in starts] + [T]
         # [C; n] = sum_j weight_j [v'_j; 1] k'_j^T over the tokens before the chunk
-        S = x.new_zeros(B, H, M + 1, M)
-        m = x.new_full((B, H), -math.inf)  # its log-scale
+        mem = x.new_zeros(B, H, M + 1, M)
+        scale = x.new_full((B, H), -math.inf)  # its log-scale
         out = []
         for c0, r0, r1, xc, lc in zip(starts, reads, reads[1:], xs, li.split(c, -1)):
             c1 = c0 + lc.shape[-1]  # the chunk's tokens: c0 .. c1 - 1
@@ -342,27 +343,27 @@ class Scorer(nn.Module):
             xr = x[..., r0:r1, :]  # (B, H, R, 2D)
             t = torch.arange(r0, r1, device=x.device)
             uc = xr @ self.wr[i]  # (B, H, R, M)
-            # the rows: each read at q, then the chunk's last token (where S moves to); as indices into Fc
+            # the rows: each read at q, then the chunk's last token (where mem moves to); as indices into Fc
             q = torch.cat([(t + W).clamp(max=T - 1), t.new_tensor([c1 - 1])]) + 1
             # log weight of the chunk's token j in row q: F_q - F_j + log i_j for j <= q, else -inf (B, H, R + 1, c)
             j = torch.arange(c0 + 1, c1 + 1, device=x.device)
             logw = (Fc[..., q, None] - Fc[..., None, c0 + 1 : c1 + 1]).to(x.dtype) + lc[..., None, :]
             logw = logw.masked_fill(j > q[:, None], -math.inf)
             # the carried state's log-scale in row q; one max per row over both
-            lo = m[..., None, None] + (Fc[..., q] - Fc[..., c0, None]).to(x.dtype)[..., None]
-            mq = torch.maximum(logw.amax(-1, keepdim=True), lo)
-            e, g = (logw - mq).exp(), (lo - mq).exp()
+            lo = scale[..., None, None] + (Fc[..., q] - Fc[..., c0, None]).to(x.dtype)[..., None]
+            sq = torch.maximum(logw.amax(-1, keepdim=True), lo)
+            e, g = (logw - sq).exp(), (lo - sq).exp()
             # the reads [C u; n . u]: the chunk's tokens, decay-masked, plus the carried state (none before chunk 0)
             y = (e[..., :-1, :] * (uc @ kc.transpose(-1, -2))) @ vc  # (B, H, R, M + 1)
             if c0:
-                y = y + g[..., :-1, :] * (uc @ S.transpose(-1, -2))
+                y = y + g[..., :-1, :] * (uc @ mem.transpose(-1, -2))
             # h = C u / max(|n . u|, 1), stabilised; r = head(x, rms(h))
-            h = y[..., :M] / torch.maximum(y[..., M:].abs(), (-mq[..., :-1, :]).exp())
+            h = y[..., :M] / torch.maximum(y[..., M:].abs(), (-sq[..., :-1, :]).exp())
             out.append(self.head(i, xr, rms(h)))
-            # S moves to the chunk's last token
-            S = g[..., -1:, :] * S + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc
-            m = mq[..., -1, 0]
-        return torch.cat(out, -1), (S, m)
+            # mem moves to the chunk's last token
+            mem = g[..., -1:, :] * mem + (vc * e[..., -1, :, None]).transpose(-1, -2) @ kc
+            scale = sq[..., -1, 0]
+        return torch.cat(out, -1), (mem, scale)
 
     # kvpop: recurrent form (decoding), every layer at once; the tests check it against the plain equations
 
@@ -377,26 +378,26 @@ class Scorer(nn.Module):
         b = F.pad(torch.stack([torch.ones_like(self.bi), self.bi, self.bf], -1), (2 * M, 0))  # no bias on k', v'
         return (w.mT * math.sqrt(X)).contiguous()[:, None], b[:, None, :, None]
 
-    def remember(self, S, m, k, v, fold):
-        """Every layer's memory takes one more token (k, v (L, B, H, 1, D)), in place: S = [C; n] = f S + g [v'; 1]
-        k'^T, stabilised by the log-scale m (L, B, H) as in xLSTM: m' = max(log f + m, log i), g = exp(log i - m'),
-        f = exp(log f + m - m')."""
+    def remember(self, mem, scale, k, v, fold):
+        """Every layer's memory takes one more token (k, v (L, B, H, 1, D)), in place: mem = [C; n] = f mem +
+        g [v'; 1] k'^T, stabilised by its log-scale s (L, B, H) as in xLSTM: s' = max(log f + s, log i), g = exp(log i -
+        s'), f = exp(log f + s - s')."""
         w, b = fold
         M, x = self.d_mem, torch.cat([k, v], -1).to(w.dtype)  # (L, B, H, 1, 2D)
         z = torch.addcmul(b, (w @ x.mT).mT, torch.rsqrt((x * x).sum(-1, keepdim=True) + x.shape[-1] * EPS))
-        li, lf = z[..., 0, -2], m - F.softplus(-z[..., 0, -1])  # log i, log f + m (L, B, H)
-        m_new = torch.maximum(li, lf)
-        g, f = (li - m_new).exp()[..., None, None], (lf - m_new).exp()[..., None, None]
-        S.mul_(f).add_(z[..., M : 2 * M + 1].mT @ (g * z[..., :M]))  # (L, B, H, M + 1, M)
-        m.copy_(m_new)
+        li, lf = z[..., 0, -2], scale - F.softplus(-z[..., 0, -1])  # log i, log f + scale (L, B, H)
+        scale_new = torch.maximum(li, lf)
+        g, f = (li - scale_new).exp()[..., None, None], (lf - scale_new).exp()[..., None, None]
+        mem.mul_(f).add_(z[..., M : 2 * M + 1].mT @ (g * z[..., :M]))  # (L, B, H, M + 1, M)
+        scale.copy_(scale_new)
 
-    def read(self, S, m, k, v, t):
+    def read(self, mem, scale, k, v, t):
         """kvpop's priority (L, B, H, 1) of the token at t (k, v (L, B, H, 1, D)), every layer at once, from the
-        memories as they are: u = W_r x, [C u; n . u] = S u, h = C u / max(|n . u|, exp(-m)), r = head(x, rms(h)) +
-        gamma_h t."""
+        memories as they are: u = W_r x, [C u; n . u] = mem u, h = C u / max(|n . u|, exp(-scale)), r = head(x,
+        rms(h)) + gamma_h t."""
         x, M = self.features(k, v), self.d_mem
-        y = (x @ at(self.wr, ALL)) @ S.mT  # (L, B, H, 1, M + 1)
-        h = y[..., :M] / torch.maximum(y[..., M:].abs(), (-m).exp()[..., None, None])
+        y = (x @ at(self.wr, ALL)) @ mem.mT  # (L, B, H, 1, M + 1)
+        h = y[..., :M] / torch.maximum(y[..., M:].abs(), (-scale).exp()[..., None, None])
         return self.head(ALL, x, rms(h)) + self.recency(ALL, t)
 
     def save_pretrained(self, folder):
@@ -435,12 +436,12 @@ def boundary(pi, e, q, sinks, window):
     T = pi.shape[-1]
     u, tn = torch.arange(T, device=pi.device), q - window
     # by (pi, t)
-    rank = torch.empty_like(e).scatter_(-1, pi.sort(stable=True).indices, u.expand_as(e))
+    order = torch.empty_like(e).scatter_(-1, pi.sort(stable=True).indices, u.expand_as(e))
     keep = e.gather(-1, tn.expand(*e.shape[:2], -1)) > q  # still visible at q
     elig = (u >= sinks) & (u <= tn[:, None])  # (Q, T)
     kept = elig & (e[..., None, :] > q[:, None])  # (B, H, Q, T): exactly the pool
-    worst = torch.where(kept, rank[..., None, :], T).argmin(-1)
-    best_dropped = torch.where(elig & ~kept, rank[..., None, :], -1).argmax(-1)
+    worst = torch.where(kept, order[..., None, :], T).argmin(-1)
+    best_dropped = torch.where(elig & ~kept, order[..., None, :], -1).argmax(-1)
     return keep, torch.where(worst == tn, best_dropped, worst)
 
 
@@ -458,10 +459,10 @@ def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
         d = pi.gather(-1, (q - window).expand(*pi.shape[:2], -1)) - pi.gather(-1, bnd)  # (B, H, Q)
         n = torch.stack([y.sum(), (~y).sum()])
         n = total(n) if total is not None else n
-        w = torch.where(y, 0.5 / n[0].clamp(min=1), 0.5 / n[1].clamp(min=1))  # keeps = drops
-        loss = loss + (w * F.softplus(-(2 * y.float() - 1) * d)).sum() / share
+        omega = torch.where(y, 0.5 / n[0].clamp(min=1), 0.5 / n[1].clamp(min=1))  # keeps = drops
+        loss = loss + (omega * F.softplus(-(2 * y.float() - 1) * d)).sum() / share
         # the student ranks t_new on the teacher's side of t_bnd; balanced: chance is 0.5
-        hits += (w * ((d > 0) == y)).sum().item() / share
+        hits += (omega * ((d > 0) == y)).sum().item() / share
     return loss, hits
 
 
@@ -500,14 +501,14 @@ class KVCache:
         # kvpop-window reads the n tokens after t
         self.ahead = policy.bo.shape[-1] if self.learned and policy.kind == "kvpop-window" else 0
         self.memory = self.learned and policy.kind == "kvpop"  # the mLSTM's state, beside the cache
-        if self.memory:  # the memory of every layer and head: S = [C; n] (M + 1, M), log-scale m
-            self.S = torch.zeros(*shape[:3], policy.d_mem + 1, policy.d_mem, dtype=sdt, device=p.device)
-            self.m = torch.full(shape[:3], -math.inf, dtype=sdt, device=p.device)
+        if self.memory:  # the memory of every layer and head: mem = [C; n] (M + 1, M), its log-scale
+            self.mem = torch.zeros(*shape[:3], policy.d_mem + 1, policy.d_mem, dtype=sdt, device=p.device)
+            self.scale = torch.full(shape[:3], -math.inf, dtype=sdt, device=p.device)
             # this step's tokens (k, v) per layer, which the memories take after the last layer
             self.pending, self.fold = [], policy.folded()
 
     def nbytes(self):  # keys, values and a learned scorer's state
-        state = sum(x.numel() * x.element_size() for x in (self.S, self.m)) if self.memory else 0
+        state = sum(x.numel() * x.element_size() for x in (self.mem, self.scale)) if self.memory else 0
         return 2 * self.k.numel() * self.k.element_size() + state
 
     # can T > 1 tokens come in one pass? (else the model feeds them one at a time)
@@ -529,7 +530,7 @@ class KVCache:
             if self.learned:  # tokens still in the window are not scored yet; the memory has read them all
                 pi = pi.masked_fill(pos > T - 1 - self.window, 0.0)
             if self.memory:
-                self.S[i], self.m[i] = mem[0]
+                self.mem[i], self.scale[i] = mem[0]
         if T <= size:  # nothing is evicted yet
             y, lse = kernels.attention(q, k, v)
             keep = torch.arange(T, device=k.device).expand(k.shape[:3])
@@ -584,7 +585,7 @@ class KVCache:
         D = self.k.shape[-1]
         k = self.k.gather(3, slots[..., None].expand(-1, -1, -1, -1, D))  # (L, B, H, 1 + n, D)
         v = self.v.gather(4, slots[..., None, :].expand(-1, -1, -1, D, -1)).mT  # values are stored transposed
-        return j, self.policy.online(k, v, t, *([self.S, self.m] if self.memory else []))
+        return j, self.policy.online(k, v, t, *([self.mem, self.scale] if self.memory else []))
 
     def put(self, i, slot, k, v, pos):
         """The newcomer's key, value, position and priority (a heuristic's; a learned scorer's comes later) replace
@@ -615,7 +616,7 @@ class KVCache:
             sc[..., :n] = a.mean(-2)
         y = a.to(V.dtype) @ V.transpose(-1, -2)
         if self.memory and i == len(self.layer) - 1:
-            self.policy.remember(self.S, self.m, *[torch.stack(x) for x in zip(*self.pending)], self.fold)
+            self.policy.remember(self.mem, self.scale, *[torch.stack(x) for x in zip(*self.pending)], self.fold)
             self.pending.clear()
         return y.to(q.dtype).view(B, H * G, 1, D)  # (B, Hkv, G, D) -> (B, Hq, 1, D)
 

@@ -1,4 +1,4 @@
-"""The baby Qwen3 from scratch on the recall task (README, The baby), nanoGPT style: defaults below, override any
+"""The baby Qwen3 from scratch on its tasks, recall and cue (README, The baby), nanoGPT style: defaults below, override any
 with --name value (--help lists them).
 
   # the shipped baby, bit for bit (about 4 minutes on 2 CPU cores)
@@ -84,7 +84,7 @@ need(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the baby: the same Qwen3 class, tiny, trained from scratch on the recall task
+# the baby: the same Qwen3 class, tiny, trained from scratch on recall, then recall and cue in turn
 
 
 def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
@@ -106,7 +106,7 @@ def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
         a.v_proj.weight[:, :D] = torch.eye(D)
         a.o_proj.weight[D:, :D] = alpha * torch.eye(D)
     for p in [E, *a.parameters(), *model.model.layers[0].input_layernorm.parameters()]:
-        # frozen: gradient destroys the seed in ~250 steps (README, The baby)
+        # frozen: gradient destroys the seed in ~250 steps (LOG.md)
         p.requires_grad_(False)
 
 
@@ -122,7 +122,7 @@ def init_baby():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(std=0.02)
-        # sharper long-range attention from the start (README, The baby)
+        # sharper long-range attention from the start (LOG.md)
         for layer in model.model.layers[1:]:
             layer.self_attn.q_norm.weight.fill_(1.5)
             layer.self_attn.k_norm.weight.fill_(1.5)

@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
 
-    def forward(self, x):  # HF order: normalise in fp32, cast back, then scale
+    def forward(self, x):  # HF order: normalise in fp32 (fp64 for fp64), cast back, then scale
         xf = kernels.wide(x)
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
@@ -107,10 +107,10 @@ class Qwen3(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, idx, targets=None, cache=None, attn=causal, head=True):
-        """idx (B, T) -> logits (B, T, vocab), or (logits, loss) with targets (-1 = ignored), or with head=False the
-        last layer's output (B, T, hidden). attn(i, q, k, v, pos) is layer i's attention; with a cache the tokens
-        continue the cached sequence and only the last position's logits are computed."""
+    def forward(self, idx, cache=None, attn=causal, head=True):
+        """idx (B, T) -> logits (B, T, vocab), or with head=False the last layer's output (B, T, hidden). attn(i, q,
+        k, v, pos) is layer i's attention; with a cache the tokens continue the cached sequence and only the last
+        position's logits are computed."""
         # a prompt the cache cannot take whole goes token by token, each through every layer: exactly the sequence of
         # decoding steps
         if cache is not None and idx.shape[1] > 1 and not cache.whole(idx.shape[1]):
@@ -131,10 +131,7 @@ class Qwen3(nn.Module):
             x = x[:, -1:]
         if not head:  # passes that only need the layers' attention: no (B, T, vocab) logits
             return x
-        logits = self.lm_head(self.model.norm(x))
-        if targets is None:
-            return logits
-        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return self.lm_head(self.model.norm(x))
 
     @classmethod
     def from_pretrained(cls, path_or_repo, device=None, dtype=None, config=None):  # config: its config.json, if read

@@ -10,11 +10,11 @@ import os
 import sys
 import time
 
-# before torch loads: large tensors on 2 MB pages, see LOG.md
+# before torch loads: large tensors on 2 MB pages (fewer TLB misses as a step streams the cache)
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 
-from tasks import recall_score, task_ids
+from tasks import recall_marks, recall_score, task_ids
 from checkpoint import DTYPES, checkpoint_dir, read_json
 from flags import auto_dtype, check_device, check_dtype, configure, need
 from kvpop import SCORERS, KVCache, Scorer, budget_size, entries, generate, resolve, state_charge
@@ -57,7 +57,7 @@ def shade(tok, ids, kept):  # grey (evicted everywhere) to white (kept everywher
     return "".join(out) + dec() + "\x1b[0m"
 
 
-baby = model == "baby"  # the demo: the recall prompt and the task's length, 399 + 112 = 511 tokens
+baby = model == "baby"  # the demo: the recall prompt (399 tokens) and 112 new ones, the task's length
 prompt = prompt or ("FILE:baby/prompt.txt" if baby else "The capital of France is")
 # a scorer folder names its kind
 if not policy and os.path.isfile(os.path.join(scorer or "-", "scorer.json")):
@@ -138,25 +138,33 @@ except (OSError, ValueError) as e:
 
 def draw(pol, size, echo):
     """num_samples samples from the prompt under policy pol with `size` entries per head, seeded alike -> the sampled
-    ids of each; echo: print each with its timing and cache lines."""
+    ids of each; echo: print the prompt once, then each sample's continuation (the baby's marked once it is written,
+    any other as it comes) with its timing and cache lines."""
     torch.manual_seed(seed)
     x, outs = torch.tensor([ids], device=device), []
+    if echo:
+        print(text if not chat else tok.decode(ids), end="\n" + "=" * 80 + "\n", flush=True)
     for _ in range(num_samples):
         cache = KVCache(net, 1, size, pol, sinks, window)
         dec, out, t = tok.decode_stream(), [], [time.time()]
         outs.append(out)
-        if echo:
-            print(text if not chat else tok.decode(ids), end="", flush=True)
         for nxt in generate(net, x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache):
             out.append(int(nxt[0]))
             t.append(time.time())  # t[1]: the prompt is in the cache and the first token sampled
             if out[-1] in tok.stop:
                 break
-            if echo:
+            if echo and not baby:
                 print(dec(out[-1]), end="", flush=True)
         if echo:
+            print(marked(out) if baby else "", end="")
             report(cache, out, t, dec)
     return outs
+
+
+def marked(out):  # the baby's sample, each word the scoreboard counts marked: ✓ its key's current value, ✗ another
+    marks, dec = recall_marks([word.get(i) for i in ids + out], len(ids)), tok.decode_stream()
+    sign = {True: "✓", False: "✗", None: ""}
+    return "".join(dec(i) + sign[marks.get(len(ids) + j)] for j, i in enumerate(out) if i not in tok.stop) + dec()
 
 
 def report(cache, out, t, dec):  # a sample's timing and cache lines, and with --show its shading
@@ -179,10 +187,10 @@ def report(cache, out, t, dec):  # a sample's timing and cache lines, and with -
     print("=" * 80)
 
 
+word = {i: w for w, i in task_ids(tok)[0].items()} if baby else {}  # the baby's token id -> task word
 outs = draw(pol if S < total else "full", entries(S, charge, total), True)
 # the baby: its recall scoreboard, the same prompt and seed under the policy, full and streaming
 if baby:
-    word = {i: w for w, i in task_ids(tok)[0].items()}
     board = {(policy if S < total else "full"): outs}
     for p, size in [("full", total)] + [("streaming", S)] * (S < total):
         if p not in board:

@@ -1,4 +1,4 @@
-"""The baby's tasks and the eviction-quality evaluation on them, for train.py and bench.py.
+"""The baby's tasks and the teacher-forced evaluation of eviction on them (quality tables, held-out checks).
 
 recall: multi-query associative recall in single-token Qwen3 words (README, The baby). cue: the same, plus distractor
 bindings that only the next word marks as useless (README, The baby).
@@ -82,35 +82,40 @@ def task_batch(tok, n, T, rng, **kw):
     return idx, tgt, dist
 
 
-def recall_score(words, start):
-    """The recall scoreboard of a sample: words (the prompt's, then the sample's from index start) -> (R, N): N times
-    the sample writes a bound key and a word after it, R of them that word is the key's current value. Bindings come
-    from the prompt and from the sample itself: `key value` binds or reassigns; a distractor `key value no` (the cue
-    task) neither binds nor counts."""
-    val, R, N = {}, 0, 0
+def recall_marks(words, start):
+    """The recall scoreboard of a sample: words (the prompt's, then the sample's from index start) -> {j + 1: hit} for
+    each j >= start where the sample writes a bound key and a word after it, hit when that word is the key's current
+    value. Bindings come from the prompt and from the sample itself: `key value` binds or reassigns; a distractor
+    `key value no` (the cue task) neither binds nor counts."""
+    val, marks = {}, {}
     for j in range(len(words) - 1):
         a, b = words[j], words[j + 1]
         if j + 2 < len(words) and words[j + 2] == MARK:
             continue
         if j >= start and a in val:
-            N, R = N + 1, R + (b == val[a])
+            marks[j + 1] = b == val[a]
         if a in KEYS and b in VALUES:
             val[a] = b
-    return R, N
+    return marks
+
+
+def recall_score(words, start):  # (R, N): the hits and the count of recall_marks
+    marks = recall_marks(words, start)
+    return sum(marks.values()), len(marks)
 
 
 @torch.no_grad()
-def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, reduce="mean"):
+def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, target="mean"):
     """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True, token by token through
     the evicting KVCache; online=False (static policies only), one pass with the eviction-time mask. The two agree.
-    reduce: the oracle's target, one of TARGETS."""
+    target: the oracle's, one of TARGETS."""
     B, T = idx.shape
     if isinstance(policy, kvpop.Scorer):
         policy.check(model.config, window)
     charge = kvpop.state_charge(policy, next(model.parameters()).dtype)  # a delayed scorer's state
     size, pool = kvpop.budget_size(budget, T, sinks, window, charge)  # the cache's size S, and its pool
     if isinstance(policy, str) and policy == "oracle":
-        policy = kvpop.oracle_policy(model, idx, window, reduce)
+        policy = kvpop.oracle_policy(model, idx, window, target)
     if online:
         cache = kvpop.KVCache(model, B, kvpop.entries(size, charge, T), policy, sinks, window)
         return torch.cat([model(idx[:, t : t + 1], cache=cache) for t in range(T)], dim=1)
@@ -128,9 +133,9 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, reduc
     return model(idx, attn=attn)
 
 
-def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None, reduce="mean"):
+def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None, target="mean"):
     """Every (policy, budget) on the same sequences, teacher-forced through evaluate -> rows of accuracy on all
-    queries, on far ones, relative to full, and mean KL(full || policy) past position B. `full` is the dense pass of
+    queries, on far ones, relative to full, and mean KL(full || policy) from position S on. `full` is the dense pass of
     ref (a fine-tuned net's starting point), default net itself."""
     size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]
     # queries out of reach of a window at every budget
@@ -145,7 +150,7 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
         full = evaluate(ref or net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
         for p, b in runs:
             online = name(p) in kvpop.DYNAMIC
-            lp = full if p == "full" else evaluate(net, x, p, b, sinks, window, online, reduce).float().log_softmax(-1)
+            lp = full if p == "full" else evaluate(net, x, p, b, sinks, window, online, target).float().log_softmax(-1)
             hit[p, b].append(lp.argmax(-1)[m] == tgt[c : c + chunk][m])
             # (chunk * (T - S),)
             kl[p, b].append((full.exp() * (full - lp)).sum(-1)[:, size(b) :].flatten())

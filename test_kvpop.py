@@ -405,7 +405,10 @@ BAD_FLAGS += [
 BAD_FLAGS += [
     ("train.py", ["--policy", "streaming"], ["--policy streaming", "--finetune"]),
     ("train.py", ["--kind", "kvpop-mlp", "--d_mem", "8"], ["--d_mem does nothing", "--kind kvpop-mlp"]),
-    ("train.py", ["--kind", "kvpop", "--d_hidden", "32"], ["--d_hidden does nothing", "--kind kvpop;"]),
+    ("train.py", ["--arrival"], ["--arrival does nothing", "--kind kvpop-window;"]),
+    ("train.py", ["--kind", "kvpop", "--init_from", "baby/scorers/recall-helpful/kvpop", "--d_mem", "8"], ["--d_mem does nothing", "--init_from"]),
+    ("train.py", ["--kind", "kvpop", "--init_from", "baby/scorers/recall-helpful/kvpop-mlp"], ["holds a kvpop-mlp scorer", "--kind kvpop-mlp"]),
+    ("train.py", ["--edges", "0"], ["--edges 0", "at least 1"]),
     ("train.py", ["--d_mem", "8"], ["--d_mem does nothing", "--kind kvpop-window;"]),
     ("train.py", ["--resume", "--out_dir", NOWHERE], ["--resume", "train_state.pt", "drop --resume"]),
 ]
@@ -903,6 +906,23 @@ def _k_qkv(B, G, T, D, device, seed, Hkv=2):
     # input
     q, k, v = (torch.randn(B, T, h, D, generator=g).to(device).transpose(1, 2) for h in (Hkv * G, Hkv, Hkv))
     return q, k, v
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_kernels_plain_forms_are_the_definitions(G):
+    """kernels.plain_* (the definitions kernels.py opens with, which bench.py kernels times the fast forms against)
+    against this file's own: fp64 softmax under the visibility mask, both targets from the full matrix, and the
+    step-by-step pool's eviction times (ties among the priorities included)."""
+    q, k, v = _k_qkv(2, G, 70, 16, "cpu", 8)
+    pri = torch.randint(0, 9, (2, 2, 70), generator=torch.Generator().manual_seed(2)).float()
+    e = _k_simulate(pri, 3, 5, 7)
+    assert torch.equal(kernels.plain_eviction_times(pri, 3, 5, 7), e)
+    out, lse = kernels.plain_attention(q, k, v, e, 3)
+    ref, ref_lse = _k_dense_attention(q, k, v, e, 3, 16**-0.5)
+    assert _k_err(out, ref) <= 1e-5 and _k_err(lse, ref_lse) <= 1e-5
+    for reduce in ("mean", "max"):
+        got = kernels.plain_future_attention(q, k, lse, 5, reduce=reduce)
+        assert _k_err(got, _k_dense_future(q, k, lse, 5, 1e-6, 16**-0.5, reduce)) <= 1e-5, reduce
 
 
 @pytest.mark.parametrize("device", _K_DEVICES)
@@ -1824,7 +1844,7 @@ def test_bench_quality_target_reaches_the_oracle(tmp_path, baby):
     got = {row["target"]: row for row in json.loads((tmp_path / "q.json").read_text()) if row["policy"] == "oracle"}
     idx, tgt, dist = tasks.task_batch(tok, 2, 512, random.Random("test-0"), p_cue=0.3)
     for target in ("mean", "max", "helpful"):
-        want = tasks.quality_runs(net, idx, tgt, dist, ["oracle"], [0.125], 4, 32, reduce=target)[0][1]
+        want = tasks.quality_runs(net, idx, tgt, dist, ["oracle"], [0.125], 4, 32, target=target)[0][1]
         assert {k: got[target][k] for k in want} == want, target
     assert len({got[t]["kl"] for t in got}) == 3
 
@@ -2181,7 +2201,7 @@ def test_prefill_equals_token_by_token(small_model, T):
             assert torch.equal(pa, pb) and (t > T or torch.equal(pc, pb)), (policy, t)
             torch.testing.assert_close(sa, sb, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
             if a.memory:
-                for x, y, z in zip((a.S, a.m), (b.S, b.m), (c.S, c.m)):
+                for x, y, z in zip((a.mem, a.scale), (b.mem, b.scale), (c.mem, c.scale)):
                     torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
                     if t == T:  # c decoded nothing yet
                         torch.testing.assert_close(z, y, rtol=1e-5, atol=1e-5)
@@ -2296,8 +2316,12 @@ def test_mlp_scorer_equals_its_definition(small_model):
 
 def _check_scorer_against(small_model, s, ref, T, seed, tol, cache=True):
     """A scorer's parallel form (one chunk, several, chunks shorter than the window) and the scores the evicting
-    cache gives each token as it leaves the window (or on arrival), against ref(s, i, k, v) -> (B, H, T)."""
+    cache gives each token as it leaves the window, against ref(s, i, k, v) -> (B, H, T); every parameter moved
+    from its start (biases start at 0) by 0.1 randn first."""
     w = s.window
+    with torch.no_grad():
+        for p in s.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + p.numel())))
     idx = torch.randint(0, 384, (2, T), generator=torch.Generator().manual_seed(seed))
     kv = kvpop.dense_targets(small_model, idx, w)[0]
     for i, (k, v) in enumerate(kv):
@@ -2526,7 +2550,7 @@ def test_state_charge_comes_off_the_pool(small_model):
     assert kvpop.budget_size(50, 200, 4, 16, s.charge(torch.float32)) == (50, 28)
     cache = kvpop.KVCache(small_model, 1, 48, s, 4, 16)
     kv = 2 * cache.k.numel() * cache.k.element_size()
-    assert cache.nbytes() - kv == 4 * (cache.S.numel() + cache.m.numel())
+    assert cache.nbytes() - kv == 4 * (cache.mem.numel() + cache.scale.numel())
 
 
 def test_bf16_cache_holds_entries_and_state_within_the_budgets_bytes():
@@ -2554,7 +2578,7 @@ def test_bf16_cache_holds_entries_and_state_within_the_budgets_bytes():
     for t in range(T):
         net(idx[:, t : t + 1], cache=cache)
     held = (cache.pos >= 0).sum(-1)  # (L, 1, Hkv) entries held
-    state = (cache.S[0, 0, 0].numel() + 1) * cache.S.element_size()  # one layer and head's
+    state = (cache.mem[0, 0, 0].numel() + 1) * cache.mem.element_size()  # one layer and head's
     assert state == 66052 and (held == B - charge).all()
     assert (held * entry + state <= B * entry).all()
     assert cache.nbytes() <= 2 * 1 * B * entry  # 2 layers, 1 row, 1 KV head
@@ -2727,7 +2751,7 @@ def test_finetune_loss_is_the_kl_to_the_teachers_top_k_under_eviction(baby):
     budget, sinks, window, K = 0.5, 4, 32, 256
     B, pool = kvpop.budget_size(budget, 128, sinks, window, kvpop.state_charge(scorer, torch.float32))
     kl = train.finetune_loss(
-        student, net, scorer, idx, [torch.arange(sinks + window + pool, 128)], sinks, window, pool, [pool], K
+        student, net, scorer, idx, [torch.arange(sinks + window + pool, 128)], sinks, window, pool, [pool], K, "mean"
     )[0]
     with torch.no_grad():
         top = net(idx).float().topk(K, -1)
@@ -3440,7 +3464,7 @@ def test_quality_runs_equal_their_definitions(baby):
     (far is set by the larger), a static policy and the oracle under the max target."""
     net, tok = baby
     seqs = tasks.task_batch(tok, 2, 512, random.Random("q"), **tasks.TASKS["cue"])
-    rows, share, n = tasks.quality_runs(net, *seqs, ["streaming", "oracle"], [0.25, 0.125], 4, 32, reduce="max")
+    rows, share, n = tasks.quality_runs(net, *seqs, ["streaming", "oracle"], [0.25, 0.125], 4, 32, target="max")
     ref = _ref_quality(net, seqs, [("streaming", "streaming", "max"), ("oracle", "oracle", "max")], [0.25, 0.125])
     tgt, dist = seqs[1:]
     assert n == (tgt >= 0).sum() and share == (dist[tgt >= 0] >= 128 - 4).float().mean().item()
@@ -3466,16 +3490,20 @@ def test_recall_score_counts_by_hand():
     assert tasks.recall_score(words, 3) == (1, 1)
 
 
-def _ref_recall(words, start):
-    """(hits, count): each key the sample writes (index >= start) that has a value, from the last
-    `key value` before it not followed by `no`, and a word after it, itself not a distractor `key
-    value no`; a hit when that word is the value."""
-    hits, count, live = 0, 0, lambda i: i + 2 >= len(words) or words[i + 2] != "no"
+def _ref_marks(words, start):
+    """[(j + 1, value)]: each key the sample writes (index j >= start) that has a value, from the last `key value`
+    before it not followed by `no`, and a word after it, itself not a distractor `key value no`."""
+    marks, live = [], lambda i: i + 2 >= len(words) or words[i + 2] != "no"
     for j in range(start, len(words) - 1):
         pairs = [words[i + 1] for i in range(j) if words[i] == words[j] and words[i + 1] in tasks.VALUES and live(i)]
         if words[j] in tasks.KEYS and pairs and live(j):
-            count, hits = count + 1, hits + (words[j + 1] == pairs[-1])
-    return hits, count
+            marks.append((j + 1, pairs[-1]))
+    return marks
+
+
+def _ref_recall(words, start):  # (hits, count): _ref_marks, a hit where the word is the value
+    marks = _ref_marks(words, start)
+    return sum(words[j] == v for j, v in marks), len(marks)
 
 
 def test_sample_prints_the_recall_scoreboard():
@@ -3487,9 +3515,14 @@ def test_sample_prints_the_recall_scoreboard():
     board = {p: (int(a), int(n)) for p, a, n in re.findall(r"^recall (\S+) 0.25: (\d+)/(\d+)$", r.stdout, re.M)}
     assert list(board) == ["kvpop-window", "full", "streaming"]
     prompt = open(os.path.join(HERE, "baby", "prompt.txt"), encoding="utf-8").read().split()
-    texts = [t.split("\n---\n")[0].split() for t in r.stdout.split("=" * 80)[:-1]]
-    assert len(texts) == 4 and all(t[: len(prompt)] == prompt for t in texts)
+    texts = [prompt + t for t in _printed_samples(r.stdout, prompt)]
+    assert len(texts) == 4
     ref = [_ref_recall(t, len(prompt)) for t in texts]
+    # the words the board counted are marked: a hit after each counted key's current value, a miss after another
+    marked = [t.split("\n---\n")[0].split() for t in r.stdout.split("=" * 80)[1:-1]]
+    for t, m in zip(texts, marked):
+        counted = [(j, t[j] == v) for j, v in _ref_marks(t, len(prompt))]
+        assert [w for w in m if w[-1] in "✓✗"] == [t[j] + ("✓" if hit else "✗") for j, hit in counted]
     assert board["kvpop-window"] == (sum(h for h, _ in ref), sum(n for _, n in ref))
     # the baby writes its task: keys among the fillers, no word more than 5 times in a row
     assert board["full"][1] >= 8
@@ -3635,7 +3668,6 @@ def test_finetune_boundary_loss_is_on_the_helpful_target_under_the_students_evic
     what stays visible), each query's attention weighted by P(next token) from the dense teacher."""
     import train
 
-    monkeypatch.setattr(train, "target", "helpful")
     net, tok = baby
     T, sinks, window, budget = 128, 4, 16, 0.375
     idx = tasks.task_batch(tok, 2, T, random.Random("finetune-target"))[0]
@@ -3647,7 +3679,7 @@ def test_finetune_boundary_loss_is_on_the_helpful_target_under_the_students_evic
     scorer = kvpop.Scorer(net.config, "kvpop-window", window, d_hidden=16)
     pool = kvpop.budget_size(budget, T, sinks, window)[1]
     qpos = torch.arange(sinks + window + pool, T)
-    _, loss, _ = train.finetune_loss(student, net, scorer, idx, [qpos], sinks, window, pool, [pool], 256)
+    _, loss, _ = train.finetune_loss(student, net, scorer, idx, [qpos], sinks, window, pool, [pool], 256, "helpful")
     d, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
 
     def visible(i, k, v):  # the student's eviction: the scorer's priorities, the online pool simulated
@@ -3808,9 +3840,9 @@ def _sample_1thread(*args):
 
 
 def _printed_samples(stdout, prompt):  # the words of each sample sample.py printed after the prompt
-    texts = [t.split("\n---\n")[0].split() for t in stdout.split("=" * 80)[:-1]]
-    assert texts and all(t[: len(prompt)] == prompt for t in texts)
-    return [t[len(prompt) :] for t in texts]
+    texts = [t.split("\n---\n")[0].replace("✓", "").replace("✗", "").split() for t in stdout.split("=" * 80)[:-1]]
+    assert texts and texts[0] == prompt  # the prompt once, then each sample's continuation
+    return texts[1:]
 
 
 def _scoreboard(stdout):

@@ -94,57 +94,10 @@ rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1
 log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None
 # bad input: one line, before any heavy work
 need = lambda ok, msg: flags.need(ok, msg, "train.py")
-flags.check_device(device, "train.py")
-flags.check_dtype(dtype, ("float32", "bfloat16", "float16"), "train.py")
-# a choice from a list
-choices = [("kind", kvpop.SCORERS), ("task", TASKS), ("target", kvpop.TARGETS), ("policy", ("scorer", "streaming"))]
-for name, among in choices:
-    need(globals()[name] in among, f"--{name} {globals()[name]!r}: choose from {', '.join(among)}")
-# a number in range
-counts = "threads d_mem d_hidden seq_len window batch_size max_iters log_interval eval_interval eval_seqs top_logits edges"
-for name in counts.split():
-    need(globals()[name] >= 1, f"--{name} {globals()[name]}: must be at least 1")
-for name in "queries warmup final_seqs sinks".split():
-    need(globals()[name] >= 0, f"--{name} {globals()[name]}: must be at least 0")
-for name in "lr model_lr".split():
-    need(globals()[name] > 0, f"--{name} {globals()[name]}: must be positive")
-# the rest, each its own line
-for ok, msg in [
-    (finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune of the model: add --finetune"),
-    (batch_size % world == 0, f"--batch_size {batch_size}: the global batch must split evenly over {world} processes"),
-    (0 < gamma < 1, f"--gamma {gamma}: must be in (0, 1)"),
-    (0 <= min_lr <= lr, f"--min_lr {min_lr}: must be in [0, --lr]"),
-    (0 <= weight_decay < 1 and grad_clip > 0, "--weight_decay must be in [0, 1) and --grad_clip positive"),
-    (1 <= keys <= 16 and seq_len >= 64, "--keys must be 1..16 and --seq_len at least 64 (the recall task)"),
-    (0 <= seed < 2**32, f"--seed {seed}: use an integer 0 <= seed < 2**32"),
-    (out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name"),
-]:
-    need(ok, msg)
-# the training budget (load() charges the scorer's state too)
-try:
-    B_train, pool = kvpop.budget_size(budget, seq_len, sinks, window)
-except ValueError as e:
-    sys.exit(f"train.py: --budget: {e}")
-need(B_train < seq_len, f"--budget {budget} keeps all {seq_len} tokens: nothing to learn")
-# a flag that this run would ignore is an error, as an unknown one is
-for why, on, names in [
-    ("no --finetune", not finetune, "policy model_lr top_logits"),
-    ("--policy streaming (no scorer)", policy == "streaming", "kind d_mem d_hidden gamma queries target init_from edges"),
-    (f"--kind {kind}", True, {"kvpop": "", "kvpop-mlp": "d_mem arrival", "kvpop-window": "d_mem arrival"}[kind]),
-    ("--init_from (its sizes are the folder's)", bool(init_from), "d_mem d_hidden gamma arrival"),
-    (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
-]:
-    k = next((k for k in names.split() if on and k in given), None)
-    need(k is None, f"--{k} does nothing with {why}; drop it (see --help)")
-# flags first, then the folder
-need(
-    not resume or os.path.isfile(os.path.join(out_dir, "train_state.pt")),
-    f"--resume: no train_state.pt in {out_dir} to continue; drop --resume to start anew",
-)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the scorer: frozen-model targets, teacher decisions, the boundary loss
+# the scorer's loss on the frozen model's targets (the boundary loss itself: kvpop.boundary_loss), the fine-tune's
 
 
 def allsum(x):  # in place: the sum over processes, each holding its share of the global batch
@@ -189,10 +142,10 @@ def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
     return total, hits
 
 
-def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, pools, top_logits, ddp=None):
+def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, pools, top_logits, target, ddp=None):
     """One --finetune step's backward: the model learns under the student's eviction by KL to the dense teacher's top
-    `top_logits`, the scorer by the boundary loss at queries qpos on this evicting pass's future attention -> KL,
-    boundary loss, keep/drop accuracy."""
+    `top_logits`, the scorer by the boundary loss at each pool's queries qpos on this evicting pass's --target future
+    attention -> KL, boundary loss, keep/drop accuracy."""
     with torch.no_grad():
         logits = teacher(idx)  # (B, T, V)
         top = logits.float().topk(min(top_logits, teacher.config.vocab_size), -1)  # (B, T, K)
@@ -310,7 +263,6 @@ def load():
         # a trained scorer to start from: --resume's own, or --init_from's
         if learned and (resume or init_from):
             scorer = kvpop.Scorer.from_pretrained(out_dir if resume else init_from)
-            need(scorer.kind == kind, f"--init_from {init_from} holds a {scorer.kind} scorer; use --kind {scorer.kind}")
             scorer.check(config, window)
             scorer = scorer.to(device).requires_grad_(True).train()
         if resume and learned:
@@ -318,9 +270,9 @@ def load():
         dt = flags.auto_dtype(dtype, device)
         charge = kvpop.state_charge(scorer, getattr(torch, dt or config.torch_dtype))
         # the scorer's state comes off it
-        B, pool = kvpop.budget_size(budget, seq_len, sinks, window, charge)
+        size, pool = kvpop.budget_size(budget, seq_len, sinks, window, charge)
         fix = f"after sinks + window + the scorer's state ({charge}); raise --budget or lower --window/--d_mem"
-        need(pool >= 1, f"--budget {budget}: B = {B} leaves no pool {fix}")
+        need(pool >= 1, f"--budget {budget}: S = {size} leaves no pool {fix}")
         # the boundary loss's pools: the budget's, then halved, --edges in all
         pools = list(dict.fromkeys(max(pool >> j, 1) for j in range(edges)))
         # the final table's budgets fit too
@@ -339,7 +291,7 @@ def load():
         sys.exit(f"train.py: {e}")
     what = f"{kind} scorer: {sum(p.numel() for p in scorer.parameters())} parameters" if learned else "StreamingLLM+"
     what += f" for {model} ({config.num_hidden_layers} layers x {config.num_key_value_heads} KV heads)"
-    split = f"{B} per head: {sinks} sinks + {window} window + {pool} pool + {charge} state"
+    split = f"S = {size} per head: {sinks} sinks + {window} window + {pool} pool + {charge} state"
     log(f"{what}{', fine-tuning the model' * finetune}; budget {budget:g} = {split}; {world} process(es)")
     return folder, tok, net, student, scorer, ck
 
@@ -379,7 +331,7 @@ def train_step(it, tok, net, student, scorer, ddp, opts):
     idx = batch(tok, it, batch_size)[rank * n : (rank + 1) * n].to(device)
     q = query_positions(seq_len, it)
     if finetune:  # the model under the scorer's eviction, and the scorer on that pass
-        kl, loss, acc = finetune_loss(student, net, scorer, idx, q, sinks, window, pool, pools, top_logits, ddp)
+        kl, loss, acc = finetune_loss(student, net, scorer, idx, q, sinks, window, pool, pools, top_logits, target, ddp)
     else:  # the scorer on the frozen model's keys, values and targets
         kv, rs = kvpop.dense_targets(net, idx, window, target)
         kl, (loss, acc) = 0.0, scorer_loss(scorer, kv, rs, q, sinks, window, pools, ddp)
@@ -397,7 +349,7 @@ def final_table(folder, tok, net, scorer):
     ref = qwen3.Qwen3.from_pretrained(folder, dtype="float32") if finetune else None
     pols = [scorer or "streaming"] if finetune else ["oracle", "streaming", "h2o", scorer]
     ev = qwen3.Qwen3.from_pretrained(out_dir) if finetune else net  # --finetune: the model as saved
-    rows, far, n = quality_runs(ev, idx, tgt, dist, pols, [0.25, 0.125], sinks, window, ref=ref, reduce=target)
+    rows, far, n = quality_runs(ev, idx, tgt, dist, pols, [0.25, 0.125], sinks, window, ref=ref, target=target)
     for r in rows[1:] if finetune else []:
         r["policy"] = f"{r['policy']} (fine-tuned)" if scorer is not None else "StreamingLLM+"
     print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
@@ -429,14 +381,71 @@ def train():
         final_table(folder, tok, net, scorer)
 
 
+def check_flags():
+    """Bad input: one line on stderr and a non-zero exit, before any heavy work (the main block calls it first)."""
+    flags.check_device(device, "train.py")
+    flags.check_dtype(dtype, ("float32", "bfloat16", "float16"), "train.py")
+    # a choice from a list
+    choices = [("kind", kvpop.SCORERS), ("task", TASKS), ("target", kvpop.TARGETS), ("policy", ("scorer", "streaming"))]
+    for name, among in choices:
+        need(globals()[name] in among, f"--{name} {globals()[name]!r}: choose from {', '.join(among)}")
+    # a number in range
+    counts = "threads d_mem d_hidden seq_len window batch_size max_iters log_interval eval_interval eval_seqs top_logits edges"
+    for name in counts.split():
+        need(globals()[name] >= 1, f"--{name} {globals()[name]}: must be at least 1")
+    for name in "queries warmup final_seqs sinks".split():
+        need(globals()[name] >= 0, f"--{name} {globals()[name]}: must be at least 0")
+    for name in "lr model_lr".split():
+        need(globals()[name] > 0, f"--{name} {globals()[name]}: must be positive")
+    # the rest, each its own line
+    for ok, msg in [
+        (finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune of the model: add --finetune"),
+        (batch_size % world == 0, f"--batch_size {batch_size}: the global batch must split evenly over {world} processes"),
+        (0 < gamma < 1, f"--gamma {gamma}: must be in (0, 1)"),
+        (0 <= min_lr <= lr, f"--min_lr {min_lr}: must be in [0, --lr]"),
+        (0 <= weight_decay < 1 and grad_clip > 0, "--weight_decay must be in [0, 1) and --grad_clip positive"),
+        (1 <= keys <= 16 and seq_len >= 64, "--keys must be 1..16 and --seq_len at least 64 (the recall task)"),
+        (0 <= seed < 2**32, f"--seed {seed}: use an integer 0 <= seed < 2**32"),
+        (out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name"),
+    ]:
+        need(ok, msg)
+    # the training budget (load() charges the scorer's state too)
+    try:
+        size, pool = kvpop.budget_size(budget, seq_len, sinks, window)
+    except ValueError as e:
+        sys.exit(f"train.py: --budget: {e}")
+    need(size < seq_len, f"--budget {budget} keeps all {seq_len} tokens: nothing to learn")
+    # a flag that this run would ignore is an error, as an unknown one is
+    for why, on, names in [
+        ("no --finetune", not finetune, "policy model_lr top_logits"),
+        ("--policy streaming (no scorer)", policy == "streaming", "kind d_mem d_hidden gamma queries target init_from edges"),
+        (f"--kind {kind}", True, {"kvpop": "", "kvpop-mlp": "d_mem arrival", "kvpop-window": "d_mem arrival"}[kind]),
+        ("--init_from (its sizes are the folder's)", bool(init_from), "d_mem d_hidden gamma arrival"),
+        (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
+    ]:
+        k = next((k for k in names.split() if on and k in given), None)
+        need(k is None, f"--{k} does nothing with {why}; drop it (see --help)")
+    # a scorer to start from: its kind is --kind's
+    f = os.path.join(init_from, "scorer.json")
+    need(not init_from or os.path.isfile(f), f"--init_from {init_from}: no scorer.json; give a train.py --out_dir")
+    got = init_from and checkpoint.read_json(f).get("kind")
+    need(not init_from or got == kind, f"--init_from {init_from} holds a {got} scorer; use --kind {got}")
+    # flags first, then the folder
+    need(
+        not resume or os.path.isfile(os.path.join(out_dir, "train_state.pt")),
+        f"--resume: no train_state.pt in {out_dir} to continue; drop --resume to start anew",
+    )
+
+
 if __name__ == "__main__":
+    check_flags()
     torch.set_num_threads(threads)
     if world > 1:  # torchrun: one process per CPU share (gloo) or GPU (nccl)
         dist.init_process_group("gloo" if device == "cpu" else "nccl")
         device = device if device == "cpu" else f"cuda:{int(os.environ['LOCAL_RANK'])}"
     train()
-    # DDP and FSDP keep the group's threads (gloo's run loops) alive past destroy_process_group; in 1 of 60 runs here
-    # Python's exit then aborted a worker ("terminate called without an active exception"): a worker leaves without it
+    # DDP and FSDP keep the group's threads (gloo's run loops) alive past destroy_process_group, and Python's exit can
+    # then abort a worker ("terminate called without an active exception"): a worker leaves without it
     if world > 1:
         dist.destroy_process_group()
         sys.stdout.flush()
