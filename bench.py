@@ -346,11 +346,12 @@ def speed_train(net, scorers, a, dt, b, policies):
     parts = {"frozen forward": clock(lambda: seen.append(net(idx, attn=attn)), dev)}
     lw, seen = kvpop.next_logp(seen[-1], idx), seen[:-1]
     # every layer's future-attention target r*
-    future = lambda: rs.extend(kernels.future_attention(q, k, lse - lw, a.window, reduce="max") for q, k, v, lse in seen)
+    future = lambda: rs.extend(kernels.future_attention(q, k, lse - lw, a.window, reduce="max") for q, k, _, lse in seen)
     parts["future-attention targets"] = clock(future, dev)
     # the teacher's eviction times, as kvpop.boundary_loss makes them
     pos = torch.arange(T, device=dev)
-    evict = lambda: [kernels.eviction_times(r + scorer.recency(i, pos).detach(), a.sinks, a.window, pool) for i, r in enumerate(rs)]
+    teacher = lambda i, r: r + scorer.recency(i, pos).detach()
+    evict = lambda: [kernels.eviction_times(teacher(i, r), a.sinks, a.window, pool) for i, r in enumerate(rs)]
     parts["eviction times"] = clock(evict, dev)
     q = torch.arange(a.sinks + a.window + pool, T)  # every query at which the pool is over-full
     kv = [(k, v) for _, k, v, _ in seen]

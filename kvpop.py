@@ -317,8 +317,9 @@ class Scorer(nn.Module):
         """kvpop, decay-masked form over a whole sequence x (B, H, T, 2D) -> scores (B, H, T) and the final state.
         Token t is read at q = min(t + w - 1, T - 1) (on arrival: q = t) as
         C_q u = sum_{j <= q} exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum log f,
-        under one max per row as the recurrent form's stabiliser. Chunk by chunk over q: the reads in a chunk add the state mem = [C; n] carried from the tokens
-        before it, and mem then moves to the chunk's last token. Only x is made at full length."""
+        under one max per row as the recurrent form's stabiliser. Chunk by chunk over q: the reads in a chunk add the
+        state mem = [C; n] carried from the tokens before it, and mem then moves to the chunk's last token. Only x is
+        made at full length."""
         (B, H, T, _), M, W, c = x.shape, self.d_mem, self.delay, self.chunk
         xs = x.split(c, -2)  # the chunks of x
         # every token's gates: log i (exponential input), log f (sigmoid forget), and F_j = log f_0 + .. + log f_j
@@ -388,7 +389,9 @@ class Scorer(nn.Module):
         li, lf = z[..., 0, -2], scale - F.softplus(-z[..., 0, -1])  # log i, log f + scale (L, B, H)
         scale_new = torch.maximum(li, lf)
         g, f = (li - scale_new).exp()[..., None, None], (lf - scale_new).exp()[..., None, None]
-        mem.mul_(f).add_(z[..., M : 2 * M + 1].mT @ (g * z[..., :M]))  # (L, B, H, M + 1, M)
+        # in place, one pass for the product: mem (L, B, H, M + 1, M) as a batch of matrices
+        v1, k1 = z[..., M : 2 * M + 1].reshape(-1, M + 1, 1), (g * z[..., :M]).view(-1, 1, M)  # [v'; 1], g k'
+        mem.mul_(f).view(-1, M + 1, M).baddbmm_(v1, k1)
         scale.copy_(scale_new)
 
     def read(self, mem, scale, k, v, t):

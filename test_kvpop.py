@@ -1892,9 +1892,11 @@ def test_bench_speed_rows_count_the_bytes_a_step_reads(tmp_path, monkeypatch, ca
     A, d, w = 2, 16, 16  # kvpop-window: its reads, their key width, the window
     # per layer and head
     sw = {
-        "kvpop": 3 * X * M + 3 * X + M + 4,
+        # memory projections, gates and their biases, theta; every kind: the read-out head(x, z) with z of width
+        # M (kvpop), A d (kvpop-window: reads over the w - 1 tokens after t), 0
+        "kvpop": 3 * X * M + 2 * X + 3 + (X + M) * Dh + 2 * Dh + 1,
         "kvpop-mlp": X * Dh + 2 * Dh + 2,
-        "kvpop-window": 3 * X * A * d + A * w + (X + A * d) * Dh + 2 * Dh + 2,
+        "kvpop-window": 3 * X * A * d + A * (w - 1) + (X + A * d) * Dh + 2 * Dh + 2,
     }
     dec = {(r["policy"], r["budget"]): r for r in rows if "context" in r}
     assert list(dec) == [("full", 1)] + [(p, b) for b in (0.5, 0.25) for p in ("streaming", *kvpop.SCORERS)]
@@ -3259,17 +3261,15 @@ README_SMALL = {  # each README command -> the flags appended to run it here (a 
         "--n",
         "2",
     ],
-    "python train.py --task cue --target mean --kind kvpop": [
-        "--max_iters",
+    "python bench.py quality --task cue --p_cue 0.3 --policies full,oracle,h2o --scorer baby/scorers/cue-helpful/kvpop-window": [
+        "--n",
         "2",
-        "--final_seqs",
-        "2",
-        "--eval_seqs",
-        "2",
-        "--out_dir",
-        "{tmp}/b",
     ],
-    "python train.py --finetune --max_iters 300 --kind kvpop --target mean --out_dir out-ft": [
+    "python bench.py quality --task cue --policies full,oracle --scorer baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-arrival": [
+        "--n",
+        "2",
+    ],
+    "python train.py --finetune --max_iters 300 --kind kvpop --target mean --init_from baby/scorers/recall-mean/kvpop --out_dir out-ft": [
         "--max_iters",
         "2",
         "--batch_size",
@@ -3280,6 +3280,18 @@ README_SMALL = {  # each README command -> the flags appended to run it here (a 
         "1",
         "--out_dir",
         "{tmp}/c",
+    ],
+    "python train.py --finetune --max_iters 300 --init_from baby/scorers/recall-helpful/kvpop-window --out_dir out-ftw": [
+        "--max_iters",
+        "2",
+        "--batch_size",
+        "2",
+        "--final_seqs",
+        "2",
+        "--eval_seqs",
+        "1",
+        "--out_dir",
+        "{tmp}/f",
     ],
     "python train.py --finetune --max_iters 300 --policy streaming --out_dir out-sllm": [
         "--max_iters",
@@ -3293,7 +3305,7 @@ README_SMALL = {  # each README command -> the flags appended to run it here (a 
         "--out_dir",
         "{tmp}/d",
     ],
-    "torchrun --nproc_per_node=2 train.py --finetune --max_iters 300 --kind kvpop --target mean --out_dir out-ft2": [
+    "torchrun --nproc_per_node=2 train.py --finetune --max_iters 300 --kind kvpop --target mean --init_from baby/scorers/recall-mean/kvpop --out_dir out-ft2": [
         "--max_iters",
         "2",
         "--batch_size",
@@ -3305,7 +3317,7 @@ README_SMALL = {  # each README command -> the flags appended to run it here (a 
         "--out_dir",
         "{tmp}/e",
     ],
-    "python bench.py speed --contexts 8192 --budgets 0.25": [
+    "python bench.py speed --budgets 0.25": [
         "--model",
         "{tmp}/m",
         "--contexts",
@@ -3440,7 +3452,9 @@ def test_readme_command_runs(cmd, tmp_path, baby):
             for x in rows:  # relative = accuracy / full's, to the printed digits
                 if x["task"] == task and full[0]["accuracy"]:
                     assert abs(x["relative"] - x["accuracy"] / full[0]["accuracy"]) < 2e-3, x
-    if cmd.startswith("python bench.py quality --task"):
+    if "kvpop-arrival" in cmd:  # the delay table: the same scorer read when t leaves the window and on arrival
+        assert [x["policy"] for x in _parse_quality_table(r.stdout)][-4:] == ["kvpop"] * 2 + ["kvpop on arrival"] * 2
+    if cmd.startswith("python bench.py quality --task") and "--scorer" not in cmd:
         net, tok = baby
         for task in ("recall", "cue"):
             seqs = tasks.task_batch(tok, 2, 512, random.Random("test-0"), **tasks.TASKS[task])
@@ -3662,10 +3676,11 @@ def _next_token_p(logits, idx):  # P[d] = P(idx[d + 1] | idx[..d]) from logits, 
     return torch.cat([P, P.new_zeros(len(idx), 1)], 1)
 
 
-def test_finetune_boundary_loss_is_on_the_helpful_target_under_the_students_eviction(baby, monkeypatch):
-    """train.finetune_loss's boundary loss (--target helpful) against _ref_boundary_loss on targets made here from
-    the definition: the student's evicting pass (the scorer's priorities, eviction by _k_simulate, fp64 softmax over
-    what stays visible), each query's attention weighted by P(next token) from the dense teacher."""
+def test_finetune_boundary_loss_is_on_the_dense_teachers_helpful_target(baby):
+    """train.finetune_loss's boundary loss (--target helpful) against _ref_boundary_loss made here from the
+    definition (README, Method: fine-tune): the scorer's priorities on the student's keys and values under its own
+    eviction (_k_simulate, fp64 softmax over what stays visible), the target the dense teacher's future attention,
+    each query's attention weighted by P(next token) from the dense teacher."""
     import train
 
     net, tok = baby
@@ -3687,17 +3702,19 @@ def test_finetune_boundary_loss_is_on_the_helpful_target_under_the_students_evic
             e = _k_simulate(scorer(i, k, v, torch.arange(T)), sinks, window, pool)
         return (t <= d) & ((t < sinks) | (d < e[..., None, :]))
 
-    _, seen = _ref_pass(student, idx, visible)
+    _, seen = _ref_pass(student, idx, visible)  # the student's keys and values under its eviction
+    _, dense = _ref_pass(net, idx, lambda i, k, v: (t <= d).expand(len(idx), k.shape[1], T, T))  # the teacher's
     with torch.no_grad():
         P = _next_token_p(net(idx), idx)  # the dense teacher's
         pi = torch.stack([scorer(i, k, v, torch.arange(T)) for i, (_, k, v, _) in enumerate(seen)])
-    targets = lambda P: torch.stack([_ref_future_target(q, k, lse, window, "max", P) for q, k, _, lse in seen])
+    targets = lambda P, run: torch.stack([_ref_future_target(q, k, lse, window, "max", P) for q, k, _, lse in run])
     gamma = torch.nn.functional.softplus(scorer.theta.detach())
-    ref = _ref_boundary_loss(pi, targets(P).float(), gamma, sinks, window, pool)[0].item()
-    # the test tells P from 1 / P (a wrong sign of log P)
-    inv = _ref_boundary_loss(pi, targets(1 / P.clamp(min=1e-30)).float(), gamma, sinks, window, pool)[0].item()
-    assert abs(loss - ref) <= 1e-5 * max(1.0, ref), (loss, ref, inv)
-    assert abs(inv - ref) > 1e-3, (inv, ref)
+    ref = _ref_boundary_loss(pi, targets(P, dense).float(), gamma, sinks, window, pool)[0].item()
+    # the test tells P from 1 / P (a wrong sign of log P), and the teacher's pass from the student's evicting one
+    inv = _ref_boundary_loss(pi, targets(1 / P.clamp(min=1e-30), dense).float(), gamma, sinks, window, pool)[0].item()
+    own = _ref_boundary_loss(pi, targets(P, seen).float(), gamma, sinks, window, pool)[0].item()
+    assert abs(loss - ref) <= 1e-5 * max(1.0, ref), (loss, ref, inv, own)
+    assert abs(inv - ref) > 1e-3 and abs(own - ref) > 1e-3, (inv, own, ref)
 
 
 def test_quality_runs_take_full_from_the_reference_model(baby):

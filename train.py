@@ -80,7 +80,7 @@ min_lr = 3e-4  # cosine decay down to this
 warmup = 50  # linear warmup steps
 weight_decay = 1e-4  # AdamW weight decay (--finetune: the model's too)
 grad_clip = 1.0  # clip the gradient norm (--finetune: the model's too)
-model_lr = 8e-5  # --finetune: the model's AdamW peak rate (the paper's; the scorer: --lr)
+model_lr = -1.0  # --finetune: the model's AdamW peak rate; -1: the paper's 8e-5, the baby's 1e-5 (LOG.md)
 top_logits = 256  # --finetune: KL to the dense model's top this many next tokens
 # --- logging, evaluation, checkpoints
 log_interval = 25  # print loss, keep/drop accuracy and tokens/s every this many steps
@@ -88,6 +88,7 @@ eval_interval = 100  # held-out far accuracy (baby) and a checkpoint, every this
 eval_seqs = 32  # held-out sequences per evaluation
 final_seqs = 128  # held-out sequences of the final quality table (bench.py quality's; 0 = none)
 given = flags.configure(globals(), None if __name__ == "__main__" else [])  # tests: defaults
+model_lr = (1e-5 if model == "baby" else 8e-5) if model_lr == -1 else model_lr
 # set by torchrun
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 # only rank 0 logs
@@ -144,24 +145,20 @@ def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
 
 def finetune_loss(net, teacher, scorer, idx, qpos, sinks, window, pool, pools, top_logits, target, ddp=None):
     """One --finetune step's backward: the model learns under the student's eviction by KL to the dense teacher's top
-    `top_logits`, the scorer by the boundary loss at each pool's queries qpos on this evicting pass's --target future
-    attention -> KL, boundary loss, keep/drop accuracy."""
+    `top_logits`; the scorer by the boundary loss at each pool's queries qpos against the dense teacher's --target
+    future attention (the frozen run's teacher), on the student's keys and values -> KL, boundary loss, keep/drop
+    accuracy."""
     with torch.no_grad():
-        logits = teacher(idx)  # (B, T, V)
-        top = logits.float().topk(min(top_logits, teacher.config.vocab_size), -1)  # (B, T, K)
-        lw = kvpop.next_logp(logits, idx) if target == "helpful" else 0.0  # the dense model's P
-    lt, kv, rs = top.values.log_softmax(-1), [], []
+        top = teacher(idx).float().topk(min(top_logits, teacher.config.vocab_size), -1)  # (B, T, K)
+        rs = kvpop.dense_targets(teacher, idx, window, target)[1] if scorer is not None else None
+    lt, kv = top.values.log_softmax(-1), []
     evict_by = kvpop.resolve(scorer or "streaming")[1]  # the student's priorities
 
     def attn(i, q, k, v, pos):
         with torch.no_grad():
             e = kernels.eviction_times(evict_by(i, k, v, pos), sinks, window, pool)
-        y, lse = kernels.attention(q, k, v, e, sinks)
-        if scorer is not None:
-            kv.append((k.detach(), v.detach()))
-            r = kernels.future_attention(q.detach(), k.detach(), lse.detach() - lw, window, reduce=kvpop.REDUCE[target])
-            rs.append(r)
-        return y
+        kv.append((k.detach(), v.detach()))
+        return kernels.attention(q, k, v, e, sinks)[0]
 
     lp = net(idx, attn=attn).float().log_softmax(-1).gather(-1, top.indices)
     # FSDP averages gradients: every process holds as many tokens
@@ -390,7 +387,8 @@ def check_flags():
     for name, among in choices:
         need(globals()[name] in among, f"--{name} {globals()[name]!r}: choose from {', '.join(among)}")
     # a number in range
-    counts = "threads d_mem d_hidden seq_len window batch_size max_iters log_interval eval_interval eval_seqs top_logits edges"
+    counts = "threads d_mem d_hidden seq_len window batch_size max_iters log_interval eval_interval eval_seqs"
+    counts += " top_logits edges"
     for name in counts.split():
         need(globals()[name] >= 1, f"--{name} {globals()[name]}: must be at least 1")
     for name in "queries warmup final_seqs sinks".split():
@@ -399,8 +397,8 @@ def check_flags():
         need(globals()[name] > 0, f"--{name} {globals()[name]}: must be positive")
     # the rest, each its own line
     for ok, msg in [
-        (finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune of the model: add --finetune"),
-        (batch_size % world == 0, f"--batch_size {batch_size}: the global batch must split evenly over {world} processes"),
+        (finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune: add --finetune"),
+        (batch_size % world == 0, f"--batch_size {batch_size}: the batch must split evenly over {world} processes"),
         (0 < gamma < 1, f"--gamma {gamma}: must be in (0, 1)"),
         (0 <= min_lr <= lr, f"--min_lr {min_lr}: must be in [0, --lr]"),
         (0 <= weight_decay < 1 and grad_clip > 0, "--weight_decay must be in [0, 1) and --grad_clip positive"),
@@ -418,7 +416,8 @@ def check_flags():
     # a flag that this run would ignore is an error, as an unknown one is
     for why, on, names in [
         ("no --finetune", not finetune, "policy model_lr top_logits"),
-        ("--policy streaming (no scorer)", policy == "streaming", "kind d_mem d_hidden gamma queries target init_from edges"),
+        ("--policy streaming (no scorer)", policy == "streaming", "kind d_mem d_hidden gamma queries target init_from"),
+        ("--policy streaming (no scorer)", policy == "streaming", "edges"),
         (f"--kind {kind}", True, {"kvpop": "", "kvpop-mlp": "d_mem arrival", "kvpop-window": "d_mem arrival"}[kind]),
         ("--init_from (its sizes are the folder's)", bool(init_from), "d_mem d_hidden gamma arrival"),
         (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
