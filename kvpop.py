@@ -1,8 +1,8 @@
 """KVpop: a fixed-budget, evicting KV cache for Qwen3 (arXiv 2607.05061), the method in one file.
 
 Read top to bottom (README, Method; comments cite its subsections as "README, Method: ..."): the budget -> policies and
-eviction times -> targets -> learned scorers -> the evicting cache -> generation. The model is qwen3.py, the
-teacher-forced evaluation tasks.py; files, tokenizer and flags have their own modules.
+eviction times -> targets -> learned scorers -> the boundary loss -> the evicting cache -> generation. The model is
+qwen3.py, the kernels' plain and fast forms kernels.py, the teacher-forced evaluation tasks.py.
 """
 
 import math
@@ -255,9 +255,9 @@ class Scorer(nn.Module):
 
     def look(self, i, x, xw, offsets):
         """kvpop-window: scores (B, H, n) of tokens with features x (B, H, n, X) from the features xw (B, H, m, X) of
-        tokens after them, offsets (n, m) apart (visible: 1..min(w, ahead)). Read a: softmax over the visible o of
-        (W_q x)_a . (W_k xw)_a / sqrt(d) + b_a[o] pools z_a = sum_o softmax * (W_v xw)_a; then r = w_2 . silu(W_1 [x;
-        z_1 .. z_A] + b_1) + b_2."""
+        tokens after them, offsets (n, m) apart (visible: 1..min(w - 1, ahead)). Read a = 0, 1: softmax over the
+        visible o of (W_q x)_a . (W_k xw)_a / sqrt(d) + bo_a[o] pools z_a = sum_o softmax * (W_v xw)_a; then
+        r = head(x, [z_0; z_1])."""
         A, d, n = self.reads, self.d_key, self.bo.shape[-1]
         # (B, H, A, n or m, d)
         q, k, v = (
