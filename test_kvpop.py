@@ -418,6 +418,8 @@ IDLE = [
     (["--finetune", "--policy", "streaming", "--kind", "kvpop"], "--policy streaming"),
     (["--policy", "scorer"], "no --finetune"),
     (["--finetune", "--policy", "streaming", "--gamma", "0.01"], "--policy streaming"),
+    (["--finetune", "--policy", "streaming", "--init_from", "baby/scorers/recall-helpful/kvpop-window"], "--policy streaming"),
+    (["--finetune", "--policy", "streaming", "--edges", "1"], "--policy streaming"),
     (["--data", NOWHERE, "--keys", "4"], f"--data {NOWHERE} (not the baby's task)"),
     (["--data", NOWHERE, "--task", "cue"], f"--data {NOWHERE} (not the baby's task)"),
 ]

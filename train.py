@@ -416,8 +416,7 @@ def check_flags():
     # a flag that this run would ignore is an error, as an unknown one is
     for why, on, names in [
         ("no --finetune", not finetune, "policy model_lr top_logits"),
-        ("--policy streaming (no scorer)", policy == "streaming", "kind d_mem d_hidden gamma queries target init_from"),
-        ("--policy streaming (no scorer)", policy == "streaming", "edges"),
+        ("--policy streaming", policy == "streaming", "kind d_mem d_hidden gamma queries target edges init_from"),
         (f"--kind {kind}", True, {"kvpop": "", "kvpop-mlp": "d_mem arrival", "kvpop-window": "d_mem arrival"}[kind]),
         ("--init_from (its sizes are the folder's)", bool(init_from), "d_mem d_hidden gamma arrival"),
         (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
