@@ -262,9 +262,14 @@ def fill(cache, C):
     n = len(pos)
     cache.k[..., :n, :].normal_(), cache.v[..., :n].normal_()  # values are stored transposed
     cache.pos[..., :n], cache.score[..., :n], cache.t = pos.to(cache.pos.device), torch.rand(n), C
-    cache.ring[..., pos[-w:] % w] = torch.arange(n - w, n, device=cache.ring.device)  # the window's slots
-    if cache.memory:
+    if not cache.kind:
+        return n
+    # a learned scorer's: the window's slots, its next read's features
+    cache.ring[..., pos[-w:] % w] = torch.arange(n - w, n, device=cache.ring.device)
+    cache.near.normal_()
+    if cache.kind == "kvpop":  # the memories have read every token
         cache.mem.normal_(0, 0.01), cache.scale.zero_()
+        cache.known = C
     return n
 
 
