@@ -25,7 +25,8 @@ def read_json(f):
         raise ValueError(f"cannot read {f}: {e}") from None
 
 
-def write_json(d, f):  # to a temporary name, then renamed: never half-written
+def write_json(d, f):
+    """To a temporary name, then renamed: never half-written."""
     Path(f + ".tmp").write_text(json.dumps(d, indent=1))
     os.replace(f + ".tmp", f)
 
@@ -33,9 +34,8 @@ def write_json(d, f):  # to a temporary name, then renamed: never half-written
 # a checkpoint's torch_dtype, sample.py's --dtype
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # the fields a config.json must have; the rest have defaults (head_dim: hidden_size / heads)
-CONFIG_REQUIRED = tuple(
-    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads".split()
-)
+CONFIG_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+CONFIG_REQUIRED += ("num_attention_heads", "num_key_value_heads")
 
 
 def read_config(path, cls):
@@ -47,32 +47,41 @@ def read_config(path, cls):
         if not ok:
             raise ValueError(f"{path}: {msg}")
 
-    what = {list: "an array", str: "a string", bool: "true/false", type(None): "null"}.get(type(d), "a number")
+    kinds = {list: "an array", str: "a string", bool: "true/false", type(None): "null"}
+    what = kinds.get(type(d), "a number")
     need(type(d) is dict, f"must be a JSON object of model settings, not {what}")
-    d = {k: v for k, v in d.items() if v is not None}  # null = absent, as transformers reads it
-    # transformers 5 moves rope_theta into rope_parameters
-    rope, dt = d.get("rope_parameters", {}), "torch_dtype" if "torch_dtype" in d else "dtype"
+    # null = absent, as transformers reads it
+    d = {k: v for k, v in d.items() if v is not None}
+    # transformers 5 moves rope_theta into rope_parameters and writes "dtype"
+    rope = d.get("rope_parameters", {})
+    dt = "torch_dtype" if "torch_dtype" in d else "dtype"
     need(type(rope) is dict, "rope_parameters must be an object")
-    # defaults as transformers reads them; version 5 writes "dtype"
-    d = dict(torch_dtype=d.get("dtype", "bfloat16"), rope_theta=rope.get("rope_theta", cls.rope_theta)) | d
-    d = dict(tie_word_embeddings=False) | d
-    plain = rope.get("rope_type", "default") == "default" and not d.get("rope_scaling")
-    need(plain, "only default RoPE is supported (found rope scaling)")
-    need(d.get("hidden_act", "silu") == "silu", f"hidden_act {d.get('hidden_act')!r}: Qwen3 uses silu")
-    need(not d.get("use_sliding_window"), "use_sliding_window: sliding-window attention is not supported")
+    # defaults as transformers reads them
+    theta = rope.get("rope_theta", cls.rope_theta)
+    d = dict(torch_dtype=d.get("dtype", "bfloat16"), rope_theta=theta, tie_word_embeddings=False) | d
+    scaled = rope.get("rope_type", "default") != "default" or d.get("rope_scaling")
+    need(not scaled, "only default RoPE is supported (found rope scaling)")
+    act = d.get("hidden_act", "silu")
+    need(act == "silu", f"hidden_act {act!r}: Qwen3 uses silu")
+    sliding = "sliding-window attention is not supported"
+    need(not d.get("use_sliding_window"), f"use_sliding_window: {sliding}")
     for f in fields(cls):
-        v, t = d.get(f.name), f.type
-        need(v is not None or f.name not in CONFIG_REQUIRED, f"{f.name} is missing; a Qwen3 config needs it")
-        if v is not None and t is not str:
-            ok = (type(v) is t or t is float and type(v) is int) and (t is not float or math.isfinite(v))
-            need(ok, f"{f.name} {v!r} must be {KINDS[t]}")
-            need(t is bool or v > 0, f"{f.name} {v} must be positive")
-            d[f.name] = t(v)
+        name, v, t = f.name, d.get(f.name), f.type
+        need(v is not None or name not in CONFIG_REQUIRED, f"{name} is missing; a Qwen3 config needs it")
+        if v is None or t is str:
+            continue
+        # an integer is a float too; a float must be finite
+        kind = type(v) is t or t is float and type(v) is int
+        need(kind and (t is not float or math.isfinite(v)), f"{name} {v!r} must be {KINDS[t]}")
+        need(t is bool or v > 0, f"{name} {v} must be positive")
+        d[name] = t(v)
     h, kv = d["num_attention_heads"], d["num_key_value_heads"]
     need(h % kv == 0, f"num_key_value_heads {kv} must divide num_attention_heads {h}")
     D = d.setdefault("head_dim", d["hidden_size"] // h)
-    need(D > 0 and D % 2 == 0, f"head_dim {D} must be even and positive (RoPE rotates pairs of dimensions)")
-    need(d["torch_dtype"] in DTYPES, f"{dt} {d['torch_dtype']!r} must be one of {', '.join(DTYPES)}")
+    pairs = "RoPE rotates pairs of dimensions"
+    need(D > 0 and D % 2 == 0, f"head_dim {D} must be even and positive ({pairs})")
+    torch_dtype = d["torch_dtype"]
+    need(torch_dtype in DTYPES, f"{dt} {torch_dtype!r} must be one of {', '.join(DTYPES)}")
     return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
@@ -81,16 +90,21 @@ def read_config(path, cls):
 
 
 # safetensors' dtype names
-ST_DTYPES = dict(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16, BOOL=torch.bool)
-ST_DTYPES |= dict(I64=torch.int64, I32=torch.int32, I16=torch.int16, I8=torch.int8, U8=torch.uint8)
+ST_DTYPES = dict(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16)
+ST_DTYPES |= dict(BOOL=torch.bool, I64=torch.int64, I32=torch.int32, I16=torch.int16)
+ST_DTYPES |= dict(I8=torch.int8, U8=torch.uint8)
 ST_NAMES = {dt: name for name, dt in ST_DTYPES.items()}
-OPTIONAL = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"]
+# the files a download takes if the hub has them
+OPTIONAL = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"]
+OPTIONAL += ["generation_config.json"]
 
 
 def shard_names(folder):
     idx = os.path.join(folder, "model.safetensors.index.json")
+    if not os.path.isfile(idx):
+        return ["model.safetensors"]
     try:
-        return sorted(set(read_json(idx)["weight_map"].values())) if os.path.isfile(idx) else ["model.safetensors"]
+        return sorted(set(read_json(idx)["weight_map"].values()))
     except (KeyError, AttributeError):
         raise ValueError(f"{idx} has no weight_map; the checkpoint index is corrupt") from None
 
@@ -100,26 +114,31 @@ def fetch(url, path, optional=False):
     part, name = path + ".incomplete", os.path.basename(path)
     if os.path.isfile(path):
         return
-    resume = dict(Range=f"bytes={os.path.getsize(part)}-") if os.path.isfile(part) else {}  # resume a cut download
+    # resume a cut download
+    resume = dict(Range=f"bytes={os.path.getsize(part)}-") if os.path.isfile(part) else {}
     req = urllib.request.Request(url, headers=resume)
     # unredirected: the token is not passed on to the CDN that serves weights
-    if os.environ.get("HF_TOKEN"):
-        req.add_unredirected_header("Authorization", "Bearer " + os.environ["HF_TOKEN"])
+    token = os.environ.get("HF_TOKEN")
+    if token:
+        req.add_unredirected_header("Authorization", "Bearer " + token)
     try:
         r = urllib.request.urlopen(req, timeout=60)
     except urllib.error.HTTPError as e:
-        e.close()  # it holds the connection
+        # it holds the connection
+        e.close()
         if e.code == 404 and optional:
             return
         if e.code != 416:
             raise
-        os.remove(part)  # 416: the partial file is stale, start over
+        # 416: the partial file is stale, start over
+        os.remove(part)
         return fetch(url, path, optional)
     # only now, so a failed lookup leaves no folders
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # a server may ignore Range: take it all
     with r, open(part, "ab" if r.status == 206 else "wb") as f:
-        total = f.tell() + int(r.headers["Content-Length"]) if "Content-Length" in r.headers else None
+        length = r.headers.get("Content-Length")
+        total = None if length is None else f.tell() + int(length)
         with tqdm(total=total, initial=f.tell(), unit="B", unit_scale=True, desc=name) as bar:
             while chunk := r.read(1 << 20):
                 bar.update(f.write(chunk))
@@ -133,9 +152,12 @@ def checkpoint_dir(path_or_repo, revision="main"):
     p = os.path.expanduser(path_or_repo)
     if os.path.isdir(p):
         if not os.path.isfile(os.path.join(p, "config.json")):
-            raise FileNotFoundError(f"checkpoint folder {p} has no config.json; pass a Qwen3 checkpoint")
+            hint = "pass a Qwen3 checkpoint"
+            raise FileNotFoundError(f"checkpoint folder {p} has no config.json; {hint}")
         return p
-    if path_or_repo.count("/") != 1 or p != path_or_repo or not all(s.strip(".") for s in p.split("/")):
+    # a repo id: owner/name, unchanged by expanduser, no part empty or dots only
+    parts = path_or_repo.split("/")
+    if len(parts) != 2 or p != path_or_repo or not all(s.strip(".") for s in parts):
         hint = "pass a folder with config.json or a Hugging Face repo id such as Qwen/Qwen3-0.6B"
         raise FileNotFoundError(f"no checkpoint folder {path_or_repo} ({hint})")
     home = os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface")
@@ -143,26 +165,34 @@ def checkpoint_dir(path_or_repo, revision="main"):
     repo = os.path.join(hub, "models--" + path_or_repo.replace("/", "--"))
     ref, snaps = os.path.join(repo, "refs", revision), os.path.join(repo, "snapshots")
     rev = Path(ref).read_text().strip() if os.path.isfile(ref) else revision
+    # a snapshot is usable when it holds the config and every weight file
     for s in [rev] + sorted(os.listdir(snaps) if os.path.isdir(snaps) else []):
-        d = os.path.join(snaps, s)  # usable when it holds the config and every weight file
+        d = os.path.join(snaps, s)
         if all(os.path.isfile(os.path.join(d, f)) for f in ["config.json", *shard_names(d)]):
             return d
-    d, url = (os.path.join(snaps, rev), os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/"))
+    d = os.path.join(snaps, rev)
     # the hub's layout, as Hugging Face's own tools use it
-    url = f"{url}/{path_or_repo}/resolve/{rev}/"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    url = f"{endpoint}/{path_or_repo}/resolve/{rev}/"
+    index = "model.safetensors.index.json"
     try:
         fetch(url + "config.json", os.path.join(d, "config.json"))
-        fetch(url + "model.safetensors.index.json", os.path.join(d, "model.safetensors.index.json"), True)
+        fetch(url + index, os.path.join(d, index), True)
         for f in shard_names(d) + OPTIONAL:
             fetch(url + f, os.path.join(d, f), f in OPTIONAL)
     except OSError as e:
-        why, files = e.reason if type(e) is urllib.error.URLError else e, "config.json, *.safetensors, tokenizer.json"
-        msg = f"cannot download {path_or_repo} ({why}); with no network, put the checkpoint files ({files}) in {d}/"
-        raise ConnectionError(msg + " or pass a local folder") from None
+        why = e.reason if type(e) is urllib.error.URLError else e
+        files = "config.json, *.safetensors, tokenizer.json"
+        offline = f"with no network, put the checkpoint files ({files}) in {d}/ or pass a local folder"
+        raise ConnectionError(f"cannot download {path_or_repo} ({why}); {offline}") from None
     os.makedirs(os.path.dirname(ref), exist_ok=True)
     Path(ref + ".incomplete").write_text(rev)
     os.replace(ref + ".incomplete", ref)
     return d
+
+
+def _entry(e):  # a header entry -> (dtype, shape, start, end)
+    return ST_DTYPES[e["dtype"]], torch.Size(e["shape"]), *map(int, e["data_offsets"])
 
 
 def read_safetensors(path):
@@ -171,43 +201,51 @@ def read_safetensors(path):
         # where the data starts: 8-byte length, JSON header
         n = 8 + int.from_bytes(f.read(8), "little")
         if size < 8 or n > size:
-            raise ValueError(f"{path}: header runs past the end of the file ({size} bytes); it is truncated")
+            past = f"header runs past the end of the file ({size} bytes)"
+            raise ValueError(f"{path}: {past}; it is truncated")
         try:
-            header = {
-                k: (ST_DTYPES[e["dtype"]], torch.Size(e["shape"]), *map(int, e["data_offsets"]))
-                for k, e in json.loads(f.read(n - 8)).items()
-                if k != "__metadata__"
-            }
+            entries = json.loads(f.read(n - 8)).items()
+            header = {k: _entry(e) for k, e in entries if k != "__metadata__"}
         except (ValueError, TypeError, KeyError, AttributeError) as e:
-            msg = f"{path}: bad safetensors header ({e!r}); the file is corrupt or uses an unsupported dtype"
-            raise ValueError(msg) from None
+            why = "the file is corrupt or uses an unsupported dtype"
+            raise ValueError(f"{path}: bad safetensors header ({e!r}); {why}") from None
     # private mmap: no copy
     buf = torch.UntypedStorage.from_file(os.fspath(path), shared=False, nbytes=size)
     out = {}
     for k, (dt, shape, a, b) in header.items():
-        if not 0 <= a <= b <= size - n or b - a != shape.numel() * dt.itemsize:
-            msg = f"the header says {a}..{b} of {size - n}; the file is truncated or corrupt"
-            raise ValueError(f"{path}: tensor {k} {list(shape)} needs {shape.numel() * dt.itemsize} bytes, {msg}")
-        u = torch.empty(0, dtype=torch.uint8).set_(buf, n + a, (b - a,))  # (bytes,)
-        out[k] = (u if (n + a) % dt.itemsize == 0 else u.clone()).view(dt).reshape(shape)
+        nbytes = shape.numel() * dt.itemsize
+        if not 0 <= a <= b <= size - n or b - a != nbytes:
+            says = f"the header says {a}..{b} of {size - n}; the file is truncated or corrupt"
+            raise ValueError(f"{path}: tensor {k} {list(shape)} needs {nbytes} bytes, {says}")
+        # (bytes,) a view of the mapped file, copied where not aligned to the dtype
+        u = torch.empty(0, dtype=torch.uint8).set_(buf, n + a, (b - a,))
+        aligned = (n + a) % dt.itemsize == 0
+        out[k] = (u if aligned else u.clone()).view(dt).reshape(shape)
     return out
 
 
 def load_safetensors(folder):
-    return {k: t for f in shard_names(folder) for k, t in read_safetensors(os.path.join(folder, f)).items()}
+    tensors = {}
+    for f in shard_names(folder):
+        tensors.update(read_safetensors(os.path.join(folder, f)))
+    return tensors
 
 
 def save_safetensors(tensors, path):
-    # Widest dtypes first, so every tensor starts aligned and loads as a view of the mapped file.
-    ts = sorted(((k, t.detach().cpu().contiguous()) for k, t in tensors.items()), key=lambda kt: -kt[1].itemsize)
+    # widest dtypes first, so every tensor starts aligned and loads as a view of the mapped file
+    ts = [(k, t.detach().cpu().contiguous()) for k, t in tensors.items()]
+    ts.sort(key=lambda kt: -kt[1].itemsize)
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for k, t in ts:
-        header[k] = dict(dtype=ST_NAMES[t.dtype], shape=list(t.shape), data_offsets=[off, off + t.nbytes])
+        offsets = [off, off + t.nbytes]
+        header[k] = dict(dtype=ST_NAMES[t.dtype], shape=list(t.shape), data_offsets=offsets)
         off += t.nbytes
     h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)  # pad so the data starts 8-byte aligned
+    # pad so the data starts 8-byte aligned
+    h += b" " * (-len(h) % 8)
     # the tensors' bytes straight from their memory: no numpy needed
     with open(f"{path}.incomplete", "wb") as f:
         f.write(len(h).to_bytes(8, "little") + h)
-        f.writelines(ctypes.string_at(t.data_ptr(), t.nbytes) if t.nbytes else b"" for _, t in ts)
+        for _, t in ts:
+            f.write(ctypes.string_at(t.data_ptr(), t.nbytes) if t.nbytes else b"")
     os.replace(f"{path}.incomplete", path)

@@ -64,19 +64,23 @@ def parse_value(prog, key, val, typ):
     sys.exit(f"{prog}: --{key} {val!r} is not {KINDS[typ]}")
 
 
+def fail(msg, prog=None):
+    """Exit with the one line `prog: msg` on stderr; prog: the script's name by default."""
+    sys.exit(f"{prog or os.path.basename(sys.argv[0])}: {msg}")
+
+
 def need(ok, msg, prog=None):
-    """A script's check of its flags, right after configure: unless ok, exit with the one line `prog: msg`."""
+    """A script's check of its flags: unless ok, exit with the one line `prog: msg`."""
     if not ok:
-        sys.exit(f"{prog or os.path.basename(sys.argv[0])}: {msg}")
+        fail(msg, prog)
 
 
-# the checks every script makes of its --device and --dtype
+# the checks scripts share: --device, --dtype, --seed, --budget
 
 
 def check_device(device, prog=None):  # cpu, cuda or cuda:N, and that GPU visible
-    need(
-        re.fullmatch(r"cpu|cuda(:\d+)?", device), f"--device {device!r} is not a device; use cpu or cuda (cuda:N)", prog
-    )
+    ok = re.fullmatch(r"cpu|cuda(:\d+)?", device)
+    need(ok, f"--device {device!r} is not a device; use cpu or cuda (cuda:N)", prog)
     gpu = device != "cpu"
     need(not gpu or torch.cuda.is_available(), f"--device {device}: no CUDA GPU is visible; use --device cpu", prog)
     n = torch.cuda.device_count() if gpu else 0
@@ -85,6 +89,17 @@ def check_device(device, prog=None):  # cpu, cuda or cuda:N, and that GPU visibl
 
 def check_dtype(dtype, allowed, prog=None):  # auto or one of allowed
     need(dtype == "auto" or dtype in allowed, f"--dtype {dtype!r}: use auto, {', '.join(allowed)}", prog)
+
+
+def check_seed(seed, prog=None):  # 0 <= seed < 2**32
+    need(0 <= seed < 2**32, f"--seed {seed}: use an integer 0 <= seed < 2**32", prog)
+
+
+def check_budget(budget, prog=None):
+    """A fraction 0 < x <= 1 of the tokens or an integer S > 1, as kvpop.budget_size takes."""
+    whole = budget > 1 and budget == int(budget)
+    use = "use a fraction 0 < x <= 1 of the tokens or an integer S > 1"
+    need(0 < budget <= 1 or whole, f"--budget {budget:g}: {use}", prog)
 
 
 def auto_dtype(dtype, device):  # --dtype auto: the checkpoint's own on a GPU (None), float32 on a CPU

@@ -49,38 +49,6 @@ advance_acc = 0.9  # next length once train accuracy (20-step mean) reaches this
 final_steps = 600  # steps at seq_len, cosine decay to 0
 answer_weight = 4.0  # weight of the answers' loss on top of every position's next-token loss
 flags.configure(globals())
-# bad input: one line, before any work
-need = lambda ok, msg: flags.need(ok, msg, "pretrain.py")
-# in the messages
-why_embd = "head_dim = n_embd / 2 is even and holds the seeded head's 6 rotation pairs"
-why_ranks = "every recall-task word must stay one token"
-names = ", ".join(TASKS)
-# a number in range
-for name in "threads n_layer n_embd n_ff tokens phase_steps final_steps warmup".split():
-    need(globals()[name] >= 1, f"--{name} {globals()[name]}: must be at least 1")
-for name in "lr rope_theta".split():
-    need(globals()[name] > 0, f"--{name} {globals()[name]}: must be positive")
-# the rest, each its own line
-for ok, msg in [
-    (int(os.environ.get("WORLD_SIZE", 1)) == 1, "pretraining runs in one process (not under torchrun)"),
-    (task in TASKS, f"--task {task!r}: choose from {names}"),
-    (set(final_tasks.split(",")) <= set(TASKS), f"--final_tasks {final_tasks!r}: comma-separated tasks from {names}"),
-    (0 < advance_acc <= 1, f"--advance_acc {advance_acc}: must be in (0, 1]"),
-    (answer_weight >= 0, f"--answer_weight {answer_weight}: use 0 or more"),
-    (1 <= keys <= 16, f"--keys {keys}: use 1..16 (the recall task)"),
-    (64 <= seq_len <= 4096, f"--seq_len {seq_len}: use 64 (the recall task) .. 4096 (the baby's positions)"),
-    (tokens >= seq_len, f"--tokens {tokens}: use at least --seq_len ({seq_len}), one sequence"),
-    (n_embd % 4 == 0 and n_embd >= 24, f"--n_embd {n_embd}: use a multiple of 4, at least 24 ({why_embd})"),
-    (TASK_RANKS <= vocab_ranks <= 151643, f"--vocab_ranks {vocab_ranks}: use {TASK_RANKS}..151643 ({why_ranks})"),
-    (0 <= seed < 2**32, f"--seed {seed}: use an integer 0 <= seed < 2**32"),
-    (out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name"),
-]:
-    need(ok, msg)
-# flags first, then the folder pretraining writes into
-need(
-    not os.path.exists(out_dir) or os.path.isfile(os.path.join(out_dir, "config.json")),
-    f"--out_dir {out_dir}: exists and is no checkpoint; pretrain.py writes its model files there, so name a new one",
-)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -90,7 +58,8 @@ need(
 def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
     """Hand-built layer 0 (README, The baby): head 0's q and k read only dim 0 (a constant 1), the query rotated back
     one RoPE step: it attends to distance 1 and copies the previous token to the residual's upper half; head 1 off."""
-    a, E, D = (model.model.layers[0].self_attn, model.model.embed_tokens.weight, model.config.head_dim)
+    a, D = model.model.layers[0].self_attn, model.config.head_dim
+    E = model.model.embed_tokens.weight
     # the nf highest RoPE frequencies
     th = model.config.rope_theta ** (-torch.arange(0, D, 2).float() / D)[:nf]
     with torch.no_grad():
@@ -113,9 +82,10 @@ def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
 def init_baby():
     torch.manual_seed(seed)
     # 2 query heads on 1 KV head; the input embedding is frozen, the output layer learns: untied
-    shape = dict(vocab_size=vocab_ranks + 26, hidden_size=n_embd, intermediate_size=n_ff, num_hidden_layers=n_layer)
-    heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=n_embd // 2, rope_theta=rope_theta)
-    config = qwen3.Qwen3Config(**shape, **heads, max_position_embeddings=4096, tie_word_embeddings=False)
+    shape = dict(vocab_size=vocab_ranks + 26, hidden_size=n_embd, intermediate_size=n_ff)
+    heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=n_embd // 2)
+    rest = dict(num_hidden_layers=n_layer, rope_theta=rope_theta, max_position_embeddings=4096)
+    config = qwen3.Qwen3Config(**shape, **heads, **rest, tie_word_embeddings=False)
     config.torch_dtype = "float32"
     model = qwen3.Qwen3(config)
     with torch.no_grad():
@@ -130,6 +100,11 @@ def init_baby():
     return model
 
 
+def causal(i, q, k, v, pos):
+    """Plain causal attention, the model's attention hook in training: torch's fused kernel (autograd)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 def accuracy(logits, tgt):  # on the answers (tgt >= 0)
     return (logits.argmax(-1)[tgt >= 0] == tgt[tgt >= 0]).float().mean().item()
 
@@ -137,20 +112,20 @@ def accuracy(logits, tgt):  # on the answers (tgt >= 0)
 def train_steps(model, tok, opt, params):
     """The curriculum: at each shorter length until the train accuracy reaches --advance_acc (at most --phase_steps),
     then --final_steps at --seq_len, the tasks in turn -> the steps taken."""
-    rng = random.Random(f"train-{seed}")  # the benchmark draws from "test-..." streams
-    sdpa = lambda i, q, k, v, pos: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    # the benchmark draws from "test-..." streams
+    rng = random.Random(f"train-{seed}")
     step, t0, finals = 0, time.time(), final_tasks.split(",")
     for T in [L for L in (64, 128, 256) if L < seq_len] + [seq_len]:
-        last, n, accs = T == seq_len, final_steps if T == seq_len else phase_steps, []
+        last, accs = T == seq_len, []
+        n = final_steps if last else phase_steps
         for i in range(n):
             f = min(1, (step + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * i / n)) if last else 1)
             opt.param_groups[0]["lr"] = lr * f
             now = finals[i % len(finals)] if last else task
             idx, tgt, _ = task_batch(tok, tokens // T, T, rng, keys=keys, **TASKS[now])
-            # sdpa: plain causal, torch's fused kernel (autograd); the next token everywhere, and
-            # the answers (tgt: the next token where it is a recalled value) once more
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(idx, attn=sdpa)
+                logits = model(idx, attn=causal)
+            # the next token everywhere, and the answers (tgt: the next token where it is a recalled value) once more
             ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), idx[:, 1:].flatten(), reduction="none")
             loss = ce.mean() + answer_weight * ce[tgt[:, :-1].flatten() >= 0].mean()
             opt.zero_grad(set_to_none=True)
@@ -159,8 +134,8 @@ def train_steps(model, tok, opt, params):
             opt.step()
             step, accs = step + 1, (accs + [accuracy(logits, tgt)])[-20:]
             if step % 50 == 0:
-                acc = sum(accs) / len(accs)
-                print(f"step {step} T {T} loss {loss.item():.3f} acc {acc:.3f} {time.time() - t0:.0f}s")
+                acc, secs = sum(accs) / len(accs), time.time() - t0
+                print(f"step {step} T {T} loss {loss.item():.3f} acc {acc:.3f} {secs:.0f}s")
             if not last and len(accs) == 20 and sum(accs) / 20 >= advance_acc:
                 break
     return step
@@ -174,13 +149,15 @@ def pretrain():
     model.save_pretrained(tmp)
     tok = tokenizer.Tokenizer.from_pretrained(tmp)
     params = [p for p in model.parameters() if p.requires_grad]
-    n, trained = sum(p.numel() for p in model.parameters()) / 1e6, sum(p.numel() for p in params) / 1e6
+    n = sum(p.numel() for p in model.parameters()) / 1e6
+    trained = sum(p.numel() for p in params) / 1e6
     print(f"baby: {n:.2f}M parameters, {trained:.2f}M trained")
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     t0 = time.time()
     step = train_steps(model, tok, opt, params)
     wall = time.time() - t0
-    idx, tgt, dist = task_batch(tok, 64, seq_len, random.Random(f"valid-{seed}"), keys=keys, **TASKS[task])
+    valid = random.Random(f"valid-{seed}")
+    idx, tgt, dist = task_batch(tok, 64, seq_len, valid, keys=keys, **TASKS[task])
     logits = evaluate(model.eval(), idx, "full", 1, online=False)
     # farther back than a 25% budget's plain window
     far = tgt.masked_fill(dist < seq_len // 4 - 4, -1)
@@ -195,6 +172,42 @@ def pretrain():
     print(f"saved {out_dir}/")
 
 
+def check_flags():
+    """Bad input: one line on stderr and a non-zero exit, before any work (the main block calls it first)."""
+    need = lambda ok, msg: flags.need(ok, msg, "pretrain.py")
+    # a number in range
+    for name in "threads n_layer n_embd n_ff tokens phase_steps final_steps warmup".split():
+        value = globals()[name]
+        need(value >= 1, f"--{name} {value}: must be at least 1")
+    for name in ("lr", "rope_theta"):
+        value = globals()[name]
+        need(value > 0, f"--{name} {value}: must be positive")
+    # the rest: each its own check
+    need(int(os.environ.get("WORLD_SIZE", 1)) == 1, "pretraining runs in one process (not under torchrun)")
+    names = ", ".join(TASKS)
+    need(task in TASKS, f"--task {task!r}: choose from {names}")
+    finals = set(final_tasks.split(","))
+    need(finals <= set(TASKS), f"--final_tasks {final_tasks!r}: comma-separated tasks from {names}")
+    need(0 < advance_acc <= 1, f"--advance_acc {advance_acc}: must be in (0, 1]")
+    need(answer_weight >= 0, f"--answer_weight {answer_weight}: use 0 or more")
+    need(1 <= keys <= 16, f"--keys {keys}: use 1..16 (the recall task)")
+    lengths = "use 64 (the recall task) .. 4096 (the baby's positions)"
+    need(64 <= seq_len <= 4096, f"--seq_len {seq_len}: {lengths}")
+    need(tokens >= seq_len, f"--tokens {tokens}: use at least --seq_len ({seq_len}), one sequence")
+    pairs = "head_dim = n_embd / 2 is even and holds the seeded head's 6 rotation pairs"
+    need(n_embd % 4 == 0 and n_embd >= 24, f"--n_embd {n_embd}: use a multiple of 4, at least 24 ({pairs})")
+    ranks = f"use {TASK_RANKS}..151643 (every recall-task word must stay one token)"
+    need(TASK_RANKS <= vocab_ranks <= 151643, f"--vocab_ranks {vocab_ranks}: {ranks}")
+    flags.check_seed(seed, "pretrain.py")
+    folder = out_dir.strip("/") and not os.path.isfile(out_dir)
+    need(folder, f"--out_dir {out_dir!r}: give a folder name")
+    # flags first, then the folder pretraining writes into
+    ours = not os.path.exists(out_dir) or os.path.isfile(os.path.join(out_dir, "config.json"))
+    name_new = "pretrain.py writes its model files there, so name a new one"
+    need(ours, f"--out_dir {out_dir}: exists and is no checkpoint; {name_new}")
+
+
 if __name__ == "__main__":
+    check_flags()
     torch.set_num_threads(threads)
     pretrain()

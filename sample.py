@@ -7,7 +7,6 @@ python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" 
 """
 
 import os
-import sys
 import time
 
 # before torch loads: large tensors on 2 MB pages (fewer TLB misses as a step streams the cache)
@@ -16,7 +15,7 @@ import torch
 
 from tasks import recall_marks, recall_score, task_ids
 from checkpoint import DTYPES, checkpoint_dir, read_json
-from flags import auto_dtype, check_device, check_dtype, configure, need
+from flags import auto_dtype, check_budget, check_device, check_dtype, check_seed, configure, fail, need
 from kvpop import SCORERS, KVCache, Scorer, budget_size, entries, generate, resolve, state_charge
 from qwen3 import Qwen3, Qwen3Config
 from tokenizer import Tokenizer
@@ -44,25 +43,13 @@ sinks = 4  # first tokens never evicted
 window = 0  # recent tokens never evicted; 0: the learned scorer's, else 32 (baby) or 256
 show = False  # print the text again, each token shaded by how many (layer, head) caches hold it
 configure(globals())
-
-
-def fail(msg):
-    sys.exit(f"sample.py: {msg}")
-
-
-def shade(tok, ids, kept):  # grey (evicted everywhere) to white (kept everywhere), 256-colour ANSI
-    dec, out = tok.decode_stream(), []
-    for i, f in zip(ids, kept.tolist()):
-        out.append(f"\x1b[38;5;{238 + round(17 * f)}m{dec(i)}")
-    return "".join(out) + dec() + "\x1b[0m"
-
-
-baby = model == "baby"  # the demo: the recall prompt (399 tokens) and 112 new ones, the task's length
+# the demo: the baby's recall prompt (399 tokens) and 112 new ones, the task's length
+baby = model == "baby"
 prompt = prompt or ("FILE:baby/prompt.txt" if baby else "The capital of France is")
-# a scorer folder names its kind
-if not policy and os.path.isfile(os.path.join(scorer or "-", "scorer.json")):
-    policy = str(read_json(os.path.join(scorer, "scorer.json")).get("kind", ""))
-# a --scorer without scorer.json: said below
+# a scorer folder names its kind (a --scorer without scorer.json: said below)
+kind_file = os.path.join(scorer, "scorer.json")
+if not policy and scorer and os.path.isfile(kind_file):
+    policy = str(read_json(kind_file).get("kind", ""))
 policy = policy or ("kvpop-window" if baby or scorer else "streaming")
 max_new_tokens = max_new_tokens or (112 if baby else 2048)
 num_samples = num_samples or (4 if baby else 1)
@@ -70,38 +57,40 @@ num_samples = num_samples or (4 if baby else 1)
 temperature = (1.0 if baby else 0.6 if think else 0.7) if temperature == -1 else temperature
 top_k = (0 if baby else 20) if top_k == -1 else top_k
 top_p = (1.0 if baby else 0.95 if think else 0.8) if top_p == -1 else top_p
-# every flag on its own first: nothing is looked up, downloaded or loaded for a bad one
-check_device(device)
-check_dtype(dtype, DTYPES)
-need(chat or not think, "--think only applies to the chat template; add --chat or drop --think")
-need(num_samples >= 1, f"--num_samples {num_samples}: use 1 or more (0: the default)")
-need(max_new_tokens >= 1, f"--max_new_tokens {max_new_tokens}: generate at least 1 token")
-need(temperature >= 0, f"--temperature {temperature:g}: use 0 (greedy) or more (-1: the default)")
-need(top_k >= 0, f"--top_k {top_k}: use 0 (off) or the number of likeliest tokens kept (-1: the default)")
-need(0 < top_p <= 1, f"--top_p {top_p:g}: use 0 < top_p <= 1 (1 = off)")
-need(0 <= seed < 2**32, f"--seed {seed}: use an integer 0 <= seed < 2**32")
-need(
-    0 < budget <= 1 or budget > 1 and budget == int(budget),
-    f"--budget {budget:g}: use a fraction 0 < x <= 1 of the tokens or an integer S > 1",
-)
-need(sinks >= 0, f"--sinks {sinks}: use 0 or more")
-need(window >= 0, f"--window {window}: use 1 or more (0: the default)")
-need(
-    not scorer or policy in SCORERS,
-    f"--scorer {scorer}: only a learned --policy ({', '.join(SCORERS)}) reads one; "
-    f"drop --scorer or choose one of those",
-)
+
+
+def check_flags():
+    """Every flag on its own, before anything is looked up, downloaded or loaded."""
+    check_device(device)
+    check_dtype(dtype, DTYPES)
+    need(chat or not think, "--think only applies to the chat template; add --chat or drop --think")
+    need(num_samples >= 1, f"--num_samples {num_samples}: use 1 or more (0: the default)")
+    need(max_new_tokens >= 1, f"--max_new_tokens {max_new_tokens}: generate at least 1 token")
+    need(temperature >= 0, f"--temperature {temperature:g}: use 0 (greedy) or more (-1: the default)")
+    off = "use 0 (off) or the number of likeliest tokens kept (-1: the default)"
+    need(top_k >= 0, f"--top_k {top_k}: {off}")
+    need(0 < top_p <= 1, f"--top_p {top_p:g}: use 0 < top_p <= 1 (1 = off)")
+    check_seed(seed)
+    check_budget(budget)
+    need(sinks >= 0, f"--sinks {sinks}: use 0 or more")
+    need(window >= 0, f"--window {window}: use 1 or more (0: the default)")
+    why = f"only a learned --policy ({', '.join(SCORERS)}) reads one; drop --scorer or choose one of those"
+    need(not scorer or policy in SCORERS, f"--scorer {scorer}: {why}")
+
+
+check_flags()
+# a learned scorer, read before the model: --scorer, else out/ if train.py wrote this kind there, else the baby's
 try:
-    if policy in SCORERS:  # a learned scorer: small files, read before the model
+    pol = policy
+    if policy in SCORERS:
         need(scorer or baby, f"--policy {policy} needs --scorer DIR, a scorer trained for this model by train.py")
-        if not scorer:  # out/ if train.py wrote this kind there, else the baby's
+        if not scorer:
             out = os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy
-            scorer = "out" if out else os.path.join("baby", "scorers", "recall-helpful", policy)
-        pol = Scorer.from_pretrained(scorer).to(device)  # beside the model and its cache
+            scorer = "out" if out else f"baby/scorers/recall-helpful/{policy}"
+        pol = Scorer.from_pretrained(scorer).to(device)
         need(pol.kind == policy, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
         need(not pol.arrival, f"--scorer {scorer} reads on arrival (the delay ablation): bench.py quality runs it")
         window = window or pol.window
-    pol = pol if policy in SCORERS else policy
     rule = resolve(pol)[0]
 except (OSError, ValueError) as e:
     fail(f"--policy {policy}: {e}")
@@ -110,47 +99,53 @@ need(rule != "full" or budget == 1, "--policy full never evicts; use --budget 1 
 try:
     text = open(prompt[5:], encoding="utf-8").read() if prompt.startswith("FILE:") else prompt
 except (OSError, UnicodeDecodeError) as e:
-    fail(f"--prompt {prompt}: cannot read it ({getattr(e, 'strerror', None) or e}); use FILE:path of a UTF-8 file")
-
-try:  # then against the checkpoint, all before the (slow) weights load
+    why = getattr(e, "strerror", None) or e
+    fail(f"--prompt {prompt}: cannot read it ({why}); use FILE:path of a UTF-8 file")
+# then against the checkpoint, before the (slow) weights load; a scorer's state is charged to the budget
+try:
     folder = checkpoint_dir(model)
     config = Qwen3Config.from_json(os.path.join(folder, "config.json"))
-    limit = config.max_position_embeddings
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode(tok.chat(text, think) if chat else text)
-    total = len(ids) + max_new_tokens
+    total, limit = len(ids) + max_new_tokens, config.max_position_embeddings
     need(ids, "--prompt is empty; give some text or FILE:path")
-    if total > limit:
-        fail(
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"{limit} positions; shorten the prompt or lower --max_new_tokens"
-        )
+    asked = f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's {limit} positions"
+    need(total <= limit, f"{asked}; shorten the prompt or lower --max_new_tokens")
     if policy in SCORERS:
         pol.check(config, window)
     dtype = auto_dtype(dtype, device)
-    # a delayed scorer's state, charged to the budget in cache entries of its bytes
     charge = state_charge(pol, getattr(torch, dtype or config.torch_dtype))
     S = budget_size(budget, total, sinks, window, charge)[0]
     net = Qwen3.from_pretrained(folder, device=device, dtype=dtype, config=config)
 except (OSError, ValueError) as e:
     fail(e)
+# the policy the cache runs (full: the budget keeps every token), and the baby's token id -> task word
+name = policy if S < total else "full"
+word = {i: w for w, i in task_ids(tok)[0].items()} if baby else {}
+
+
+def shade(ids, kept):
+    """ids as text, each token grey (evicted everywhere) to white (kept everywhere) in 256-colour ANSI."""
+    dec = tok.decode_stream()
+    out = [f"\x1b[38;5;{238 + round(17 * f)}m{dec(i)}" for i, f in zip(ids, kept.tolist())]
+    return "".join(out) + dec() + "\x1b[0m"
 
 
 def draw(pol, size, echo):
-    """num_samples samples from the prompt under policy pol with `size` entries per head, seeded alike -> the sampled
-    ids of each; echo: print the prompt once, then each sample's continuation (the baby's marked once it is written,
-    any other as it comes) with its timing and cache lines."""
+    """num_samples samples under policy pol with `size` entries per head, seeded alike -> their ids; echo: print
+    the prompt, then each sample (the baby's marked when it ends, any other as it comes) and its report;
+    t[1]: the prompt is in the cache and the first token sampled."""
     torch.manual_seed(seed)
     x, outs = torch.tensor([ids], device=device), []
     if echo:
-        print(text if not chat else tok.decode(ids), end="\n" + "=" * 80 + "\n", flush=True)
+        print(tok.decode(ids) if chat else text, end="\n" + "=" * 80 + "\n", flush=True)
     for _ in range(num_samples):
         cache = KVCache(net, 1, size, pol, sinks, window)
         dec, out, t = tok.decode_stream(), [], [time.time()]
         outs.append(out)
         for nxt in generate(net, x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache):
             out.append(int(nxt[0]))
-            t.append(time.time())  # t[1]: the prompt is in the cache and the first token sampled
+            t.append(time.time())
             if out[-1] in tok.stop:
                 break
             if echo and not baby:
@@ -161,40 +156,45 @@ def draw(pol, size, echo):
     return outs
 
 
-def marked(out):  # the baby's sample, each word the scoreboard counts marked: ✓ its key's current value, ✗ another
-    marks, dec = recall_marks([word.get(i) for i in ids + out], len(ids)), tok.decode_stream()
-    sign = {True: "✓", False: "✗", None: ""}
-    return "".join(dec(i) + sign[marks.get(len(ids) + j)] for j, i in enumerate(out) if i not in tok.stop) + dec()
+def marked(out):
+    """The baby's sample, each word the scoreboard counts marked: ✓ its key's current value, ✗ another."""
+    marks = recall_marks([word.get(i) for i in ids + out], len(ids))
+    dec, sign = tok.decode_stream(), {True: "✓", False: "✗", None: ""}
+    text = [dec(i) + sign[marks.get(len(ids) + j)] for j, i in enumerate(out) if i not in tok.stop]
+    return "".join(text) + dec()
 
 
-def report(cache, out, t, dec):  # a sample's timing and cache lines, and with --show its shading
-    print(dec(), end="")  # the bytes of a character cut off by the end of generation
+def report(cache, out, t, dec):
+    """Flush dec (a character cut off by the end of generation), then print the sample's timing and cache
+    lines, and with --show its shading. The full cache: every position, every layer; held: the most entries
+    any (layer, row, head) holds; p: (L, Hkv, entries) positions held, -1 = empty."""
+    print(dec(), end="")
     rate = (len(out) - 1) / (t[-1] - t[1]) if len(out) > 1 else 0.0
-    print(f"\n---\nprefill {len(ids)} tokens in {t[1] - t[0]:.2f} s; decode {len(out)} tokens at {rate:.1f} tokens/s")
-    # every position, every layer
-    full = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size() * total
+    prefill = f"prefill {len(ids)} tokens in {t[1] - t[0]:.2f} s"
+    print(f"\n---\n{prefill}; decode {len(out)} tokens at {rate:.1f} tokens/s")
     state = f" + scorer state worth {charge}" if charge and S < total else ""
-    held = int((cache.pos >= 0).sum(-1).max())  # the most entries any (layer, row, head) holds
-    print(
-        f"KV cache: {held} entries kept per head{state} of {cache.t} tokens; "
-        f"{cache.nbytes() / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * cache.nbytes() / full:.1f}%), "
-        f"policy {policy if S < total else 'full'}" + (f" ({scorer})" if policy in SCORERS and S < total else "")
-    )
+    full = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size() * total
+    held = int((cache.pos >= 0).sum(-1).max())
+    kept = f"{held} entries kept per head{state} of {cache.t} tokens"
+    used = cache.nbytes()
+    size = f"{used / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * used / full:.1f}%)"
+    learned = f" ({scorer})" if name in SCORERS else ""
+    print(f"KV cache: {kept}; {size}, policy {name}{learned}")
     if show:
-        seq = ids + out[: cache.t - len(ids)]
-        p = cache.pos[:, 0]  # (L, Hkv, entries) positions held, -1 = empty
-        print(shade(tok, seq, torch.bincount(p[p >= 0], minlength=cache.t) / (p.shape[0] * p.shape[1])))
+        seq, p = ids + out[: cache.t - len(ids)], cache.pos[:, 0]
+        heads = p.shape[0] * p.shape[1]
+        print(shade(seq, torch.bincount(p[p >= 0], minlength=cache.t) / heads))
     print("=" * 80)
 
 
-word = {i: w for w, i in task_ids(tok)[0].items()} if baby else {}  # the baby's token id -> task word
 outs = draw(pol if S < total else "full", entries(S, charge, total), True)
 # the baby: its recall scoreboard, the same prompt and seed under the policy, full and streaming
 if baby:
-    board = {(policy if S < total else "full"): outs}
+    board = {name: outs}
     for p, size in [("full", total)] + [("streaming", S)] * (S < total):
         if p not in board:
             board[p] = draw(p, size, False)
     for p, samples in board.items():
-        R, N = (sum(x) for x in zip(*(recall_score([word.get(i) for i in ids + o], len(ids)) for o in samples)))
+        scores = [recall_score([word.get(i) for i in ids + o], len(ids)) for o in samples]
+        R, N = map(sum, zip(*scores))
         print(f"recall {p} {budget:g}: {R}/{N}")
