@@ -1,8 +1,6 @@
-"""Benchmarks: `python bench.py {quality,speed,kernels} [--key value ...]`, one cmd_ function per
-command. Each reads the defaults under its heading below and the shared ones (`--help` after the
-command lists them). The tasks and their quality evaluation are in tasks.py."""
+"""Benchmarks: `python bench.py {quality,speed,kernels} [--key value ...]`, one cmd_ function per command, each
+reading the defaults under its heading below and the shared ones (`--help` after the command lists them)."""
 
-import math
 import os
 import random
 import sys
@@ -23,7 +21,6 @@ import kvpop
 import qwen3
 import tokenizer
 import tasks
-
 
 # --- shared (each command reads those it names)
 model = ""  # checkpoint folder; empty: the baby (quality), a random model of --shape (speed)
@@ -55,37 +52,35 @@ dtype = "auto"  # auto (bf16 on cuda, fp32 on cpu), float32 or bfloat16
 lengths = ""  # comma-separated T; empty: 4096,16384,32768 on cuda, 1024,2048,4096 on cpu
 D = 128  # head dim
 group = 2  # query heads of the one KV head timed
-COMMAND_FLAGS = {  # what each command reads
-    "quality": "model policies budgets sinks window json task target scorer seed p_cue n T threads",
-    "speed": "model policies budgets sinks window device json shape layers contexts steps prefill train d_mem dtype",
+COMMAND_FLAGS = {  # what each command reads (another's flag is an unknown option)
+    "quality": "model policies budgets sinks window json"
+    " task target scorer seed p_cue n T threads",
+    "speed": "model policies budgets sinks window device json"
+    " shape layers contexts steps prefill train d_mem dtype",
     "kernels": "device lengths D group",
 }
 
 
 def settings(command, argv):
-    """The command's settings: its defaults above, overridden by --key value (flags.configure; a flag
-    of another command is an unknown option) and checked for what every command shares."""
+    """The command's defaults above, overridden by --key value (flags.configure), checked for what commands share."""
     g = {k: globals()[k] for k in COMMAND_FLAGS[command].split()}
     g.update(__file__=__file__, __prog__=f"bench.py {command}")
     flags.configure(g, argv)
     need = lambda ok, msg: flags.need(ok, msg, g["__prog__"])
-    if g.get("device", "cpu") != "cpu":  # kernels, speed on a GPU: made the current one, where Triton kernels launch
+    # kernels, speed on a GPU: made the current one, where Triton kernels launch
+    if g.get("device", "cpu") != "cpu":
         flags.check_device(g["device"], g["__prog__"])
         torch.cuda.set_device(torch.device(g["device"]).index or 0)
     j = g.get("json", "")
     folder = os.path.dirname(j) or "."
     ok = not j or not os.path.isdir(j) and os.path.isdir(folder) and os.access(folder, os.W_OK)
     need(ok, f"--json {j}: give a file name in an existing, writable folder")
-    return types.SimpleNamespace(**{k: v for k, v in g.items() if not k.startswith("_")}), need
+    return types.SimpleNamespace(**{k: v for k, v in g.items() if k[0] != "_"}), need
 
 
-# ------------------------------------------------------------------------------------------------
-# kernels
-
-
+# ------------------------------------------------------------------------------------------------ kernels
 class LiveBytes(TorchDispatchMode):
-    """CPU peak meter: bytes of the storages ops create while active, dropped from the count when
-    freed."""
+    """CPU peak meter: bytes of the storages ops create while active, dropped from the count when freed."""
 
     def __init__(self):
         super().__init__()
@@ -93,14 +88,15 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}  # views, in-place
-        for x in out if isinstance(out, (tuple, list)) else [out]:
-            s = x.untyped_storage() if isinstance(x, torch.Tensor) else None
-            if s is not None and s.nbytes() and s.data_ptr() not in ins and s.data_ptr() not in self.live:
-                self.live[s.data_ptr()] = s.nbytes()
-                self.now += s.nbytes()
+        storages = lambda xs: [x.untyped_storage() for x in xs if isinstance(x, torch.Tensor)]
+        ins = {s.data_ptr() for s in storages(args)}  # outputs on one: views, in-place
+        for s in storages(out if isinstance(out, (tuple, list)) else [out]):
+            ptr, size = s.data_ptr(), s.nbytes()
+            if size and ptr not in ins and ptr not in self.live:
+                self.live[ptr] = size
+                self.now += size
                 self.peak = max(self.peak, self.now)
-                weakref.finalize(s, self._free, s.data_ptr())
+                weakref.finalize(s, self._free, ptr)
         return out
 
     def _free(self, ptr):
@@ -117,7 +113,8 @@ def clock(fn, dev):
     return time.perf_counter() - t0
 
 
-def peak(fn, dev):  # (seconds, peak bytes allocated above what was live before) of one run of fn
+# (seconds, peak bytes allocated above what was live before) of one run of fn
+def peak(fn, dev):
     if dev == "cpu":
         with LiveBytes() as meter:
             return clock(fn, dev), meter.peak
@@ -126,7 +123,8 @@ def peak(fn, dev):  # (seconds, peak bytes allocated above what was live before)
     return clock(fn, dev), torch.cuda.max_memory_allocated() - base
 
 
-def table(cols):  # a markdown table's head from its comma-separated column names, then the rule under it
+# a markdown table's head from its comma-separated column names, then the rule under it
+def table(cols):
     return "| " + cols.replace(",", " | ") + " |\n" + "|---" * (cols.count(",") + 1) + "|"
 
 
@@ -143,93 +141,99 @@ def cmd_kernels(argv):
     need(ok, f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)")
     # best ms of 3 after a warm-up, and peak MiB
     measure = lambda fn: (min([clock(fn, dev) for _ in range(4)][1:]) * 1e3, peak(fn, dev)[1] / 2**20)
-    print(f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads, sinks {sinks}, window {window}, pool T/4\n")
+    print(f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads", end=", ")
+    print(f"sinks {sinks}, window {window}, pool T/4\n")
     print(table("op,T,ours ms,naive ms,naive/ours,SDPA ms,ours MiB,naive MiB,naive/ours"))
     for T in map(int, a.lengths.split(",")):
         q, k, v = (torch.randn(1, h, T, a.D, device=dev, dtype=dt) for h in (a.group, 1, 1))
         pri = torch.randn(1, 1, T, device=dev)
-        e, lse = kernels.eviction_times(pri, sinks, window, T // 4), kernels.attention(q, k, v)[1]
+        e = kernels.eviction_times(pri, sinks, window, T // 4)
+        lse = kernels.attention(q, k, v)[1]
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        # each op, ours and naive, on the same inputs
-        for name, ours, naive, x in [
-            ("attention", kernels.attention, kernels.plain_attention, (q, k, v)),
-            ("attention+evict", kernels.attention, kernels.plain_attention, (q, k, v, e, sinks)),
-            ("future_attention", kernels.future_attention, kernels.plain_future_attention, (q, k, lse, window)),
-            ("eviction_times", kernels.eviction_times, kernels.plain_eviction_times, (pri, sinks, window, T // 4)),
+        # each op, ours and its naive plain_ version, on the same inputs
+        for name, x in [
+            ("attention", (q, k, v)),
+            ("attention+evict", (q, k, v, e, sinks)),
+            ("future_attention", (q, k, lse, window)),
+            ("eviction_times", (pri, sinks, window, T // 4)),
         ]:
-            (to, mo), (tn, mn) = measure(lambda: ours(*x)), measure(lambda: naive(*x))
+            op = name.split("+")[0]
+            ours, naive = getattr(kernels, op), getattr(kernels, "plain_" + op)
+            to, mo = measure(lambda: ours(*x))
+            tn, mn = measure(lambda: naive(*x))
             ts = f"{measure(sdpa)[0]:.1f}" if name == "attention" and dev != "cpu" else "-"
             speed = f"| {name} | {T} | {to:.1f} | {tn:.1f} | {tn / to:.2f} | {ts} | "
             print(speed + f"{mo:.1f} | {mn:.1f} | {mn / max(mo, 1e-3):.0f} |", flush=True)
 
 
-# the folders of the scorers python train.py wrote for the baby, every kind
-def shipped_scorers(task, target):
+# the scorer folders --scorer names; shipped: those python train.py wrote for the baby, every kind
+def scorer_folders(scorer, task, target):
+    if scorer != "shipped":
+        return [d for d in scorer.split(",") if d]
     folders = [f"baby/scorers/{task}-{target}/{k}" for k in kvpop.SCORERS]
     return [d for d in folders if os.path.isfile(os.path.join(d, "scorer.json"))]
 
 
-def need_known(need, flag, what, names, known):  # every name known, or exit naming the first that is not
-    bad = [x for x in names if x not in known]
-    need(not bad, f"--{flag}: unknown {what} {(bad or [''])[0]!r}; choose from {','.join(known)}")
-
-
 def cmd_quality(argv):
-    """Eviction quality of every policy on held-out sequences of the baby's tasks (teacher-forced):
-    for each task the policies, then for each target the oracle and the scorers trained on it."""
+    """Teacher-forced quality on held-out task sequences: every policy, then each target's oracle and scorers."""
     a, need = settings("quality", argv)
     a.model, a.window = a.model or "baby", a.window or 32
     policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
     task_names, targets = a.task.split(","), a.target.split(",")
-    need_known(need, "policies", "policy", policies, kvpop.POLICIES)
-    need_known(need, "task", "task", task_names, tasks.TASKS)
-    need_known(need, "target", "target", targets, kvpop.TARGETS)
+    # every name known, or exit naming the first that is not
+    for flag, what, names, known in [
+        ("policies", "policy", policies, kvpop.POLICIES),
+        ("task", "task", task_names, tasks.TASKS),
+        ("target", "target", targets, kvpop.TARGETS),
+    ]:
+        bad = [x for x in names if x not in known]
+        need(not bad, f"--{flag}: unknown {what} {(bad or [''])[0]!r}; choose from {','.join(known)}")
     for name, least in dict(n=1, T=64, sinks=0, window=1, threads=1).items():
         need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
     need(a.p_cue < 1, f"--p_cue {a.p_cue}: use a rate below 1 (-1: the cue task's own)")
-    # each a finite number: not inf, nan or ''
     budgets = [flags.parse_value("bench.py quality", "budgets", b, float) for b in a.budgets.split(",")]
     try:
-        limit = qwen3.Qwen3Config.from_json(os.path.join(checkpoint.checkpoint_dir(a.model), "config.json"))
-        named = lambda t, r: shipped_scorers(t, r) if a.scorer == "shipped" else [d for d in a.scorer.split(",") if d]
-        folders = {(t, r): named(t, r) for t in task_names for r in targets}
+        folder = checkpoint.checkpoint_dir(a.model)
+        config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
+        folders = {(t, r): scorer_folders(a.scorer, t, r) for t in task_names for r in targets}
         scorers = {d: kvpop.Scorer.from_pretrained(d) for ds in folders.values() for d in ds}
         # a scorer for another model or window, or a budget that leaves no room, raises
         for s in scorers.values():
-            s.check(limit, a.window)
-        for s, b in [(s, b) for s in [None, *scorers.values()] for b in budgets]:
-            kvpop.budget_size(b, a.T, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
-        if a.T > limit.max_position_embeddings:  # checked before the weights load
-            raise ValueError(f"--T {a.T}: the model has {limit.max_position_embeddings} positions; lower --T")
+            s.check(config, a.window)
+        for s in [None, *scorers.values()]:
+            for b in budgets:
+                kvpop.budget_size(b, a.T, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
+        most = config.max_position_embeddings  # checked before the weights load
+        need(a.T <= most, f"--T {a.T}: the model has {most} positions; lower --T")
         torch.set_num_threads(a.threads)
         net = qwen3.Qwen3.from_pretrained(a.model, dtype=torch.float32)
-        tok = tokenizer.Tokenizer.from_pretrained(checkpoint.checkpoint_dir(a.model))
+        tok = tokenizer.Tokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
         need(False, str(e))
     t0, rows, counts = time.time(), [], []
     # the same held-out sequences for every policy and target of a task
     for task in task_names:
         rate = dict(p_cue=a.p_cue) if task == "cue" and a.p_cue >= 0 else {}
-        idx, tgt, dist = tasks.task_batch(tok, a.n, a.T, random.Random(f"test-{a.seed}"), **tasks.TASKS[task] | rate)
+        rng = random.Random(f"test-{a.seed}")
+        idx, tgt, dist = tasks.task_batch(tok, a.n, a.T, rng, **tasks.TASKS[task] | rate)
+        batch, cache = (net, idx, tgt, dist), (budgets, a.sinks, a.window)
         plain = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
-        runs, far, n = tasks.quality_runs(net, idx, tgt, dist, plain, budgets, a.sinks, a.window)
+        runs, far, n = tasks.quality_runs(*batch, plain, *cache)
         rows += [dict(task=task, target="-", **r) for r in runs]
         for target in targets:
             learned = ["oracle"] * ("oracle" in policies) + [scorers[d] for d in folders[task, target]]
-            runs = tasks.quality_runs(net, idx, tgt, dist, learned, budgets, a.sinks, a.window, target=target)[0]
+            runs = tasks.quality_runs(*batch, learned, *cache, target=target)[0]
             rows += [dict(task=task, target=target, **r) for r in runs[1:]]  # full is above
         counts.append(f"{task}: {n} queries ({far:.0%} far)")
     head = f"{a.model}: {a.n} held-out sequences of {a.T} tokens (seed {a.seed}), {'; '.join(counts)}"
-    print(f"{head}; sinks {a.sinks}, window {a.window}\n\n{tasks.quality_table(rows)}\n\n{time.time() - t0:.0f}s")
+    print(f"{head}; sinks {a.sinks}, window {a.window}\n")
+    print(f"{tasks.quality_table(rows)}\n\n{time.time() - t0:.0f}s")
     if a.json:
         checkpoint.write_json(rows, a.json)
 
 
-# ------------------------------------------------------------------------------------------------
-# speed: a decoding step reads every weight and every kept key and value once, so its cost should follow bytes
-
-# a named shape: layers, hidden, MLP width, query heads, tied head; the rest, shared by every shape,
-# are Qwen3Config's defaults (vocab, 8 KV heads of 128, rope_theta)
+# ---------------------- speed: a step reads every weight and every kept key and value once: its cost follows bytes
+# a shape: layers, hidden, MLP width, query heads, tied head; the rest: Qwen3Config's (vocab, 8 KV heads of 128, ...)
 SHAPES = {"0.6B": (28, 1024, 3072, 16, True), "4B": (36, 2560, 9728, 32, True), "8B": (36, 4096, 12288, 32, False)}
 
 
@@ -255,20 +259,23 @@ def empty_cache(net, policy, b, T, full, a, dt):
 def fill(cache, C):
     """Make the cache look as if it had read C tokens (sinks, a pool spread over the past, the window), with synthetic
     keys and values: a step costs the same whatever they hold. Returns the entries held."""
-    size, s, w = cache.size, cache.sinks, cache.window
+    size, s, w = cache.slots, cache.sinks, cache.window
     pos = torch.arange(C)
     if C > size:
-        pos = torch.cat([torch.arange(s), torch.linspace(s, C - w - 1, size - s - w).long(), torch.arange(C - w, C)])
+        pool = torch.linspace(s, C - w - 1, size - s - w).long()
+        pos = torch.cat([torch.arange(s), pool, torch.arange(C - w, C)])
     n = len(pos)
-    cache.k[..., :n, :].normal_(), cache.v[..., :n].normal_()  # values are stored transposed
-    cache.pos[..., :n], cache.score[..., :n], cache.t = pos.to(cache.pos.device), torch.rand(n), C
-    if not cache.kind:
-        return n
-    # a learned scorer's: the window's slots, its next read's features
-    cache.ring[..., pos[-w:] % w] = torch.arange(n - w, n, device=cache.ring.device)
-    cache.near.normal_()
-    if cache.kind == "kvpop":  # the memories have read every token
-        cache.mem.normal_(0, 0.01), cache.scale.zero_()
+    cache.k[..., :n, :].normal_()
+    cache.v[..., :n].normal_()  # values are stored transposed
+    cache.pos[..., :n] = pos.to(cache.pos.device)
+    cache.score[..., :n] = torch.rand(n)
+    cache.t = C
+    if cache.kind:  # a learned scorer's window slots and next read's features
+        cache.ring[..., pos[-w:] % w] = torch.arange(n - w, n, device=cache.ring.device)
+        cache.near.normal_()
+    if cache.kind == "kvpop":  # memories that have read every token
+        cache.mem.normal_(0, 0.01)
+        cache.scale.zero_()
         cache.known = C
     return n
 
@@ -277,13 +284,16 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
     """The decoding rows: tokens/s of full, then each policy at each budget, beside the bytes a step reads (W of
     weights) and a model-sized matrix-vector product (the limit); a context's rows stepped in turn: the same minutes."""
     c, dev, rows = net.config, a.device, []
-    per_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dt.itemsize  # KV bytes of a token
+    E, heads = c.hidden_size, c.num_hidden_layers * c.num_key_value_heads
+    per_tok = 2 * heads * c.head_dim * dt.itemsize  # KV bytes of a token
     med = lambda t: sorted(t[1:])[len(t) // 2 - 1]  # after the warm-up round
-    cols = "policy,budget,context,tokens/s,speedup,ideal,of ideal,KV+state MiB,GB/s,limit GB/s,of limit"
-    print(table(cols + ",scorer share"))
+    cols = "policy,budget,context,tokens/s,speedup,ideal,of ideal,KV+state MiB"
+    print(table(cols + ",GB/s,limit GB/s,of limit,scorer share"))
     for C in contexts:
-        M = torch.randn(W // (c.hidden_size * dt.itemsize), c.hidden_size, device=dev).to(dt)  # a model-sized matrix
-        x, tok, runs, lim = torch.randn(c.hidden_size, device=dev, dtype=dt), torch.tensor([[13]], device=dev), {}, []
+        M = torch.randn(W // (E * dt.itemsize), E, device=dev).to(dt)  # model-sized
+        x = torch.randn(E, device=dev, dtype=dt)
+        tok = torch.tensor([[13]], device=dev)
+        runs, lim = {}, []
         # the cache, the entries it holds, its step times
         for p, b in [("full", 1)] + [(p, b) for b in budgets for p in policies]:
             cache = empty_cache(net, scorers.get(p, p), b, C, C + a.steps + 1, a, dt)
@@ -296,18 +306,20 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
         # full first: its seconds and bytes are the context's yardstick
         for (p, b), (cache, n, times) in runs.items():
             sec = med(times)
-            kv = cache.nbytes() - 2 * cache.k.numel() * cache.k.element_size() + per_tok * n  # held + state
-            w = W + sum(t.numel() * t.element_size() for t in scorers[p].parameters()) if p in scorers else W
+            kv = cache.nbytes() - 2 * cache.k.nbytes + per_tok * n  # held + state
+            w = W + sum(t.nbytes for t in scorers[p].parameters()) if p in scorers else W
             full = (sec, W + kv) if p == "full" else full
             su, ideal, gbps = full[0] / sec, full[1] / (w + kv), (w + kv) / sec / 1e9
-            r = dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3), kv_mib=kv / 2**20, gbps=gbps)
-            r.update(limit_gbps=limit, speedup=su, ideal_speedup=ideal)
+            r = dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3))
+            r.update(kv_mib=kv / 2**20, gbps=gbps, limit_gbps=limit)
+            r.update(speedup=su, ideal_speedup=ideal)
             # the scorer's share of a step: 1 - streaming's step / the scorer's, same round
             if p in kvpop.SCORERS and ("streaming", b) in runs:
                 r["scorer_share"] = 1 - med([x / y for x, y in zip(runs["streaming", b][2], times)])
             share = f"{r['scorer_share']:.1%}" if "scorer_share" in r else "-"
-            speed = f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {su:.2f}x | {ideal:.2f}x | {su / ideal:.0%} | "
-            print(speed + f"{kv / 2**20:.0f} | {gbps:.1f} | {limit:.1f} | {gbps / limit:.0%} | {share} |", flush=True)
+            speed = f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {su:.2f}x | {ideal:.2f}x | "
+            speed += f"{su / ideal:.0%} | {kv / 2**20:.0f} | {gbps:.1f} | {limit:.1f} | "
+            print(speed + f"{gbps / limit:.0%} | {share} |", flush=True)
             rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
         del runs, M
     return rows
@@ -315,30 +327,31 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
 
 def speed_prefill(net, scorers, a, dt, b, policies):
     """Prefill rows: seconds and peak memory of a prompt into an empty cache, full, then each static policy at b."""
-    T, dev, rows, mib = a.prefill, a.device, [], lambda x: round(x / 2**20, 1)
+    T, dev, rows = a.prefill, a.device, []
+    mib = lambda x: round(x / 2**20, 1)
     idx = torch.randint(0, net.config.vocab_size, (1, T), device=dev)
     cols = "policy,budget,seconds,vs full,cache MiB,peak extra MiB,peak MiB,full's extra + budget's share MiB"
     print(f"\nprefill of a {T}-token prompt, logits of its last position\n\n" + table(cols))
     for p in ["full"] + [p for p in policies if p not in kvpop.DYNAMIC]:
         cache = empty_cache(net, scorers.get(p, p), b, T, T, a, dt)
-        (sec, extra), mem = peak(lambda: net(idx, cache=cache), dev), cache.nbytes()
+        sec, extra = peak(lambda: net(idx, cache=cache), dev)
+        mem = cache.nbytes()
         full = (sec, mem, extra) if p == "full" else full  # full's extra: one layer's working set
         budget, share = (1, "-") if p == "full" else (b, round((b * full[1] + full[2]) / 2**20))
         row = dict(policy=p, budget=budget, prefill=T, seconds=round(sec, 2))
         rows.append(row | dict(cache_mib=mib(mem), peak_mib=mib(mem + extra)))
-        speed = f"| {p} | {budget:g} | {sec:.1f} | {full[0] / sec:.2f}x | "
-        print(speed + f"{mem / 2**20:.0f} | {extra / 2**20:.0f} | {(mem + extra) / 2**20:.0f} | {share} |", flush=True)
+        mibs = " | ".join(f"{x / 2**20:.0f}" for x in (mem, extra, mem + extra))
+        print(f"| {p} | {budget:g} | {sec:.1f} | {full[0] / sec:.2f}x | {mibs} | {share} |", flush=True)
         del cache
     return rows
 
 
 def speed_train(net, scorers, a, dt, b, policies):
-    """The training-step rows: one step of the first learned policy at budget b, through train.py's
-    own loss, timed part by part."""
+    """One training step of the first learned policy at budget b, through train.py's own loss, timed part by part."""
     import train as trainer
-
     kind = next((p for p in policies if p in kvpop.SCORERS), "kvpop-window")
-    T, dev, scorer, seen, rs = a.train, a.device, scorers[kind].train(), [], []
+    T, dev, seen, rs = a.train, a.device, [], []
+    scorer = scorers[kind].train()
     pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge(dt))[1]
     idx = torch.randint(0, net.config.vocab_size, (1, T), device=dev)
 
@@ -351,41 +364,47 @@ def speed_train(net, scorers, a, dt, b, policies):
     parts = {"frozen forward": clock(lambda: seen.append(net(idx, attn=attn)), dev)}
     lw, seen = kvpop.next_logp(seen[-1], idx), seen[:-1]
     # every layer's future-attention target r*
-    future = lambda: rs.extend(kernels.future_attention(q, k, lse - lw, a.window, reduce="max") for q, k, _, lse in seen)
+    future = lambda: rs.extend(
+        kernels.future_attention(q, k, lse - lw, a.window, reduce="max") for q, k, _, lse in seen
+    )
     parts["future-attention targets"] = clock(future, dev)
     # the teacher's eviction times, as kvpop.boundary_loss makes them
     pos = torch.arange(T, device=dev)
     teacher = lambda i, r: r + scorer.recency(i, pos).detach()
-    evict = lambda: [kernels.eviction_times(teacher(i, r), a.sinks, a.window, pool) for i, r in enumerate(rs)]
+    evict = lambda: [
+        kernels.eviction_times(teacher(i, r), a.sinks, a.window, pool) for i, r in enumerate(rs)
+    ]
     parts["eviction times"] = clock(evict, dev)
-    q = torch.arange(a.sinks + a.window + pool, T)  # every query at which the pool is over-full
+    q = torch.arange(a.sinks + a.window + pool, T)  # the queries where the pool is over-full
     kv = [(k, v) for _, k, v, _ in seen]
     # fwd + bwd, less the eviction times kvpop.boundary_loss makes again
     loss = clock(lambda: trainer.scorer_loss(scorer, kv, rs, [q], a.sinks, a.window, [pool]), dev)
     parts["scorer forward + backward"] = loss - parts["eviction times"]
     total = sum(parts.values())
-    print(f"\n{kind} scorer training step, 1 x {T} tokens, budget {b:g}\n\n" + table("part,seconds,share"))
+    print(f"\n{kind} scorer training step, 1 x {T} tokens, budget {b:g}\n")
+    print(table("part,seconds,share"))
     for k, v in parts.items():
         print(f"| {k} | {v:.2f} | {v / total:.0%} |")
     return [dict(train=T, kind=kind, part=k, seconds=round(v, 3)) for k, v in parts.items()]
 
 
 def cmd_speed(argv):
-    """Decoding tokens/s, KV memory and bandwidth of each policy and budget beside full and the matrix-vector limit,
-    the scorer's share of a step; prefill time and peak memory; a scorer training step, part by part."""
+    """Decoding: tokens/s, KV memory, bandwidth and scorer share per policy and budget; prefill; a training step."""
     a, need = settings("speed", argv)
     a.window = a.window or 256
     for name, least in dict(layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1).items():
         need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
     need(a.shape in SHAPES, f"--shape {a.shape!r}: choose from {', '.join(SHAPES)}")
     flags.check_dtype(a.dtype, ("float32", "bfloat16"), "bench.py speed")
-    dev, dt = a.device, getattr(torch, flags.auto_dtype(a.dtype, a.device) or "bfloat16")  # auto on a GPU: bf16
+    dev = a.device
+    dt = getattr(torch, flags.auto_dtype(a.dtype, dev) or "bfloat16")  # auto on a GPU: bf16
     policies = [p for p in (a.policies or "streaming,kvpop-window,kvpop,kvpop-mlp").split(",") if p]
-    online = (*kvpop.STATIC, *kvpop.DYNAMIC, *kvpop.SCORERS)  # every policy but full and the oracle
+    online = (*kvpop.STATIC, *kvpop.DYNAMIC, *kvpop.SCORERS)  # all but full and the oracle
     ok = all(x.isdecimal() and int(x) >= 1 for x in a.contexts.split(",") if a.contexts)
     need(ok, f"--contexts {a.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768")
     bad = next((p for p in policies if p not in online), None)
-    need(bad is None, f"--policies: {bad!r} is not a policy that decodes online; choose from {', '.join(online)}")
+    why = f"{bad!r} is not a policy that decodes online"
+    need(bad is None, f"--policies: {why}; choose from {', '.join(online)}")
     budgets = [flags.parse_value("bench.py speed", "budgets", b, float) for b in a.budgets.split(",")]
     contexts = [int(x) for x in a.contexts.split(",") if a.contexts]
     try:  # every check first: the weights load or are drawn last
@@ -393,25 +412,32 @@ def cmd_speed(argv):
             c = qwen3.Qwen3Config.from_json(os.path.join(checkpoint.checkpoint_dir(a.model), "config.json"))
         else:
             L, E, F_, Hq, tied = SHAPES[a.shape]
-            c = qwen3.Qwen3Config(hidden_size=E, intermediate_size=F_, num_attention_heads=Hq, tie_word_embeddings=tied)
+            c = qwen3.Qwen3Config(hidden_size=E, intermediate_size=F_)
+            c.num_attention_heads, c.tie_word_embeddings = Hq, tied
             c.num_hidden_layers, c.max_position_embeddings = a.layers or L, 131072
         torch.manual_seed(0)
         scorers = {k: kvpop.Scorer(c, k, a.window, a.d_mem).eval().to(dev) for k in kvpop.SCORERS}
-        for C, b in [(C, b) for C in contexts for b in budgets] + [(T, budgets[0]) for T in (a.prefill, a.train) if T]:
-            kvpop.budget_size(b, C, a.sinks, a.window, scorers["kvpop"].charge(dt))  # no room: raises here
+        prompts = [(T, budgets[0]) for T in (a.prefill, a.train) if T]
+        for C, b in [(C, b) for C in contexts for b in budgets] + prompts:
+            kvpop.budget_size(b, C, a.sinks, a.window, scorers["kvpop"].charge(dt))  # raises if no room
         net = qwen3.Qwen3.from_pretrained(a.model, dev, dt) if a.model else shape_model(c, dev, dt)
     except (OSError, ValueError) as e:
         need(False, str(e))
     net.requires_grad_(False)  # frozen: the timed passes build no graph
     # the weights a step reads: the input embedding only when tied to the head (and a learned scorer's: per row)
     emb = net.model.embed_tokens.weight
-    W = sum(p.numel() * p.element_size() for p in net.parameters() if p is not emb or c.tie_word_embeddings)
+    W = sum(p.nbytes for p in net.parameters() if p is not emb or c.tie_word_embeddings)
     where = f"{torch.get_num_threads()} threads" if dev == "cpu" else torch.cuda.get_device_name()
-    about = f"{a.model or f'Qwen3-{a.shape} shape, {c.num_hidden_layers} layers, random weights'}; {dev} ({where})"
-    print(f"{about}, {str(dt)[6:]}; weights read per step {W / 1e9:.2f} GB; sinks {a.sinks}, window {a.window}\n")
-    rows = speed_decode(net, scorers, a, dt, W, contexts, budgets, policies) if contexts else []
-    rows += speed_prefill(net, scorers, a, dt, budgets[0], policies) if a.prefill else []
-    rows += speed_train(net, scorers, a, dt, budgets[0], policies) if a.train else []
+    drawn = f"Qwen3-{a.shape} shape, {c.num_hidden_layers} layers, random weights"
+    print(f"{a.model or drawn}; {dev} ({where}), {str(dt)[6:]}", end="; ")
+    print(f"weights read per step {W / 1e9:.2f} GB; sinks {a.sinks}, window {a.window}\n")
+    rows = []
+    if contexts:
+        rows += speed_decode(net, scorers, a, dt, W, contexts, budgets, policies)
+    if a.prefill:
+        rows += speed_prefill(net, scorers, a, dt, budgets[0], policies)
+    if a.train:
+        rows += speed_train(net, scorers, a, dt, budgets[0], policies)
     if a.json:
         checkpoint.write_json(rows, a.json)
 
@@ -419,5 +445,6 @@ def cmd_speed(argv):
 if __name__ == "__main__":
     commands = {"kernels": cmd_kernels, "quality": cmd_quality, "speed": cmd_speed}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        raise SystemExit(f"usage: python bench.py {{{','.join(commands)}}} [options]  (-h after a command for help)")
+        usage = f"usage: python bench.py {{{','.join(commands)}}} [options]"
+        raise SystemExit(f"{usage}  (-h after a command for help)")
     commands[sys.argv[1]](sys.argv[2:])

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from flags import KINDS
+from flags import TYPES
 
 
 # config, shard index and tokenizer files: a bad one is a one-line error naming it
@@ -71,8 +71,8 @@ def read_config(path, cls):
         if v is None or t is str:
             continue
         # an integer is a float too; a float must be finite
-        kind = type(v) is t or t is float and type(v) is int
-        need(kind and (t is not float or math.isfinite(v)), f"{name} {v!r} must be {KINDS[t]}")
+        typed = type(v) is t or t is float and type(v) is int
+        need(typed and (t is not float or math.isfinite(v)), f"{name} {v!r} must be {TYPES[t]}")
         need(t is bool or v > 0, f"{name} {v} must be positive")
         d[name] = t(v)
     h, kv = d["num_attention_heads"], d["num_key_value_heads"]

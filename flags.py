@@ -8,7 +8,7 @@ import sys
 import torch
 
 # in error messages
-KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "text"}
+TYPES = {bool: "true or false", int: "an integer", float: "a finite number", str: "text"}
 
 
 def configure(g, argv=None):
@@ -17,7 +17,7 @@ def configure(g, argv=None):
     the command in messages (bench.py's commands pass a copy of their own defaults)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = g.get("__prog__") or os.path.basename(g.get("__file__", "kvpop"))
-    keys = {k for k, v in g.items() if not k.startswith("_") and type(v) in KINDS}
+    keys = {k for k, v in g.items() if not k.startswith("_") and type(v) in TYPES}
     if "-h" in argv or "--help" in argv:
         out = [f"usage: python {prog} [--key value | --key=value] ..."]
         for line in open(g["__file__"]):
@@ -61,7 +61,7 @@ def parse_value(prog, key, val, typ):
             return x
     except (KeyError, ValueError):
         pass
-    sys.exit(f"{prog}: --{key} {val!r} is not {KINDS[typ]}")
+    sys.exit(f"{prog}: --{key} {val!r} is not {TYPES[typ]}")
 
 
 def fail(msg, prog=None):

@@ -52,22 +52,22 @@ def entries(size, charge, total):
 # the eviction rule, plainly: one KV head, one step (README, How it works)
 
 
-def evict(held, pi, p, sinks, window, size):
-    """The position whose entry the newcomer p takes, of the positions `held` by a cache of `size` entries, by
+def evict(held, pi, p, sinks, window, slots):
+    """The position whose entry the newcomer p takes, of the positions `held` by a cache of `slots` entries, by
     priorities pi[t]; None while there is room. Else the eligible token (sinks <= t <= p - window: past the sinks,
     out of the window) with the lowest (pi[t], t), priority first, position second: of a tie the older goes."""
-    if len(held) < size:
+    if len(held) < slots:
         return None
     eligible = [t for t in held if sinks <= t <= p - window]
     return min(eligible, key=lambda t: (pi[t], t))
 
 
-def run_rule(pi, sinks, window, size):
+def run_rule(pi, sinks, window, slots):
     """One head fed T tokens one at a time under static priorities pi (T,) -> the sorted positions it holds after
     each step. kernels.eviction_times is the same run as one mask."""
     held, after = [], []
     for p in range(len(pi)):
-        gone = evict(held, pi, p, sinks, window, size)
+        gone = evict(held, pi, p, sinks, window, slots)
         held = [t for t in held if t != gone] + [p]
         after.append(sorted(held))
     return after
@@ -142,7 +142,7 @@ def attention_received(policy, q, k, lse):
 
 
 # ------------------------------------------------------------------------------------------------
-# the targets (README, Method: future attention): the default first, and what each reduces p[d, t] by over d
+# the targets (README, Method: future attention): the default first, and what each reduces p[q, t] by over q
 
 
 TARGETS = ("helpful", "max", "mean")
@@ -150,8 +150,8 @@ REDUCE = dict(helpful="max", max="max", mean="mean")
 
 
 def next_logp(logits, idx):
-    """(B, 1, T): log P(x[d + 1]), the log-probability logits (B, T, V) give the token that follows each position
-    d of idx (B, T); -inf at the last."""
+    """(B, 1, T): log P(x[q + 1]), the log-probability logits (B, T, V) give the token that follows each position
+    q of idx (B, T); -inf at the last."""
     lp = logits.float().log_softmax(-1)[:, :-1]
     lp = lp.gather(-1, idx[:, 1:, None])[..., 0]  # (B, T - 1)
     return F.pad(lp, (0, 1), value=-math.inf)[:, None]
@@ -160,8 +160,8 @@ def next_logp(logits, idx):
 @torch.no_grad()
 def dense_targets(model, idx, window, target="mean"):
     """One dense pass: every layer's cached (k, v) and its future-attention target r* (B, H, T), `target` one of
-    TARGETS: the oracle's priorities and the scorers' teacher. helpful weighs query d's attention p[d, t] by
-    P(x[d + 1]): its lse raised by -log P, after the pass."""
+    TARGETS: the oracle's priorities and the scorers' teacher. helpful weighs query q's attention p[q, t] by
+    P(x[q + 1]): its lse raised by -log P, after the pass."""
     seen = []
 
     def attn(i, q, k, v, pos):
@@ -170,7 +170,7 @@ def dense_targets(model, idx, window, target="mean"):
         return y
 
     logits = model(idx, attn=attn, head=target == "helpful")
-    # helpful: lse - log P[d]; a read before a wrong prediction counts little
+    # helpful: lse - log P[q]; a read before a wrong prediction counts little
     lw = next_logp(logits, idx) if target == "helpful" else 0.0
     red = REDUCE[target]
     rs = [kernels.future_attention(q, k, lse - lw, window, reduce=red) for q, k, _, lse in seen]
@@ -289,28 +289,28 @@ class Scorer(nn.Module):
     def recency(self, i, t):
         return F.softplus(at(self.theta, i))[..., None] * t
 
-    # the read-out of every kind, r = w_2 . silu(W_1 [x; z] + b_1) + b_2: x (B, H, n, X) and what the kind read z
-    # (B, H, n, Z) -> (B, H, n); every layer's (i = ALL): a leading dim L
+    # the read-out of every kind, r = w_2 . silu(W_1 [x; z] + b_1) + b_2: x (B, H, I, X) and what the kind read z
+    # (B, H, I, Z) -> (B, H, I); every layer's (i = ALL): a leading dim L
     def head(self, i, x, z):
-        h = F.silu(torch.cat([x, z], -1) @ at(self.w1, i) + at(self.b1, i)[..., None, :])  # (B, H, n, d_hidden)
+        h = F.silu(torch.cat([x, z], -1) @ at(self.w1, i) + at(self.b1, i)[..., None, :])  # (B, H, I, d_hidden)
         return (h * at(self.w2, i)[..., None, :]).sum(-1) + at(self.b2, i)[..., None]
 
     # kvpop-window: the delayed scorer that reads its window from the cache
 
     def look(self, i, x, xw, offsets):
-        """kvpop-window: scores (B, H, n) of tokens with features x (B, H, n, X) from the features xw (B, H, m, X)
-        of tokens after them, offsets (n, m) apart (visible: 1..min(w - 1, ahead)). Read a = 0, 1: a softmax over
+        """kvpop-window: scores (B, H, I) of tokens with features x (B, H, I, X) from the features xw (B, H, J, X)
+        of tokens after them, offsets (I, J) apart (visible: 1..n, n = min(w - 1, ahead)). Read a = 0, 1: a softmax over
         the visible o of (W_q x)_a . (W_k xw)_a / sqrt(d) + bo_a[o] pools z_a = sum_o softmax * (W_v xw)_a; then
         r = head(x, [z_0; z_1])."""
         A, d, n = self.reads, self.d_key, self.bo.shape[-1]
-        split = lambda y, w: (y @ w[i]).unflatten(-1, (A, d)).transpose(2, 3)  # (B, H, A, n or m, d)
+        split = lambda y, w: (y @ w[i]).unflatten(-1, (A, d)).transpose(2, 3)  # (B, H, A, I or J, d)
         q, k, v = split(x, self.wq), split(xw, self.wk), split(xw, self.wv)
-        bias = self.bo[i][:, :, offsets.clamp(1, n) - 1]  # (H, A, n, m)
+        bias = self.bo[i][:, :, offsets.clamp(1, n) - 1]  # (H, A, I, J)
         hidden = (offsets < 1) | (offsets > n)
         s = (q @ k.mT / math.sqrt(d) + bias).masked_fill(hidden, -math.inf)
-        # (B, H, A, n, m); the last token has nothing after it and reads zeros
+        # (B, H, A, I, J); the last token has nothing after it and reads zeros
         a = s.softmax(-1).nan_to_num(0.0)
-        z = (a @ v).transpose(2, 3).flatten(-2)  # (B, H, n, A d)
+        z = (a @ v).transpose(2, 3).flatten(-2)  # (B, H, I, A d)
         return self.head(i, x, z)
 
     def look_parallel(self, i, x):
@@ -521,9 +521,9 @@ def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
 
 
 class KVCache:
-    """`evict`'s rule for every layer, batch row and KV head at once, in buffers allocated once: at most `size`
-    entries a layer and head, keys (L, B, H, S, D) and values transposed (L, B, H, D, S), so both products of a step
-    read their matrix row by row, the layout that streams memory fastest. Filled slots are [0, min(t, size)); an
+    """`evict`'s rule for every layer, batch row and KV head at once, in buffers allocated once: `slots` = S - m
+    entries a layer and head, keys (L, B, H, slots, D) and values transposed (L, B, H, D, slots), so both products of
+    a step read their matrix row by row, the layout that streams memory fastest. Filled slots are [0, min(t, slots)); an
     evicted slot goes to the newcomer, in place. pos[slot]: its token's position (-1: empty); score[slot]: its
     priority (a learned scorer's, given as the token leaves the window, 0 before; h2o's and tova's attention).
 
@@ -531,23 +531,23 @@ class KVCache:
     window token t's slot; near holds the features of the tokens the next read sees, t .. t + n, twice over so that
     they are one slice in position order; kvpop's memories sit beside."""
 
-    def __init__(self, model, batch, size, policy="full", sinks=4, window=256):
+    def __init__(self, model, batch, slots, policy="full", sinks=4, window=256):
         c, p = model.config, next(model.parameters())
         L, H, D = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
         self.rule, self.priority = resolve(policy)
-        self.policy, self.size, self.sinks, self.window, self.t = policy, size, sinks, window, 0
-        self.pool = size - sinks - window
+        self.policy, self.slots, self.sinks, self.window, self.t = policy, slots, sinks, window, 0
+        self.pool = slots - sinks - window
         self.kind = policy.kind if self.rule == "learned" else None  # a learned scorer's kind
         # priorities in a learned scorer's dtype (fp64 beside an fp64 model), else fp32
         sdt = policy.theta.dtype if self.kind else torch.float32
-        new, shape = dict(device=p.device), (L, batch, H, size)
+        new, shape = dict(device=p.device), (L, batch, H, slots)
         self.k = torch.zeros(*shape, D, dtype=p.dtype, **new)
-        self.v = torch.zeros(L, batch, H, D, size, dtype=p.dtype, **new)
+        self.v = torch.zeros(L, batch, H, D, slots, dtype=p.dtype, **new)
         self.pos = torch.full(shape, -1, **new)
         self.score = torch.zeros(shape, dtype=sdt, **new)
         # per-layer views, made once: a step indexes less
         self.layer = list(zip(self.k, self.v, self.score))
-        self.slots = None  # every layer's slot (L, B, H, 1) for this step's newcomer, set at layer 0
+        self.new = None  # every layer's slot (L, B, H, 1) for this step's newcomer, set at layer 0
         if self.kind:
             policy.check(c, window)
             if policy.arrival:
@@ -568,7 +568,7 @@ class KVCache:
 
     # can T > 1 tokens come in one pass? (else the model feeds them one at a time)
     def whole(self, T):
-        return self.t == 0 and (T <= self.size or self.rule in ("static", "learned"))
+        return self.t == 0 and (T <= self.slots or self.rule in ("static", "learned"))
 
     # layer i: q (B, Hq, T, D), new k, v (B, H, T, D) at positions pos; inference only: no graph
     @torch.no_grad()
@@ -577,32 +577,32 @@ class KVCache:
 
     def prefill(self, i, q, k, v, pos):
         """An empty cache takes a whole prompt at once and ends exactly as if fed token by token."""
-        T, size = k.shape[2], self.size
+        T, slots = k.shape[2], self.slots
         pi = torch.zeros(k.shape[:3], device=k.device)
         if self.rule == "static":
             pi = self.priority(i, k, v, pos)
         if self.rule == "learned":
             pi = self.prefill_scorer(i, k, v, pos)
-        if T <= size:  # nothing is evicted yet
+        if T <= slots:  # nothing is evicted yet
             y, lse = kernels.attention(q, k, v)
             keep = torch.arange(T, device=k.device).expand(k.shape[:3])
             if self.rule == "dynamic":
                 pi = attention_received(self.policy, q, k, lse)
         # longer than the budget (static, learned): the eviction-time mask; keep what the last query still sees,
-        # exactly `size` a head: sinks + window + pool
+        # exactly `slots` a head: sinks + window + pool
         else:
             y, e = masked_attention(q, k, v, pi, self.sinks, self.window, self.pool)
             seen = (pos < self.sinks) | (e > T - 1)
-            keep = seen.byte().sort(dim=-1, descending=True, stable=True).indices[..., :size]
-        m, D = keep.shape[-1], k.shape[-1]
+            keep = seen.byte().sort(dim=-1, descending=True, stable=True).indices[..., :slots]
+        count, D = keep.shape[-1], k.shape[-1]
         rows = keep[..., None].expand(-1, -1, -1, D)
-        self.k[i, :, :, :m] = k.gather(2, rows)
-        self.v[i, :, :, :, :m] = v.gather(2, rows).mT
-        self.pos[i, :, :, :m], self.score[i, :, :, :m] = pos[keep], pi.gather(2, keep)
+        self.k[i, :, :, :count] = k.gather(2, rows)
+        self.v[i, :, :, :, :count] = v.gather(2, rows).mT
+        self.pos[i, :, :, :count], self.score[i, :, :, :count] = pos[keep], pi.gather(2, keep)
         # kept in position order: the last tokens, still in the window, fill the last slots
         if self.kind:
-            nw, a = min(T, self.window), torch.arange(m, device=k.device)
-            self.ring[i][..., (a[-nw:] + T - m) % self.window] = a[-nw:]
+            nw, a = min(T, self.window), torch.arange(count, device=k.device)
+            self.ring[i][..., (a[-nw:] + T - count) % self.window] = a[-nw:]
         return y
 
     def prefill_scorer(self, i, k, v, pos):
@@ -622,8 +622,8 @@ class KVCache:
         at once (a layer's decision reads only what it stored before this step); then the newcomer's key and value
         go to its slot, and it attends."""
         if i == 0:
-            self.slots = self.decide(self.t)
-        self.put(i, self.slots[i], k, v, pos)
+            self.new = self.decide(self.t)
+        self.put(i, self.new[i], k, v, pos)
         return self.attention(i, q, self.t)
 
     def decide(self, p):
@@ -633,13 +633,13 @@ class KVCache:
         a learned or dynamic policy, go in here."""
         if self.kind:
             self.score_leaving(p)
-        slots = self.pos.new_full((*self.pos.shape[:3], 1), p) if p < self.size else self.lowest(p)
-        self.pos.scatter_(-1, slots, p)
+        new = self.pos.new_full((*self.pos.shape[:3], 1), p) if p < self.slots else self.lowest(p)
+        self.pos.scatter_(-1, new, p)
         if self.rule in ("learned", "dynamic"):
-            self.score.scatter_(-1, slots, 0.0)
+            self.score.scatter_(-1, new, 0.0)
         if self.kind:
-            self.ring[..., p % self.window] = slots[..., 0]
-        return slots
+            self.ring[..., p % self.window] = new[..., 0]
+        return new
 
     def lowest(self, p):
         """Every layer's slot (L, B, H, 1) of the eligible token with the lowest (score, position), past the sinks'
@@ -698,7 +698,7 @@ class KVCache:
         """The newcomer p's attention (B, Hq, 1, D) over layer i's filled slots, in slot order, in the cache's dtype;
         h2o and tova score from it."""
         K, V, sc = self.layer[i]
-        (B, H, _, D), G, n = K.shape, q.shape[1] // K.shape[1], min(p + 1, self.size)
+        (B, H, _, D), G, n = K.shape, q.shape[1] // K.shape[1], min(p + 1, self.slots)
         K, V = K[:, :, :n], V[..., :n]
         s = K @ q.view(B, H, G, D).mT.to(K.dtype)  # (B, H, n, G)
         # (B, H, G, n): a softmax along memory, 4-6x faster

@@ -846,7 +846,7 @@ def test_cache_never_exceeds_budget(small_model, policy):
     for t in range(T):
         small_model(idx[:, t : t + 1], cache=cache)
         held = cache.pos >= 0  # (L, B, Hkv, S)
-        assert held.sum(-1).max() <= cache.size and held.sum(-1).min() == min(t + 1, cache.size)
+        assert held.sum(-1).max() <= cache.slots and held.sum(-1).min() == min(t + 1, cache.slots)
         if t >= sinks:  # sinks stay in their slots
             assert (cache.pos[..., :sinks] == torch.arange(sinks)).all()
         if e is not None:
@@ -3810,7 +3810,7 @@ def test_recall_score_equals_its_definition_on_random_words():
 
 
 def test_flags_read_booleans_in_any_case():
-    """A boolean flag takes true/yes/1 and false/no/0 in any case (flags.KINDS: `true or false`): --finetune True,
+    """A boolean flag takes true/yes/1 and false/no/0 in any case (flags.TYPES: `true or false`): --finetune True,
     --finetune=FALSE, Yes, nO; anything else is one line naming the flag."""
     for val, want in [("True", True), ("FALSE", False), ("Yes", True), ("nO", False), ("TRUE", True), ("0", False)]:
         for argv in (["--finetune", val], [f"--finetune={val}"]):
