@@ -270,13 +270,13 @@ def fill(cache, C):
     cache.pos[..., :n] = pos.to(cache.pos.device)
     cache.score[..., :n] = torch.rand(n)
     cache.t = C
-    if cache.kind:  # a learned scorer's window slots and next read's features
+    if cache.kind:  # a learned scorer's window slots
         cache.ring[..., pos[-w:] % w] = torch.arange(n - w, n, device=cache.ring.device)
-        cache.near.normal_()
     if cache.kind == "kvpop":  # memories that have read every token
-        cache.mem.normal_(0, 0.01)
-        cache.scale.zero_()
+        cache.mem.normal_(0, 0.01), cache.scale.zero_()
         cache.known = C
+    elif cache.kind:  # the next read's features
+        cache.near.normal_()
     return n
 
 

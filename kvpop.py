@@ -2,7 +2,7 @@
 
 Read top to bottom, as the README's Method (comments cite its sections as "README, Method: ..."): the budget ->
 the eviction rule, plainly -> policies -> targets -> learned scorers -> the boundary loss -> the evicting cache, the
-rule's fast form -> generation. The model is qwen3.py; kernels.py holds the plain and fast forms of the masked
+rule's fast form. The model and generation are qwen3.py's; kernels.py holds the plain and fast forms of the masked
 attention, the target and the eviction times.
 """
 
@@ -292,8 +292,11 @@ class Scorer(nn.Module):
     # the read-out of every kind, r = w_2 . silu(W_1 [x; z] + b_1) + b_2: x (B, H, I, X) and what the kind read z
     # (B, H, I, Z) -> (B, H, I); every layer's (i = ALL): a leading dim L
     def head(self, i, x, z):
-        h = F.silu(torch.cat([x, z], -1) @ at(self.w1, i) + at(self.b1, i)[..., None, :])  # (B, H, I, d_hidden)
-        return (h * at(self.w2, i)[..., None, :]).sum(-1) + at(self.b2, i)[..., None]
+        return self.out(i, torch.cat([x, z], -1) @ at(self.w1, i) + at(self.b1, i)[..., None, :])
+
+    # w_2 . silu(a) + b_2 from the read-out's pre-activation a (B, H, I, d_hidden)
+    def out(self, i, a):
+        return (F.silu(a) * at(self.w2, i)[..., None, :]).sum(-1) + at(self.b2, i)[..., None]
 
     # kvpop-window: the delayed scorer that reads its window from the cache
 
@@ -337,12 +340,9 @@ class Scorer(nn.Module):
         z = torch.einsum("...ax,...xad->...ad", a @ xw, wv)  # (L, B, H, A, d)
         return self.head(ALL, xt, z.flatten(-2)[..., None, :]) + self.recency(ALL, t)
 
-    def online(self, x, t, mem=None, scale=None):
-        """Decoding: every layer's priority (L, B, H, 1) of token t as it leaves the window, in one call: x (L, B, H,
-        1 + n, X) the features of t and of the n tokens after it (kvpop-window; else n = 0); kvpop reads its
-        memories mem, scale."""
-        if self.kind == "kvpop":
-            return self.read(mem, scale, x, t)
+    def online(self, x, t):
+        """Decoding, kvpop-window and kvpop-mlp (kvpop: `read`): every layer's priority (L, B, H, 1) of token t as it
+        leaves the window, in one call, from the features x (L, B, H, 1 + n, X) of t and the n tokens after it."""
         if self.kind == "kvpop-window":
             return self.look_online(x, t)
         return self.head(ALL, x, x[..., :0]) + self.recency(ALL, t)
@@ -412,14 +412,15 @@ class Scorer(nn.Module):
     def folded(self):
         """kvpop's update weights, made once per cache, with the RMS scale of the raw x = [k; v] folded in
         (rms(x) = sqrt(2D) x rsqrt(|x|^2 + 2D eps)): z = W x rsqrt(|x|^2 + 2D eps) + b is [k'; v'; 1; log i; the
-        forget gate's pre-activation] in one product. W (L, 1, H, 2M + 3, 2D), b (L, 1, H, 1, 2M + 3)."""
+        forget gate's pre-activation] in one product, x^T W: W (L, 1, H, 2D, 2M + 3) (a row vector times a matrix
+        stored row by row, 2.5x faster than W x on a CPU), b (L, 1, H, 1, 2M + 3)."""
         X, M = 2 * self.shape["head_dim"], self.d_mem
         one = torch.zeros_like(self.wi[..., None])  # its bias makes the 1 of [v'; 1]
         gates = [self.wi[..., None], self.wf[..., None]]
         w = torch.cat([self.wk / math.sqrt(M), self.wv, one, *gates], -1)
         b = torch.stack([torch.ones_like(self.bi), self.bi, self.bf], -1)
         b = F.pad(b, (2 * M, 0))  # no bias on k', v'
-        return (w.mT * math.sqrt(X)).contiguous()[:, None], b[:, None, :, None]
+        return (w * math.sqrt(X)).contiguous()[:, None], b[:, None, :, None]
 
     def remember(self, mem, scale, k, v, fold):
         """Every layer's memory takes one more token (k, v (L, B, H, 1, D)), in place:
@@ -428,7 +429,7 @@ class Scorer(nn.Module):
         w, b = fold
         M, x = self.d_mem, torch.cat([k, v], -1).to(w.dtype)  # (L, B, H, 1, 2D)
         r = torch.rsqrt((x * x).sum(-1, keepdim=True) + x.shape[-1] * EPS)
-        z = torch.addcmul(b, (w @ x.mT).mT, r)
+        z = torch.addcmul(b, x @ w, r)
         li, lf = z[..., 0, -2], scale - F.softplus(-z[..., 0, -1])  # log i, log f + s (L, B, H)
         s = torch.maximum(li, lf)
         g, f = (li - s).exp()[..., None, None], (lf - s).exp()[..., None, None]
@@ -438,14 +439,20 @@ class Scorer(nn.Module):
         mem.mul_(f).view(-1, M + 1, M).baddbmm_(v1, k1)
         scale.copy_(s)
 
-    def read(self, mem, scale, x, t):
-        """kvpop's priority (L, B, H, 1) of the token at t (features x (L, B, H, 1, X)), every layer at once, from
-        the memories as they are: u = W_r x, [C u; n . u] = mem u,
-        h = C u / max(|n . u|, exp(-scale)), r = head(x, rms(h)) + gamma_h t."""
-        M = self.d_mem
-        y = (x @ at(self.wr, ALL)) @ mem.mT  # (L, B, H, 1, M + 1)
+    def prepare(self, x):
+        """kvpop: what a read needs of tokens with features x (L, B, H, c, X) alone, every layer's: u = W_r x and
+        W_1's product with x in the read-out (made for c tokens at once, the weights are read once for c)."""
+        return x @ at(self.wr, ALL), x @ at(self.w1, ALL)[..., : x.shape[-1], :]
+
+    def read(self, mem, scale, u, wx, t):
+        """kvpop's priority (L, B, H, 1) of the token at t, every layer at once, from the memories as they are and
+        its prepared u, wx (L, B, H, 1, ...): [C u; n . u] = mem u, h = C u / max(|n . u|, exp(-scale)),
+        r = head(x, rms(h)) + gamma_h t."""
+        M, X = self.d_mem, 2 * self.shape["head_dim"]
+        y = u @ mem.mT  # (L, B, H, 1, M + 1)
         h = y[..., :M] / torch.maximum(y[..., M:].abs(), (-scale).exp()[..., None, None])
-        return self.head(ALL, x, rms(h)) + self.recency(ALL, t)
+        a = wx + rms(h) @ at(self.w1, ALL)[..., X:, :] + at(self.b1, ALL)[..., None, :]
+        return self.out(ALL, a) + self.recency(ALL, t)
 
     def save_pretrained(self, folder):
         """scorer.safetensors + scorer.json (every setting needed to rebuild it, and what it was trained for)."""
@@ -529,7 +536,8 @@ class KVCache:
 
     A learned scorer's work for a step is done at layer 0 for every layer (`score_leaving`): ring[..., t % w] is
     window token t's slot; near holds the features of the tokens the next read sees, t .. t + n, twice over so that
-    they are one slice in position order; kvpop's memories sit beside."""
+    they are one slice in position order; kvpop's memories sit beside, with the next leaving tokens' prepared
+    reads."""
 
     def __init__(self, model, batch, slots, policy="full", sinks=4, window=256):
         c, p = model.config, next(model.parameters())
@@ -554,6 +562,7 @@ class KVCache:
                 raise ValueError("a kvpop scorer read on arrival (the delay ablation) runs in the masked pass only")
             self.ring = torch.zeros(L, batch, H, window, dtype=torch.long, **new)
             self.n = policy.bo.shape[-1] if self.kind == "kvpop-window" else 0  # the tokens a read sees after t
+        if self.kind in ("kvpop-window", "kvpop-mlp"):
             self.near = torch.zeros(L, batch, H, 2 * self.n + 2, 2 * D, dtype=sdt, **new)
         if self.kind == "kvpop":
             # every layer and head's memory [C; n] (M + 1, M), its log-scale, how many tokens it has read
@@ -561,6 +570,8 @@ class KVCache:
             self.mem = torch.zeros(L, batch, H, M + 1, M, dtype=sdt, **new)
             self.scale = torch.full((L, batch, H), -math.inf, dtype=sdt, **new)
             self.known, self.fold = 0, policy.folded()
+            # the next leaving tokens' prepared reads, c = min(w, 32) of them from token b0 on
+            self.block, self.b0, self.ready = min(window, 32), -window, None
 
     def nbytes(self):  # keys, values and a learned scorer's state
         state = (self.mem, self.scale) if self.kind == "kvpop" else ()
@@ -613,8 +624,9 @@ class KVCache:
         pi = self.policy(i, k, v, pos, memory)
         if self.kind == "kvpop":
             (self.mem[i], self.scale[i]), self.known = memory[0], T
-        u = torch.arange(max(T - w, 0), max(T - w + self.n, 0), device=k.device)
-        self.keep_near(i, u, self.policy.features(k[..., u, :], v[..., u, :]))
+        else:
+            u = torch.arange(max(T - w, 0), max(T - w + self.n, 0), device=k.device)
+            self.keep_near(i, u, self.policy.features(k[..., u, :], v[..., u, :]))
         return pi.masked_fill(pos > T - 1 - w, 0.0)
 
     def step(self, i, q, k, v, pos):
@@ -652,30 +664,40 @@ class KVCache:
         return torch.where(low > least, 2**62, P).argmin(-1, keepdim=True) + s
 
     def score_leaving(self, p):
-        """A learned scorer's work of step p for every layer at once: kvpop's memories take token p - 1, the features
-        of token p - w + n join `near`, and token t = p - w, leaving the window, gets its priority from the features
-        of t .. t + n (and kvpop's memories)."""
-        w, n = self.window, self.n
+        """A learned scorer's work of step p for every layer at once: token t = p - w, leaving the window, gets its
+        priority, read from the memories (kvpop, which take token p - 1 first) or from the features of t .. t + n
+        (the others; token p - w + n's join `near` first)."""
+        w, n, t = self.window, self.n, p - self.window
         if self.kind == "kvpop" and self.known < p:
             self.policy.remember(self.mem, self.scale, *self.cached(p - 1), self.fold)
             self.known = p
-        u = p - w + n
-        if u >= 0:
-            x = self.policy.features(*self.cached(u))  # (L, B, H, 1, X)
-            self.keep_near(ALL, u, x[..., 0, :])
-        if p < w:
+        if self.kind != "kvpop" and t + n >= 0:
+            x = self.policy.features(*self.cached(t + n))  # (L, B, H, 1, X)
+            self.keep_near(ALL, t + n, x[..., 0, :])
+        if t < 0:
             return
-        t, a = p - w, (p - w) % (n + 1)
-        x = self.near[..., a : a + n + 1, :]  # (L, B, H, 1 + n, X)
-        mem = (self.mem, self.scale) if self.kind == "kvpop" else ()
-        r = self.policy.online(x, t, *mem)  # (L, B, H, 1)
-        self.score.scatter_(-1, self.ring[..., t % w, None], r)
+        a = t % (n + 1)  # near[..., a : a + n + 1, :] holds t .. t + n
+        x = self.near[..., a : a + n + 1, :] if self.kind != "kvpop" else None
+        r = self.read_memory(t) if self.kind == "kvpop" else self.policy.online(x, t)
+        self.score.scatter_(-1, self.ring[..., t % w, None], r)  # r (L, B, H, 1)
 
-    # every layer's cached key and value (L, B, H, 1, D) of window token u
+    def read_memory(self, t):
+        """kvpop: token t's read of the memories, its u and W_1 x prepared with the next c - 1 leaving tokens',
+        t .. t + c - 1 (all cached: c <= w)."""
+        c = self.block
+        if not self.b0 <= t < self.b0 + c:
+            u = torch.arange(t, t + c, device=self.ring.device)
+            self.b0, self.ready = t, self.policy.prepare(self.policy.features(*self.cached(u)))
+        j = t - self.b0
+        return self.policy.read(self.mem, self.scale, *(x[..., j : j + 1, :] for x in self.ready), t)
+
+    # every layer's cached keys and values (L, B, H, len(u), D) of window tokens u (a tensor), or (L, B, H, 1, D) of
+    # token u
     def cached(self, u):
-        j, D = self.ring[..., u % self.window, None, None], self.k.shape[-1]  # (L, B, H, 1, 1)
-        k = self.k.gather(3, j.expand(-1, -1, -1, 1, D))
-        v = self.v.gather(4, j.expand(-1, -1, -1, D, 1))
+        j = self.ring[..., u % self.window] if torch.is_tensor(u) else self.ring[..., u % self.window, None]
+        j, D = j[..., None], self.k.shape[-1]  # (L, B, H, len(u), 1)
+        k = self.k.gather(3, j.expand(-1, -1, -1, -1, D))
+        v = self.v.gather(4, j.mT.expand(-1, -1, -1, D, -1))
         return k, v.mT
 
     # the features x (..., X) of token u, or (..., len(u), X) of tokens u, into near at u % (n + 1), twice over;
@@ -710,40 +732,3 @@ class KVCache:
             sc[..., :n] = a.mean(-2)
         y = a.to(V.dtype) @ V.mT  # (B, H, G, D)
         return y.to(q.dtype).view(B, H * G, 1, D)
-
-
-# ------------------------------------------------------------------------------------------------
-# generation
-
-
-def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,)
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.size(-1))).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    if top_p < 1.0:  # nucleus: drop the tail whose mass before it already exceeds top_p
-        sorted_logits, order = logits.sort(-1, descending=True)
-        p = sorted_logits.softmax(-1)
-        tail = sorted_logits.masked_fill(p.cumsum(-1) - p > top_p, -math.inf)
-        logits = logits.scatter(-1, order, tail)
-    return torch.multinomial(logits.softmax(-1), 1)[:, 0]
-
-
-@torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop=(), cache=None):
-    """Stream (B,) next-token tensors. A KVCache sets the budget; default full. A sequence that produced a stop id
-    keeps emitting it; generation ends when all have stopped."""
-    cache = cache or KVCache(model, len(idx), idx.shape[1] + max_new_tokens)
-    x, nxt = idx, idx[:, -1]
-    done = torch.zeros(len(idx), dtype=torch.bool, device=idx.device)
-    stop = idx.new_tensor(list(stop))
-    for _ in range(max_new_tokens):
-        logits = model(x, cache=cache)[:, -1].float()
-        nxt = torch.where(done, nxt, sample_next(logits, temperature, top_k, top_p))
-        yield nxt
-        done |= torch.isin(nxt, stop)
-        if done.all():
-            return
-        x = nxt[:, None]

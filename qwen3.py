@@ -1,8 +1,9 @@
 """Qwen3, self-contained: Hugging Face's module names, so loading a checkpoint is a 1:1 copy with a count and shape
 check. Every layer's attention is a hook, attn(layer, q, k, v, pos): kvpop.py's evicting cache and masked pass plug in
-there.
+there. Then generation: sampling, and a stream of new tokens through a cache.
 """
 
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -168,3 +169,41 @@ class Qwen3(nn.Module):
         dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
         hf = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", torch_dtype=dtype)
         write_json(dict(asdict(self.config), **hf), os.path.join(folder, "config.json"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# generation
+
+
+def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,)
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p < 1.0:  # nucleus: drop the tail whose mass before it already exceeds top_p
+        sorted_logits, order = logits.sort(-1, descending=True)
+        p = sorted_logits.softmax(-1)
+        tail = sorted_logits.masked_fill(p.cumsum(-1) - p > top_p, -math.inf)
+        logits = logits.scatter(-1, order, tail)
+    return torch.multinomial(logits.softmax(-1), 1)[:, 0]
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop=(), cache=None):
+    """Stream (B,) next-token tensors. With a cache (kvpop.KVCache, which sets the budget) each step feeds the newest
+    token; without one, the whole sequence. A sequence that produced a stop id keeps emitting it; generation ends when
+    all have stopped."""
+    x, seq, nxt = idx, idx, idx[:, -1]
+    done = torch.zeros(len(idx), dtype=torch.bool, device=idx.device)
+    stop = idx.new_tensor(list(stop))
+    for _ in range(max_new_tokens):
+        logits = model(x, cache=cache)[:, -1].float()
+        nxt = torch.where(done, nxt, sample_next(logits, temperature, top_k, top_p))
+        yield nxt
+        done |= torch.isin(nxt, stop)
+        if done.all():
+            return
+        seq = torch.cat([seq, nxt[:, None]], 1)
+        x = nxt[:, None] if cache is not None else seq

@@ -2151,7 +2151,7 @@ def _ref_distribution(logits, temperature, top_k, top_p):
 def test_sample_next_temperature_zero_is_argmax():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
     for top_k, top_p in [(0, 1.0), (3, 0.5)]:
-        assert torch.equal(kvpop.sample_next(logits, 0, top_k, top_p), logits.argmax(-1))
+        assert torch.equal(qwen3.sample_next(logits, 0, top_k, top_p), logits.argmax(-1))
 
 
 @pytest.mark.parametrize(
@@ -2162,7 +2162,7 @@ def test_sample_next_draws_from_its_definition(temperature, top_k, top_p):
     N, V = 100_000, _LOGITS.shape[1]
     want = _ref_distribution(_LOGITS, temperature, top_k, top_p)
     torch.manual_seed(0)
-    draws = kvpop.sample_next(_LOGITS.repeat(N, 1), temperature, top_k, top_p).view(N, 2)
+    draws = qwen3.sample_next(_LOGITS.repeat(N, 1), temperature, top_k, top_p).view(N, 2)
     freq = torch.stack([torch.bincount(draws[:, r], minlength=V) for r in range(2)]).double() / N
     assert (freq[want == 0] == 0).all(), (freq, want)  # never a token outside the allowed set
     # 5 sigma
@@ -2175,7 +2175,7 @@ def test_sample_next_top_p_keeps_the_boundary_token():
     # just below: 2 tokens reach it; just above: 3
     for top_p, n in [(two - 1e-3, 2), (two + 1e-3, 3)]:
         torch.manual_seed(0)
-        drawn = set(kvpop.sample_next(_LOGITS[:1].repeat(20_000, 1), 1.0, 0, top_p).tolist())
+        drawn = set(qwen3.sample_next(_LOGITS[:1].repeat(20_000, 1), 1.0, 0, top_p).tolist())
         assert drawn == set(p.indices[:n].tolist()), (top_p, drawn)
 
 
@@ -2197,8 +2197,8 @@ def test_generate_stops_each_sequence(monkeypatch, stop):
     # draws per step
     raw = [[5, 7, 9], [2, 8, 6], [9, 3, 4], [4, 5, 11], [6, 6, 3], [1, 1, 1], [0, 0, 0]]
     draws = iter(torch.tensor(raw))
-    monkeypatch.setattr(kvpop, "sample_next", lambda *a: next(draws))
-    got = [x.tolist() for x in kvpop.generate(_tiny_model(), torch.zeros(3, 2, dtype=torch.long), 6, stop=stop)]
+    monkeypatch.setattr(qwen3, "sample_next", lambda *a: next(draws))
+    got = [x.tolist() for x in qwen3.generate(_tiny_model(), torch.zeros(3, 2, dtype=torch.long), 6, stop=stop)]
     # the definition: a row that produced a stop id keeps emitting that id; the end when every row
     # stopped
     want, ended = [], [None] * 3
@@ -2284,7 +2284,7 @@ def test_scorer_parallel_equals_recurrent(chunk):
     for q in range(T):  # recurrent form: token q - w + 1 is read from the memory that took tokens up to q
         s.remember(S, m, each(k, q), each(v, q), fold)
         if q >= w - 1:
-            rec.append(s.read(S, m, s.features(each(k, q - w + 1), each(v, q - w + 1)), q - w + 1))
+            rec.append(s.read(S, m, *s.prepare(s.features(each(k, q - w + 1), each(v, q - w + 1))), q - w + 1))
     rec = torch.cat(rec, -1)  # (L, B, H, T - w + 1)
     for i in range(2):
         assert (rec[i] - pi[i][..., : T - w + 1]).abs().max().item() <= 1e-5
