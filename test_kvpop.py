@@ -3362,7 +3362,7 @@ README_SMALL = {  # each README command -> the flags appended to run it here (a 
         "--out_dir",
         "{tmp}/e",
     ],
-    "python bench.py speed --budgets 0.25": [
+    "python bench.py speed --layers 28 --contexts 8192 --budgets 0.25": [
         "--model",
         "{tmp}/m",
         "--contexts",
