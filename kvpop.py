@@ -98,7 +98,7 @@ def random_priority(i, k, v, pos):
 
 
 # A static policy: (layer i, new keys k, values v (B, H, n, D), positions pos (n,)) -> priorities (B, H, n),
-# fixed once given. To add one, add its name and function here (README, Method: adding a policy).
+# fixed once given. To add one, add its name and function here (README, Method: baselines).
 STATIC = {"streaming": streaming, "knorm": knorm, "random": random_priority}
 # scores that change with every query: the online cache only (KVCache, attention_received)
 DYNAMIC = ("h2o", "tova")
@@ -204,7 +204,8 @@ def at(p, i):
 
 class Scorer(nn.Module):
     """Learned static priorities pi[t] = r[t] + gamma_h t per layer and KV head, from the cached key and value
-    (README, Method: scorers). kvpop-mlp scores t on arrival. The delayed kinds score t as it leaves the window:
+    (README, Method: scorers). kvpop-mlp reads t alone (the paper's insertion-time scorer). The delayed kinds score
+    t as it leaves the window:
     kvpop-window reading the cached tokens after t, kvpop (the paper's) from an mLSTM memory that has read them;
     the memory is charged as `charge` cache entries."""
 
@@ -224,8 +225,8 @@ class Scorer(nn.Module):
         L, H, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.kind, self.window, self.meta = kind, window, {}
         self.d_mem, self.d_hidden = d_mem, d_hidden
-        # kvpop reads t from its memory of tokens up to t + delay: t .. t + w - 1, all the cache holds as t leaves
-        # the window; on arrival, t itself (the delay ablation)
+        # kvpop reads t from its memory of the tokens up to t + delay = t + w - 1, the last one cached as t leaves the
+        # window; on arrival, up to t itself (the delay ablation)
         self.arrival, self.delay = arrival, 0 if arrival else window - 1
         self.shape = dict(num_hidden_layers=L, num_key_value_heads=H, head_dim=D)
         X, M = 2 * D, d_mem
@@ -356,7 +357,7 @@ class Scorer(nn.Module):
         under one max per row as the recurrent form's stabiliser. Chunk by chunk over q: the reads in a chunk add
         the state mem = [C; n] carried from the tokens before it, and mem then moves to the chunk's last token.
         Only x is made at full length."""
-        (B, H, T, _), M, W, c = x.shape, self.d_mem, self.delay, self.chunk
+        (B, H, T, _), M, delay, c = x.shape, self.d_mem, self.delay, self.chunk
         xs = x.split(c, -2)  # the chunks of x
         # every token's gates: log i (exponential input), log f (sigmoid forget)
         li = torch.cat([(xc * self.wi[i][:, None]).sum(-1) for xc in xs], -1)
@@ -367,7 +368,7 @@ class Scorer(nn.Module):
         Fc = F.pad(lf.double().cumsum(-1), (1, 0))
         starts = range(0, T, c)
         # chunk k holds the reads of tokens reads[k] .. reads[k+1] - 1
-        reads = [max(c0 - W, 0) for c0 in starts] + [T]
+        reads = [max(c0 - delay, 0) for c0 in starts] + [T]
         # [C; n] = sum_j weight_j [v'_j; 1] k'_j^T over the tokens before the chunk
         mem = x.new_zeros(B, H, M + 1, M)
         scale = x.new_full((B, H), -math.inf)  # its log-scale
@@ -382,7 +383,7 @@ class Scorer(nn.Module):
             t = torch.arange(r0, r1, device=x.device)
             uc = xr @ self.wr[i]  # (B, H, R, M)
             # the rows: each read at q, then the chunk's last token (where mem moves to), as indices into Fc
-            q = torch.cat([(t + W).clamp(max=T - 1), t.new_tensor([c1 - 1])]) + 1
+            q = torch.cat([(t + delay).clamp(max=T - 1), t.new_tensor([c1 - 1])]) + 1
             # log weight of the chunk's token j in row q: F_q - F_j + log i_j for j <= q, else -inf (B, H, R + 1, c)
             j = torch.arange(c0 + 1, c1 + 1, device=x.device)
             dF = Fc[..., q, None] - Fc[..., None, c0 + 1 : c1 + 1]
@@ -512,8 +513,8 @@ def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
     for pool, q in zip(pools, qs):  # each pool's edge, its queries q (Q,)
         q = q.to(pi.device)
         y, bnd = boundary(teacher, kernels.eviction_times(teacher, sinks, window, pool), q, sinks, window)
-        new = (q - window).expand(*pi.shape[:2], -1)
-        d = pi.gather(-1, new) - pi.gather(-1, bnd)  # (B, H, Q)
+        tn = (q - window).expand(*pi.shape[:2], -1)  # t_new
+        d = pi.gather(-1, tn) - pi.gather(-1, bnd)  # (B, H, Q)
         n = torch.stack([y.sum(), (~y).sum()])  # keeps and drops, over the processes if split
         n = total(n) if total is not None else n
         omega = torch.where(y, 0.5 / n[0].clamp(min=1), 0.5 / n[1].clamp(min=1))
@@ -529,13 +530,15 @@ def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
 
 class KVCache:
     """`evict`'s rule for every layer, batch row and KV head at once, in buffers allocated once: `slots` = S - m
-    entries a layer and head, keys (L, B, H, slots, D) and values transposed (L, B, H, D, slots), so both products of
-    a step read their matrix row by row, the layout that streams memory fastest. Filled slots are [0, min(t, slots)); an
-    evicted slot goes to the newcomer, in place. pos[slot]: its token's position (-1: empty); score[slot]: its
-    priority (a learned scorer's, given as the token leaves the window, 0 before; h2o's and tova's attention).
+    entries a layer and head, keys (L, B, H, slots, D) and values transposed (L, B, H, D, slots), so both products
+    of a step read their matrix row by row, the layout that streams memory fastest. Filled slots are
+    [0, min(t, slots)); an evicted slot goes to the newcomer, in place. pos[slot]: its token's position (-1: empty);
+    score[slot]: its priority (a learned scorer's, given as the token leaves the window, 0 before; h2o's and tova's
+    attention).
 
-    A learned scorer's work for a step is done at layer 0 for every layer (`score_leaving`): ring[..., t % w] is
-    window token t's slot; near holds the features of the tokens the next read sees, t .. t + n, twice over so that
+    t: the tokens taken so far, the next newcomer's position p (qwen3's forward advances it). A learned scorer's work
+    for a step is done at layer 0 for every layer (`score_leaving`): ring[..., t % w] is window token t's slot; near
+    holds the features of the tokens the next read sees, t .. t + n (t + n joins as t leaves), twice over so that
     they are one slice in position order; kvpop's memories sit beside, with the next leaving tokens' prepared
     reads."""
 
@@ -548,11 +551,11 @@ class KVCache:
         self.kind = policy.kind if self.rule == "learned" else None  # a learned scorer's kind
         # priorities in a learned scorer's dtype (fp64 beside an fp64 model), else fp32
         sdt = policy.theta.dtype if self.kind else torch.float32
-        new, shape = dict(device=p.device), (L, batch, H, slots)
-        self.k = torch.zeros(*shape, D, dtype=p.dtype, **new)
-        self.v = torch.zeros(L, batch, H, D, slots, dtype=p.dtype, **new)
-        self.pos = torch.full(shape, -1, **new)
-        self.score = torch.zeros(shape, dtype=sdt, **new)
+        dev, shape = dict(device=p.device), (L, batch, H, slots)
+        self.k = torch.zeros(*shape, D, dtype=p.dtype, **dev)
+        self.v = torch.zeros(L, batch, H, D, slots, dtype=p.dtype, **dev)
+        self.pos = torch.full(shape, -1, **dev)
+        self.score = torch.zeros(shape, dtype=sdt, **dev)
         # per-layer views, made once: a step indexes less
         self.layer = list(zip(self.k, self.v, self.score))
         self.new = None  # every layer's slot (L, B, H, 1) for this step's newcomer, set at layer 0
@@ -560,18 +563,19 @@ class KVCache:
             policy.check(c, window)
             if policy.arrival:
                 raise ValueError("a kvpop scorer read on arrival (the delay ablation) runs in the masked pass only")
-            self.ring = torch.zeros(L, batch, H, window, dtype=torch.long, **new)
+            self.ring = torch.zeros(L, batch, H, window, dtype=torch.long, **dev)
             self.n = policy.bo.shape[-1] if self.kind == "kvpop-window" else 0  # the tokens a read sees after t
         if self.kind in ("kvpop-window", "kvpop-mlp"):
-            self.near = torch.zeros(L, batch, H, 2 * self.n + 2, 2 * D, dtype=sdt, **new)
+            self.near = torch.zeros(L, batch, H, 2 * self.n + 2, 2 * D, dtype=sdt, **dev)
         if self.kind == "kvpop":
             # every layer and head's memory [C; n] (M + 1, M), its log-scale, how many tokens it has read
             M = policy.d_mem
-            self.mem = torch.zeros(L, batch, H, M + 1, M, dtype=sdt, **new)
-            self.scale = torch.full((L, batch, H), -math.inf, dtype=sdt, **new)
+            self.mem = torch.zeros(L, batch, H, M + 1, M, dtype=sdt, **dev)
+            self.scale = torch.full((L, batch, H), -math.inf, dtype=sdt, **dev)
+            # the update's weights, folded once per cache: the scorer is frozen while decoding
             self.known, self.fold = 0, policy.folded()
-            # the next leaving tokens' prepared reads, c = min(w, 32) of them from token b0 on
-            self.block, self.b0, self.ready = min(window, 32), -window, None
+            # the next leaving tokens' prepared reads, c = min(w, 32) of them from token b0 on (none yet: b0 < -c)
+            self.block, self.b0, self.ready = min(window, 32), -window - 32, None
 
     def nbytes(self):  # keys, values and a learned scorer's state
         state = (self.mem, self.scale) if self.kind == "kvpop" else ()
@@ -660,7 +664,7 @@ class KVCache:
         # ineligible tokens at inf, above any eligible one (torch.where: one pass a table)
         low = torch.where(P > p - self.window, math.inf, self.score[..., s:])
         least = low.amin(-1, keepdim=True)
-        # of the lowest, the oldest
+        # of the lowest, the oldest (the others at a position above any)
         return torch.where(low > least, 2**62, P).argmin(-1, keepdim=True) + s
 
     def score_leaving(self, p):
@@ -668,6 +672,7 @@ class KVCache:
         priority, read from the memories (kvpop, which take token p - 1 first) or from the features of t .. t + n
         (the others; token p - w + n's join `near` first)."""
         w, n, t = self.window, self.n, p - self.window
+        assert not self.kind == "kvpop" or self.known >= p - 1, "the memories missed a token"
         if self.kind == "kvpop" and self.known < p:
             self.policy.remember(self.mem, self.scale, *self.cached(p - 1), self.fold)
             self.known = p
@@ -709,7 +714,7 @@ class KVCache:
 
     def put(self, i, slot, k, v, pos):
         """Layer i's newcomer key and value (and a static heuristic's priority) into its slot."""
-        K, V, sc = self.layer[i]  # keys, values (transposed), scores (B, H, S)
+        K, V, sc = self.layer[i]  # keys, values (transposed), scores (B, H, slots)
         D = k.shape[-1]
         K.scatter_(2, slot[..., None].expand(-1, -1, 1, D), k)
         V.scatter_(3, slot[..., None, :].expand(-1, -1, D, 1), v.mT)
@@ -720,15 +725,15 @@ class KVCache:
         """The newcomer p's attention (B, Hq, 1, D) over layer i's filled slots, in slot order, in the cache's dtype;
         h2o and tova score from it."""
         K, V, sc = self.layer[i]
-        (B, H, _, D), G, n = K.shape, q.shape[1] // K.shape[1], min(p + 1, self.slots)
-        K, V = K[:, :, :n], V[..., :n]
-        s = K @ q.view(B, H, G, D).mT.to(K.dtype)  # (B, H, n, G)
-        # (B, H, G, n): a softmax along memory, 4-6x faster
+        (B, H, _, D), G, used = K.shape, q.shape[1] // K.shape[1], min(p + 1, self.slots)
+        K, V = K[:, :, :used], V[..., :used]
+        s = K @ q.view(B, H, G, D).mT.to(K.dtype)  # (B, H, used, G)
+        # (B, H, G, used): a softmax along memory, 4-6x faster
         a = (kernels.wide(s.mT) / math.sqrt(D)).softmax(-1)
         # h2o: accumulated attention, tova: the current query's (group means)
         if self.policy == "h2o":
-            sc[..., :n] += a.mean(-2)
+            sc[..., :used] += a.mean(-2)
         if self.policy == "tova":
-            sc[..., :n] = a.mean(-2)
+            sc[..., :used] = a.mean(-2)
         y = a.to(V.dtype) @ V.mT  # (B, H, G, D)
         return y.to(q.dtype).view(B, H * G, 1, D)

@@ -1,5 +1,5 @@
-"""The baby Qwen3 from scratch on its tasks, recall and cue (README, The baby), nanoGPT style: defaults below, override any
-with --name value (--help lists them).
+"""The baby Qwen3 from scratch on its tasks, recall and cue (README, The baby), nanoGPT style: defaults below,
+override any with --name value (--help lists them).
 
   # the shipped baby, bit for bit (about 4 minutes on 2 CPU cores)
   python pretrain.py --out_dir my_baby

@@ -111,7 +111,7 @@ class Qwen3(nn.Module):
     def forward(self, idx, cache=None, attn=causal, head=True):
         """idx (B, T) -> logits (B, T, vocab), or with head=False the last layer's output (B, T, hidden). attn(i, q,
         k, v, pos) is layer i's attention; with a cache the tokens continue the cached sequence and only the last
-        position's logits are computed."""
+        position is returned (B, 1, ...)."""
         # a prompt the cache cannot take whole goes token by token, each through every layer: exactly the sequence of
         # decoding steps
         if cache is not None and idx.shape[1] > 1 and not cache.whole(idx.shape[1]):
