@@ -681,9 +681,11 @@ class KVCache:
             self.keep_near(ALL, t + n, x[..., 0, :])
         if t < 0:
             return
-        a = t % (n + 1)  # near[..., a : a + n + 1, :] holds t .. t + n
-        x = self.near[..., a : a + n + 1, :] if self.kind != "kvpop" else None
-        r = self.read_memory(t) if self.kind == "kvpop" else self.policy.online(x, t)
+        if self.kind == "kvpop":
+            r = self.read_memory(t)
+        else:
+            a = t % (n + 1)  # near[..., a : a + n + 1, :] holds t .. t + n
+            r = self.policy.online(self.near[..., a : a + n + 1, :], t)
         self.score.scatter_(-1, self.ring[..., t % w, None], r)  # r (L, B, H, 1)
 
     def read_memory(self, t):
