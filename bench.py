@@ -18,6 +18,7 @@ import checkpoint
 import flags
 import kernels
 import kvpop
+from cache import KVCache
 import qwen3
 import tokenizer
 import tasks
@@ -253,7 +254,7 @@ def shape_model(c, device, dtype):  # a Qwen3 with random weights, built without
 def empty_cache(net, policy, b, T, full, a, dt):
     charge = kvpop.state_charge(policy, dt)
     size = kvpop.budget_size(b, T, a.sinks, a.window, charge)[0]
-    return kvpop.KVCache(net, 1, full if policy == "full" else size - charge, policy, a.sinks, a.window)
+    return KVCache(net, 1, full if policy == "full" else size - charge, policy, a.sinks, a.window)
 
 
 def fill(cache, C):
@@ -270,13 +271,9 @@ def fill(cache, C):
     cache.pos[..., :n] = pos.to(cache.pos.device)
     cache.score[..., :n] = torch.rand(n)
     cache.t = C
-    if cache.kind:  # a learned scorer's window slots
-        cache.ring[..., pos[-w:] % w] = torch.arange(n - w, n, device=cache.ring.device)
-    if cache.kind == "kvpop":  # memories that have read every token
-        cache.mem.normal_(0, 0.01), cache.scale.zero_()
-        cache.known = C
-    elif cache.kind:  # the next read's features
-        cache.near.normal_()
+    # a learned scorer's state charged to the budget (kvpop's memories), as if it had read every token
+    for x in cache.decoder.state if cache.decoder else ():
+        x.normal_(0, 0.01)
     return n
 
 
@@ -416,7 +413,7 @@ def cmd_speed(argv):
             c.num_attention_heads, c.tie_word_embeddings = Hq, tied
             c.num_hidden_layers, c.max_position_embeddings = a.layers or L, 131072
         torch.manual_seed(0)
-        scorers = {k: kvpop.Scorer(c, k, a.window, a.d_mem).eval().to(dev) for k in kvpop.SCORERS}
+        scorers = {k: kvpop.SCORERS[k](c, a.window, a.d_mem).eval().to(dev) for k in kvpop.SCORERS}
         prompts = [(T, budgets[0]) for T in (a.prefill, a.train) if T]
         for C, b in [(C, b) for C in contexts for b in budgets] + prompts:
             kvpop.budget_size(b, C, a.sinks, a.window, scorers["kvpop"].charge(dt))  # raises if no room

@@ -1,17 +1,17 @@
 """KVpop: a fixed-budget, evicting KV cache for Qwen3 (arXiv 2607.05061), the method in one file.
 
 Read top to bottom, as the README's Method (comments cite its sections as "README, Method: ..."): the budget ->
-the eviction rule, plainly -> policies -> targets -> learned scorers -> the boundary loss -> the evicting cache, the
-rule's fast form. The model and generation are qwen3.py's; kernels.py holds the plain and fast forms of the masked
-attention, the target and the eviction times.
+the eviction rule, plainly -> policies -> targets -> learned scorers, one class a kind, each with its decoding form
+-> the boundary loss. cache.py holds the evicting cache, the rule's fast form; qwen3.py the model and generation;
+kernels.py the plain and fast forms of the masked attention, the target and the eviction times.
 """
 
 import math
 import os
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
+from torch.nn import Module, Parameter
+from torch.nn.functional import logsigmoid, pad, silu, softplus
 
 import kernels
 from checkpoint import read_json, read_safetensors, save_safetensors, write_json
@@ -29,9 +29,13 @@ def budget_size(budget, total, sinks=4, window=256, state=0):
         x = float(budget)
     except (TypeError, ValueError):
         x = math.nan
-    if not (0 < x <= 1 or (x > 1 and x == int(x))):
+    whole = x > 1 and x == int(x)
+    if not (0 < x <= 1 or whole):
         raise ValueError(f"budget {budget!r}: use a fraction 0 < x <= 1 of the tokens or an integer S > 1")
-    size = min(total, math.ceil(x * total) if x <= 1 else int(x))
+    kept = int(x)
+    if x <= 1:
+        kept = math.ceil(x * total)
+    size = min(total, kept)
     pool = size - sinks - window - state
     if size < total and pool < 0:
         more = f"sinks + window{' + state' * bool(state)} need S >= {sinks + window + state}"
@@ -78,44 +82,63 @@ def run_rule(pi, sinks, window, slots):
 
 
 # pi[t] = t: the pool holds the most recent eligible tokens (StreamingLLM)
-def streaming(i, k, v, pos):
+def streaming(layer, k, v, pos):
     return pos.float().expand(k.shape[:3])
 
 
 # pi[t] = -|k[t]|: a low key norm marks an important token (KNorm). Rounded to bf16: a repeated token's keys
 # differ only by RoPE, which keeps the norm, so they tie in every pass
-def knorm(i, k, v, pos):
-    return -k.float().norm(dim=-1).bfloat16().float()
+def knorm(layer, k, v, pos):
+    norm = k.float().norm(dim=-1)
+    return -norm.bfloat16().float()
 
 
 # a hash of (layer, head, position), so every pass draws the same numbers
-def random_priority(i, k, v, pos):
-    h = torch.arange(k.shape[1], device=pos.device)[:, None]
-    x = (pos * 2654435761 + h * 40503 + i * 9973) % 2**32
-    x = ((x ^ (x >> 16)) * 73244475) % 2**32
-    x = (x ^ (x >> 16)).double() / 2**32
-    return x.float().expand(k.shape[:3])
+def random_priority(layer, k, v, pos):
+    head = torch.arange(k.shape[1], device=pos.device)
+    bits = pos * 2654435761 + head[:, None] * 40503
+    bits = (bits + layer * 9973) % 2**32
+    bits = bits ^ (bits >> 16)
+    bits = (bits * 73244475) % 2**32
+    bits = bits ^ (bits >> 16)
+    bits = bits.double() / 2**32
+    return bits.float().expand(k.shape[:3])
 
 
-# A static policy: (layer i, new keys k, values v (B, H, n, D), positions pos (n,)) -> priorities (B, H, n),
-# fixed once given. To add one, add its name and function here (README, Method: baselines).
+# A static policy: (layer, new keys k, values v (B, H, n, D), positions pos (n,)) -> priorities (B, H, n) of any
+# real dtype, fixed once given. To add one, add its name and function here (README, Method: baselines).
 STATIC = {"streaming": streaming, "knorm": knorm, "random": random_priority}
-# scores that change with every query: the online cache only (KVCache, attention_received)
-DYNAMIC = ("h2o", "tova")
+
+
+# Scores that change with every query, the online cache only: how each updates the held tokens' scores (B, H,
+# slots) with the newcomer's attention (B, H, slots), a group mean. h2o accumulates, tova keeps the last query's.
+def h2o(score, attention):
+    score.add_(attention)
+
+
+def tova(score, attention):
+    score.copy_(attention)
+
+
+DYNAMIC = {"h2o": h2o, "tova": tova}
 # the oracle is static too, but needs the future (teacher-forced)
 POLICIES = ("full", *STATIC, "oracle", *DYNAMIC)
 
 
 def resolve(policy):
     """The one question asked of a policy: its rule and priority function. 'static' (a heuristic, or the oracle's
-    callable): priorities given on arrival; 'learned' (a Scorer, itself the function): given as the token leaves
-    the window; 'dynamic' and 'full': None. Shared by the cache and the masked pass, so they agree."""
+    callable): priorities given on arrival, cast once to fp32; 'learned' (a Scorer, itself the function): given as
+    the token leaves the window; 'dynamic': its update of the scores; 'full': None. Shared by the cache and the
+    masked pass, so they agree."""
     if isinstance(policy, Scorer):
         return "learned", policy
     if callable(policy) or policy in STATIC:
-        return "static", STATIC.get(policy, policy)
-    if policy in DYNAMIC or policy == "full":
-        return ("full" if policy == "full" else "dynamic"), None
+        given = STATIC.get(policy, policy)
+        return "static", lambda *args: given(*args).float()
+    if policy in DYNAMIC:
+        return "dynamic", DYNAMIC[policy]
+    if policy == "full":
+        return "full", None
     if policy == "oracle":
         raise ValueError("policy oracle needs the future: it exists for teacher-forced evaluation only")
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
@@ -130,15 +153,24 @@ def masked_attention(q, k, v, pi, sinks, window, pool):
 def attention_received(policy, q, k, lse):
     """(B, H, T): what h2o (every query) or tova (the last query) holds after a prompt fed token by token without
     eviction: the group-mean attention each key received, from a causal pass's lse (B, Hq, T), 128 queries a time."""
-    (B, Hq, T, D), H = q.shape, k.shape[1]
-    G, t, sc = Hq // H, torch.arange(T, device=q.device), torch.zeros(B, H, T, device=q.device)
-    kt = k.float()[:, :, None].mT  # (B, H, 1, D, T)
-    for j in range(0 if policy == "h2o" else T - 1, T, 128):
-        qj = q[:, :, j : j + 128].float().view(B, H, G, -1, D)
-        lj = lse.view(B, H, G, T)[..., j : j + 128, None]
-        p = (qj @ kt / math.sqrt(D) - lj).exp()  # (B, H, G, M, T)
-        sc += p.masked_fill(t > t[j : j + 128, None], 0).mean(2).sum(-2)
-    return sc
+    batch, heads = k.shape[:2]
+    T, D = k.shape[2:]
+    group = q.shape[1] // heads
+    t = torch.arange(T, device=q.device)
+    received = torch.zeros(batch, heads, T, device=q.device)
+    keys = k.float()[:, :, None].mT  # (B, H, 1, D, T)
+    first = 0 if policy == "h2o" else T - 1
+    for j in range(first, T, 128):
+        queries = q[:, :, j : j + 128].float()
+        queries = queries.view(batch, heads, group, -1, D)
+        norms = lse.view(batch, heads, group, T)
+        norms = norms[..., j : j + 128, None]
+        logits = queries @ keys / math.sqrt(D)
+        probs = (logits - norms).exp()  # (B, H, G, M, T)
+        unseen = t > t[j : j + 128, None]
+        probs = probs.masked_fill(unseen, 0)
+        received += probs.mean(2).sum(-2)
+    return received
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,9 +184,12 @@ REDUCE = dict(helpful="max", max="max", mean="mean")
 def next_logp(logits, idx):
     """(B, 1, T): log P(x[q + 1]), the log-probability logits (B, T, V) give the token that follows each position
     q of idx (B, T); -inf at the last."""
-    lp = logits.float().log_softmax(-1)[:, :-1]
-    lp = lp.gather(-1, idx[:, 1:, None])[..., 0]  # (B, T - 1)
-    return F.pad(lp, (0, 1), value=-math.inf)[:, None]
+    logp = logits.float().log_softmax(-1)
+    logp = logp[:, :-1]
+    following = idx[:, 1:, None]
+    logp = logp.gather(-1, following)[..., 0]  # (B, T - 1)
+    logp = pad(logp, (0, 1), value=-math.inf)
+    return logp[:, None]
 
 
 @torch.no_grad()
@@ -164,323 +199,627 @@ def dense_targets(model, idx, window, target="mean"):
     P(x[q + 1]): its lse raised by -log P, after the pass."""
     seen = []
 
-    def attn(i, q, k, v, pos):
-        y, lse = kernels.attention(q, k, v)
+    def attn(layer, q, k, v, pos):
+        out, lse = kernels.attention(q, k, v)
         seen.append((q, k, v, lse))
-        return y
+        return out
 
     logits = model(idx, attn=attn, head=target == "helpful")
     # helpful: lse - log P[q]; a read before a wrong prediction counts little
-    lw = next_logp(logits, idx) if target == "helpful" else 0.0
-    red = REDUCE[target]
-    rs = [kernels.future_attention(q, k, lse - lw, window, reduce=red) for q, k, _, lse in seen]
-    return [(k, v) for _, k, v, _ in seen], rs
+    weight = next_logp(logits, idx) if target == "helpful" else 0.0
+    targets = []
+    for q, k, _, lse in seen:
+        target_lse = lse - weight
+        reduce = REDUCE[target]
+        targets.append(kernels.future_attention(q, k, target_lse, window, reduce=reduce))
+    return [(k, v) for _, k, v, _ in seen], targets
 
 
 def oracle_policy(model, idx, window, target="mean"):  # pi = r*
-    r = dense_targets(model, idx, window, target)[1]
-    return lambda i, k, v, pos: r[i][:, :, pos]
+    targets = dense_targets(model, idx, window, target)[1]
+    return lambda layer, k, v, pos: targets[layer][:, :, pos]
 
 
 # ------------------------------------------------------------------------------------------------
-# learned scorers (README, Method: scorers)
+# learned scorers (README, Method: scorers): what every kind shares, then one class a kind with its decoding form
+# beside it, then the registry of kinds
 
 
-SCORERS = ("kvpop-window", "kvpop", "kvpop-mlp")  # the default first
-DELAYED = ("kvpop", "kvpop-window")  # scored when the token leaves the window, not on arrival
 EPS = 1e-6  # the RMS epsilon of the scorers' features and read-out, in training and decoding
-ALL = slice(None)  # every layer at once (decoding), in place of one layer's index i
+ALL = slice(None)  # every layer at once (decoding), in place of one layer's index
 
 
 # x / RMS(x) over the last dim (the model's RMSNorm keeps HF's order of casts)
 def rms(x):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    mean = x.pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(mean + EPS)
 
 
-# a scorer parameter (L, H, ...) of layer i (H, ...), or of ALL layers beside a batch dim (L, 1, H, ...)
-def at(p, i):
-    return p[i] if i != ALL else p[:, None]
+# a scorer parameter (L, H, ...) of one layer (H, ...), or of ALL layers beside a batch dim (L, 1, H, ...)
+def at(param, layer):
+    return param[layer] if layer != ALL else param[:, None]
 
 
-class Scorer(nn.Module):
-    """Learned static priorities pi[t] = r[t] + gamma_h t per layer and KV head, from the cached key and value
-    (README, Method: scorers). kvpop-mlp reads t alone (the paper's insertion-time scorer). The delayed kinds score
-    t as it leaves the window:
-    kvpop-window reading the cached tokens after t, kvpop (the paper's) from an mLSTM memory that has read them;
-    the memory is charged as `charge` cache entries."""
+class Scorer(Module):
+    """What every learned kind shares: priorities pi[t] = r[t] + gamma_h t per layer and KV head, from the cached
+    key and value, with r[t] = head(x[t], z[t]) and z[t] what the kind reads (README, Method: scorers). A kind adds
+    its parameters, `parallel` (a whole sequence: training, the masked pass, prefill) and `online` (decoding), read
+    by a `Decoder` from what the cache holds as each token leaves the window."""
 
-    # the parallel forms' chunk of c tokens: O(c (M + c)) memory a chunk
-    chunk = 128
-    # kvpop-window: reads A, their width d, the most tokens after t they see (ours)
-    reads, d_key, ahead = 2, 16, 32
+    kind = None  # its name in SCORERS
+    delayed = True  # reads the tokens after t: runs with the window it was trained with
+    on_arrival = False  # can be read on arrival (the delay ablation)
+    span = 1  # the tokens t .. t + span - 1 its decoding reads as t leaves the window
+    chunk = 128  # the parallel forms' tokens a chunk: O(chunk (d_m + chunk)) memory
 
-    def __init__(self, config, kind="kvpop-window", window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
+    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
         super().__init__()
-        if kind not in SCORERS or not all(type(n) is int and n >= 1 for n in (window, d_mem, d_hidden)):
-            raise ValueError(f"scorer kind {kind!r} (use {' or '.join(SCORERS)}), window, d_mem, d_hidden >= 1")
-        if arrival and kind != "kvpop":
-            raise ValueError(f"arrival: only the kvpop scorer can be read on arrival (the delay ablation), not {kind}")
-        if kind == "kvpop-window" and window < 2:
-            raise ValueError("kvpop-window reads the tokens between t and the query that pushes t out: use window >= 2")
-        L, H, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        self.kind, self.window, self.meta = kind, window, {}
+        sizes = (window, d_mem, d_hidden)
+        if not all(type(size) is int and size >= 1 for size in sizes):
+            raise ValueError(f"scorer window, d_mem and d_hidden: integers >= 1, got {sizes}")
+        if arrival and not self.on_arrival:
+            raise ValueError(f"arrival: only the kvpop scorer can be read on arrival (the delay ablation), not {self.kind}")
+        self.layers = config.num_hidden_layers
+        self.heads = config.num_key_value_heads
+        self.shape = dict(num_hidden_layers=self.layers, num_key_value_heads=self.heads)
+        self.shape["head_dim"] = config.head_dim
+        self.width = 2 * config.head_dim  # X: a token's features [k; v]
+        self.window, self.arrival = window, arrival
         self.d_mem, self.d_hidden = d_mem, d_hidden
-        # kvpop reads t from its memory of the tokens up to t + delay = t + w - 1, the last one cached as t leaves the
-        # window; on arrival, up to t itself (the delay ablation)
-        self.arrival, self.delay = arrival, 0 if arrival else window - 1
-        self.shape = dict(num_hidden_layers=L, num_key_value_heads=H, head_dim=D)
-        X, M = 2 * D, d_mem
-        # parameters of shape (L, H, ...): random (scaled by the fan-in), or constant
-        randn = lambda *s: nn.Parameter(torch.randn(L, H, *s) / math.sqrt(s[0]))
-        const = lambda *s, c=0.0: nn.Parameter(torch.full((L, H, *s), float(c)))
-        self.theta = const(c=math.log(math.expm1(gamma)))  # softplus(theta) = gamma at the start
-        if kind == "kvpop-window":
-            # A reads over t+1..t+n, n = min(w - 1, ahead), by content and by offset
-            A, d, n = self.reads, self.d_key, min(window - 1, self.ahead)
-            self.wq, self.wk, self.wv = randn(X, A * d), randn(X, A * d), randn(X, A * d)  # query (of x[t]), key, value
-            # offset bias -slope (o - 1): read 0 starts on the next token, read 1 evenly
-            slope = torch.tensor([1.0, 0.0])[:A, None]
-            self.bo = nn.Parameter((-slope * torch.arange(n)).expand(L, H, A, n).clone())
-        if kind == "kvpop":
-            self.wk, self.wv, self.wr = randn(X, M), randn(X, M), randn(X, M)  # memory key, value, read projections
-            self.wi, self.bi, self.wf = randn(X), const(), randn(X)  # input, forget gate pre-activations
-            self.bf = const(c=math.log(window))  # the forget gate near 1 - 1/w: the memory spans the window
-        # the read-out every kind shares, head(x, z): z is what the kind read
-        Z = {"kvpop-mlp": 0, "kvpop-window": self.reads * self.d_key, "kvpop": M}[kind]
-        self.w1, self.b1 = randn(X + Z, d_hidden), const(d_hidden)
-        self.w2, self.b2 = randn(d_hidden), const()
+        self.meta = {}  # what it was trained for (train.py)
+        # gamma_h = softplus(theta_h): gamma at the start
+        self.theta = self.const(math.log(math.expm1(gamma)))
+
+    # a parameter (L, H, *size): random, scaled by the fan-in size[0]
+    def randn(self, *size):
+        numbers = torch.randn(self.layers, self.heads, *size)
+        return Parameter(numbers / math.sqrt(size[0]))
+
+    # a parameter (L, H, *size), constant
+    def const(self, value=0.0, *size):
+        shape = (self.layers, self.heads, *size)
+        return Parameter(torch.full(shape, float(value)))
+
+    def add_head(self, width):
+        """The read-out every kind shares, made last: head(x, z) = w_2 . silu(W_1 [x; z] + b_1) + b_2, z of `width`."""
+        self.w1 = self.randn(self.width + width, self.d_hidden)
+        self.b1 = self.const(0.0, self.d_hidden)
+        self.w2 = self.randn(self.d_hidden)
+        self.b2 = self.const()
 
     def charge(self, dtype):
-        """m (README, Method: budget): the cache entries (a key and a value of head_dim in `dtype`) whose bytes the
-        state takes: kvpop's C, n and its log-scale, (d_m + 1) d_m + 1 numbers in the scorer's dtype per layer and KV
-        head; the other kinds keep none."""
-        M, D = self.d_mem, self.shape["head_dim"]
-        state = ((M + 1) * M + 1) * self.theta.element_size() if self.kind == "kvpop" else 0
-        return math.ceil(state / (2 * D * dtype.itemsize))
+        """m (README, Method: budget): the cache entries of `dtype` whose bytes the state takes; none but kvpop's."""
+        return 0
 
     def check(self, config, window):
-        got = {k: getattr(config, k) for k in self.shape}
+        got = {name: getattr(config, name) for name in self.shape}
         if got != self.shape:
             raise ValueError(f"the scorer was trained for a model with {self.shape}, this model has {got}")
-        if self.kind in DELAYED and window != self.window:
+        if self.delayed and window != self.window:
             late = f"the delayed {self.kind} scorer reads each token {self.window} tokens late"
             raise ValueError(f"{late}: it needs window {self.window}, got {window} (use --window {self.window})")
 
     # (B, H, T, 2D) in the scorer's dtype (fp32; fp64 beside an fp64 model): the cached (post-RoPE) key and value,
     # detached, RMS-normalised
     def features(self, k, v):
-        return rms(torch.cat([k, v], -1).detach().to(self.theta.dtype))
+        x = torch.cat([k, v], -1).detach()
+        return rms(x.to(self.theta.dtype))
 
-    def forward(self, i, k, v, pos, memory=None):
-        """Priorities (B, H, T) of layer i's tokens at positions pos; the delayed kinds read a whole sequence from 0
-        (a token still in the window at the end reads what follows it). kvpop: `memory` (a list) gets the final
-        state."""
-        x = self.features(k, v)
-        if self.kind == "kvpop-mlp":  # the read-out alone, with nothing read
-            r = self.head(i, x, x[..., :0])
-        if self.kind == "kvpop-window":
-            r = self.look_parallel(i, x)
-        if self.kind == "kvpop":
-            r, state = self.parallel(i, x)
-            if memory is not None:
-                memory.append(state)
-        return r + self.recency(i, pos.to(r.dtype))
+    def forward(self, layer, k, v, pos):
+        """Priorities (B, H, T) of one layer's tokens at positions pos, a whole sequence from 0 (a token still in
+        the window at the end reads what follows it)."""
+        r = self.parallel(layer, self.features(k, v))
+        return r + self.recency(layer, pos.to(r.dtype))
 
-    # gamma_h t = softplus(theta_h) t of layer i (every layer's: i = ALL)
-    def recency(self, i, t):
-        return F.softplus(at(self.theta, i))[..., None] * t
+    # gamma_h t = softplus(theta_h) t of one layer (every layer's: ALL)
+    def recency(self, layer, t):
+        gamma = softplus(at(self.theta, layer))
+        return gamma[..., None] * t
 
-    # the read-out of every kind, r = w_2 . silu(W_1 [x; z] + b_1) + b_2: x (B, H, I, X) and what the kind read z
-    # (B, H, I, Z) -> (B, H, I); every layer's (i = ALL): a leading dim L
-    def head(self, i, x, z):
-        return self.out(i, torch.cat([x, z], -1) @ at(self.w1, i) + at(self.b1, i)[..., None, :])
+    # the read-out, r = w_2 . silu(W_1 [x; z] + b_1) + b_2: x (B, H, I, X) and what the kind read z (B, H, I, Z)
+    # -> (B, H, I); every layer's (ALL): a leading dim L
+    def head(self, layer, x, z):
+        joined = torch.cat([x, z], -1)
+        bias = at(self.b1, layer)[..., None, :]
+        w1 = at(self.w1, layer)
+        return self.out(layer, joined @ w1 + bias)
 
     # w_2 . silu(a) + b_2 from the read-out's pre-activation a (B, H, I, d_hidden)
-    def out(self, i, a):
-        return (F.silu(a) * at(self.w2, i)[..., None, :]).sum(-1) + at(self.b2, i)[..., None]
+    def out(self, layer, a):
+        w2 = at(self.w2, layer)[..., None, :]
+        b2 = at(self.b2, layer)[..., None]
+        return (silu(a) * w2).sum(-1) + b2
 
-    # kvpop-window: the delayed scorer that reads its window from the cache
-
-    def look(self, i, x, xw, offsets):
-        """kvpop-window: scores (B, H, I) of tokens with features x (B, H, I, X) from the features xw (B, H, J, X)
-        of tokens after them, offsets (I, J) apart (visible: 1..n, n = min(w - 1, ahead)). Read a = 0, 1: a softmax over
-        the visible o of (W_q x)_a . (W_k xw)_a / sqrt(d) + bo_a[o] pools z_a = sum_o softmax * (W_v xw)_a; then
-        r = head(x, [z_0; z_1])."""
-        A, d, n = self.reads, self.d_key, self.bo.shape[-1]
-        split = lambda y, w: (y @ w[i]).unflatten(-1, (A, d)).transpose(2, 3)  # (B, H, A, I or J, d)
-        q, k, v = split(x, self.wq), split(xw, self.wk), split(xw, self.wv)
-        bias = self.bo[i][:, :, offsets.clamp(1, n) - 1]  # (H, A, I, J)
-        hidden = (offsets < 1) | (offsets > n)
-        s = (q @ k.mT / math.sqrt(d) + bias).masked_fill(hidden, -math.inf)
-        # (B, H, A, I, J); the last token has nothing after it and reads zeros
-        a = s.softmax(-1).nan_to_num(0.0)
-        z = (a @ v).transpose(2, 3).flatten(-2)  # (B, H, I, A d)
-        return self.head(i, x, z)
-
-    def look_parallel(self, i, x):
-        """kvpop-window over a whole sequence x (B, H, T, X): chunks of c tokens, each reading the n after it."""
-        T, c, n = x.shape[2], self.chunk, self.bo.shape[-1]
-        out = []
-        for c0 in range(0, T, c):
-            c1, n1 = min(c0 + c, T), min(c0 + c + n, T)
-            t, j = torch.arange(c0, c1, device=x.device), torch.arange(c0 + 1, n1, device=x.device)
-            xc, xw = x[..., c0:c1, :], x[..., c0 + 1 : n1, :]
-            out.append(self.look(i, xc, xw, j - t[:, None]))
-        return torch.cat(out, -1)
-
-    def look_online(self, x, t):
-        """kvpop-window when decoding: every layer's priority (L, B, H, 1) of token t from the features x (L, B, H,
-        1 + n, X) of t and the n tokens after it, in position order. W_k and W_v are folded into the read,
-        u_a = W_k,a (W_q x)_a / sqrt(d) and z_a = W_v,a^T (sum_o softmax * xw): the n tokens are never projected."""
-        xt, xw = x[..., :1, :], x[..., 1:, :]  # (L, B, H, 1, X), (L, B, H, n, X)
-        A, d = self.reads, self.d_key
-        q = (xt @ at(self.wq, ALL))[..., 0, :].unflatten(-1, (A, d))  # (L, B, H, A, d)
-        wk, wv = (at(w, ALL).unflatten(-1, (A, d)) for w in (self.wk, self.wv))
-        u = torch.einsum("...ad,...xad->...ax", q, wk) / math.sqrt(d)  # (L, B, H, A, X)
-        a = (u @ xw.mT + at(self.bo, ALL)).softmax(-1)  # (L, B, H, A, n): offsets 1..n
-        z = torch.einsum("...ax,...xad->...ad", a @ xw, wv)  # (L, B, H, A, d)
-        return self.head(ALL, xt, z.flatten(-2)[..., None, :]) + self.recency(ALL, t)
-
-    def online(self, x, t):
-        """Decoding, kvpop-window and kvpop-mlp (kvpop: `read`): every layer's priority (L, B, H, 1) of token t as it
-        leaves the window, in one call, from the features x (L, B, H, 1 + n, X) of t and the n tokens after it."""
-        if self.kind == "kvpop-window":
-            return self.look_online(x, t)
-        return self.head(ALL, x, x[..., :0]) + self.recency(ALL, t)
-
-    # kvpop: the mLSTM memory, parallel form (training, the masked pass, prefill)
-
-    def parallel(self, i, x):
-        """kvpop, decay-masked form over a whole sequence x (B, H, T, 2D) -> scores (B, H, T) and the final state.
-        Token t is read at q = min(t + w - 1, T - 1) (on arrival: q = t) as
-        C_q u = sum_{j <= q} exp(F_q - F_j + log i_j) v'_j (k'_j . u), F = cumsum log f,
-        under one max per row as the recurrent form's stabiliser. Chunk by chunk over q: the reads in a chunk add
-        the state mem = [C; n] carried from the tokens before it, and mem then moves to the chunk's last token.
-        Only x is made at full length."""
-        (B, H, T, _), M, delay, c = x.shape, self.d_mem, self.delay, self.chunk
-        xs = x.split(c, -2)  # the chunks of x
-        # every token's gates: log i (exponential input), log f (sigmoid forget)
-        li = torch.cat([(xc * self.wi[i][:, None]).sum(-1) for xc in xs], -1)
-        lf = torch.cat([(xc * self.wf[i][:, None]).sum(-1) for xc in xs], -1)
-        li = li + self.bi[i][:, None]  # (B, H, T)
-        lf = F.logsigmoid(lf + self.bf[i][:, None])
-        # Fc[..., j + 1] = F_j = log f_0 + .. + log f_j, in fp64: differences of long sums
-        Fc = F.pad(lf.double().cumsum(-1), (1, 0))
-        starts = range(0, T, c)
-        # chunk k holds the reads of tokens reads[k] .. reads[k+1] - 1
-        reads = [max(c0 - delay, 0) for c0 in starts] + [T]
-        # [C; n] = sum_j weight_j [v'_j; 1] k'_j^T over the tokens before the chunk
-        mem = x.new_zeros(B, H, M + 1, M)
-        scale = x.new_full((B, H), -math.inf)  # its log-scale
-        out = []
-        for c0, r0, r1, xc, lc in zip(starts, reads, reads[1:], xs, li.split(c, -1)):
-            c1 = c0 + lc.shape[-1]  # the chunk's tokens: c0 .. c1 - 1
-            # the chunk's memory keys k' and values [v'; 1]
-            kc = xc @ self.wk[i] / math.sqrt(M)  # (B, H, c, M)
-            vc = F.pad(xc @ self.wv[i], (0, 1), value=1.0)  # (B, H, c, M + 1)
-            # the read vectors u of the tokens read in it
-            xr = x[..., r0:r1, :]  # (B, H, R, 2D)
-            t = torch.arange(r0, r1, device=x.device)
-            uc = xr @ self.wr[i]  # (B, H, R, M)
-            # the rows: each read at q, then the chunk's last token (where mem moves to), as indices into Fc
-            q = torch.cat([(t + delay).clamp(max=T - 1), t.new_tensor([c1 - 1])]) + 1
-            # log weight of the chunk's token j in row q: F_q - F_j + log i_j for j <= q, else -inf (B, H, R + 1, c)
-            j = torch.arange(c0 + 1, c1 + 1, device=x.device)
-            dF = Fc[..., q, None] - Fc[..., None, c0 + 1 : c1 + 1]
-            logw = dF.to(x.dtype) + lc[..., None, :]
-            logw = logw.masked_fill(j > q[:, None], -math.inf)
-            # the carried state's log-scale in row q; one max per row over both
-            dF0 = (Fc[..., q] - Fc[..., c0, None]).to(x.dtype)
-            lo = scale[..., None, None] + dF0[..., None]
-            sq = torch.maximum(logw.amax(-1, keepdim=True), lo)
-            e, g = (logw - sq).exp(), (lo - sq).exp()
-            # the reads [C u; n . u]: the chunk's tokens, decay-masked (B, H, R, M + 1)
-            y = (e[..., :-1, :] * (uc @ kc.mT)) @ vc
-            # plus the carried state (none before chunk 0)
-            if c0:
-                y = y + g[..., :-1, :] * (uc @ mem.mT)
-            # h = C u / max(|n . u|, 1), stabilised; r = head(x, rms(h))
-            h = y[..., :M] / torch.maximum(y[..., M:].abs(), (-sq[..., :-1, :]).exp())
-            out.append(self.head(i, xr, rms(h)))
-            # mem moves to the chunk's last token
-            mem = g[..., -1:, :] * mem + (vc * e[..., -1, :, None]).mT @ kc
-            scale = sq[..., -1, 0]
-        return torch.cat(out, -1), (mem, scale)
-
-    # kvpop: the recurrent form (decoding), every layer at once; the tests check it against the plain equations
-
-    @torch.no_grad()
-    def folded(self):
-        """kvpop's update weights, made once per cache, with the RMS scale of the raw x = [k; v] folded in
-        (rms(x) = sqrt(2D) x rsqrt(|x|^2 + 2D eps)): z = W x rsqrt(|x|^2 + 2D eps) + b is [k'; v'; 1; log i; the
-        forget gate's pre-activation] in one product, x^T W: W (L, 1, H, 2D, 2M + 3) (a row vector times a matrix
-        stored row by row, 2.5x faster than W x on a CPU), b (L, 1, H, 1, 2M + 3)."""
-        X, M = 2 * self.shape["head_dim"], self.d_mem
-        one = torch.zeros_like(self.wi[..., None])  # its bias makes the 1 of [v'; 1]
-        gates = [self.wi[..., None], self.wf[..., None]]
-        w = torch.cat([self.wk / math.sqrt(M), self.wv, one, *gates], -1)
-        b = torch.stack([torch.ones_like(self.bi), self.bi, self.bf], -1)
-        b = F.pad(b, (2 * M, 0))  # no bias on k', v'
-        return (w * math.sqrt(X)).contiguous()[:, None], b[:, None, :, None]
-
-    def remember(self, mem, scale, k, v, fold):
-        """Every layer's memory takes one more token (k, v (L, B, H, 1, D)), in place:
-        mem = [C; n] = f mem + g [v'; 1] k'^T, stabilised by its log-scale s (L, B, H) as in xLSTM:
-        s' = max(log f + s, log i), g = exp(log i - s'), f = exp(log f + s - s')."""
-        w, b = fold
-        M, x = self.d_mem, torch.cat([k, v], -1).to(w.dtype)  # (L, B, H, 1, 2D)
-        r = torch.rsqrt((x * x).sum(-1, keepdim=True) + x.shape[-1] * EPS)
-        z = torch.addcmul(b, x @ w, r)
-        li, lf = z[..., 0, -2], scale - F.softplus(-z[..., 0, -1])  # log i, log f + s (L, B, H)
-        s = torch.maximum(li, lf)
-        g, f = (li - s).exp()[..., None, None], (lf - s).exp()[..., None, None]
-        # in place, one pass for the product: mem (L, B, H, M + 1, M) as a batch of matrices
-        v1 = z[..., M : 2 * M + 1].reshape(-1, M + 1, 1)  # [v'; 1]
-        k1 = (g * z[..., :M]).view(-1, 1, M)  # g k'
-        mem.mul_(f).view(-1, M + 1, M).baddbmm_(v1, k1)
-        scale.copy_(s)
-
-    def prepare(self, x):
-        """kvpop: what a read needs of tokens with features x (L, B, H, c, X) alone, every layer's: u = W_r x and
-        W_1's product with x in the read-out (made for c tokens at once, the weights are read once for c)."""
-        return x @ at(self.wr, ALL), x @ at(self.w1, ALL)[..., : x.shape[-1], :]
-
-    def read(self, mem, scale, u, wx, t):
-        """kvpop's priority (L, B, H, 1) of the token at t, every layer at once, from the memories as they are and
-        its prepared u, wx (L, B, H, 1, ...): [C u; n . u] = mem u, h = C u / max(|n . u|, exp(-scale)),
-        r = head(x, rms(h)) + gamma_h t."""
-        M, X = self.d_mem, 2 * self.shape["head_dim"]
-        y = u @ mem.mT  # (L, B, H, 1, M + 1)
-        h = y[..., :M] / torch.maximum(y[..., M:].abs(), (-scale).exp()[..., None, None])
-        a = wx + rms(h) @ at(self.w1, ALL)[..., X:, :] + at(self.b1, ALL)[..., None, :]
-        return self.out(ALL, a) + self.recency(ALL, t)
+    # its decoding form for a cache
+    def decoder(self, cache):
+        return Decoder(self, cache)
 
     def save_pretrained(self, folder):
         """scorer.safetensors + scorer.json (every setting needed to rebuild it, and what it was trained for)."""
         os.makedirs(folder, exist_ok=True)
         save_safetensors(self.state_dict(), os.path.join(folder, "scorer.safetensors"))
-        d = dict(kind=self.kind, window=self.window, d_mem=self.d_mem, d_hidden=self.d_hidden, arrival=self.arrival)
-        d |= self.shape | dict(trained=self.meta)
-        write_json(d, os.path.join(folder, "scorer.json"))
+        settings = dict(kind=self.kind, window=self.window)
+        settings |= dict(d_mem=self.d_mem, d_hidden=self.d_hidden)
+        settings |= dict(arrival=self.arrival) | self.shape
+        settings["trained"] = self.meta
+        write_json(settings, os.path.join(folder, "scorer.json"))
 
-    @classmethod
-    def from_pretrained(cls, folder):
-        f = os.path.join(folder, "scorer.json")
-        if not os.path.isfile(f):
+    @staticmethod
+    def from_pretrained(folder):
+        """A saved scorer, of the class its kind names in SCORERS."""
+        path = os.path.join(folder, "scorer.json")
+        if not os.path.isfile(path):
             hint = "pass the --out_dir of a train.py run"
             raise FileNotFoundError(f"{folder} is not a scorer folder (no scorer.json); {hint}")
-        d, sd = read_json(f), read_safetensors(os.path.join(folder, "scorer.safetensors"))
+        saved = read_json(path)
+        tensors = read_safetensors(os.path.join(folder, "scorer.safetensors"))
         try:
-            c = Qwen3Config(**{k: d[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")})
-            s = cls(c, d["kind"], d["window"], d["d_mem"], d["d_hidden"], arrival=d["arrival"])
+            shape = {name: saved[name] for name in ("num_hidden_layers", "num_key_value_heads", "head_dim")}
+            sizes = (saved["window"], saved["d_mem"], saved["d_hidden"])
+            kind = SCORERS[saved["kind"]]
+            scorer = kind(Qwen3Config(**shape), *sizes, arrival=saved["arrival"])
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"{f}: missing or bad field ({e})") from None
-        shapes = lambda sd: {k: v.shape for k, v in sd.items()}
-        if shapes(sd) != shapes(s.state_dict()):
+            raise ValueError(f"{path}: missing or bad field ({e})") from None
+        want = {name: x.shape for name, x in scorer.state_dict().items()}
+        got = {name: x.shape for name, x in tensors.items()}
+        if got != want:
             raise ValueError(f"{folder}: scorer.safetensors does not hold the tensors scorer.json describes")
-        s.load_state_dict({k: v.float() for k, v in sd.items()})
-        s.meta = d.get("trained", {})
-        return s.eval().requires_grad_(False)
+        tensors = {name: x.float() for name, x in tensors.items()}
+        scorer.load_state_dict(tensors)
+        scorer.meta = saved.get("trained", {})
+        return scorer.eval().requires_grad_(False)
+
+
+class MLPScorer(Scorer):
+    """kvpop-mlp (the paper's insertion-time baseline): reads nothing, z[t] is empty. The cache scores it as t leaves
+    the window like the others, but from t alone: any window."""
+
+    kind = "kvpop-mlp"
+    delayed = False
+
+    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
+        super().__init__(config, window, d_mem, d_hidden, gamma, arrival)
+        self.add_head(0)
+
+    # a whole sequence's features x (B, H, T, X) -> r (B, H, T)
+    def parallel(self, layer, x):
+        return self.head(layer, x, x[..., :0])
+
+    # decoding: every layer's priority (L, B, H, 1) of token t from its features x (L, B, H, 1, X)
+    def online(self, x, t):
+        r = self.head(ALL, x, x[..., :0])
+        return r + self.recency(ALL, t)
+
+
+class Decoder:
+    """A learned scorer's decoding form. As token t leaves the window at step p = t + w, the cache asks for its
+    priority, every layer's at once; this one reads t .. t + span - 1 from the cache (kvpop-mlp: t alone). Kinds
+    with a state of their own (kvpop-window's, kvpop's) subclass it."""
+
+    state = ()  # the tensors charged to the budget
+
+    def __init__(self, scorer, cache):
+        self.scorer, self.cache = scorer, cache
+
+    # one layer's priorities (B, H, T) of a prompt, keys and values (B, H, T, D) at positions pos
+    def prefill(self, layer, k, v, pos):
+        return self.scorer(layer, k, v, pos)
+
+    def leaving(self, p):
+        """Every layer's priority (L, B, H, 1) of token t = p - w, leaving the window at step p; None before any
+        token leaves."""
+        t = p - self.cache.window
+        if t < 0:
+            return None
+        span = torch.arange(self.scorer.span, device=self.cache.pos.device)
+        k, v = self.cache.held(t + span)  # (L, B, H, span, D)
+        x = self.scorer.features(k, v)
+        return self.scorer.online(x, t)
+
+    def nbytes(self):  # the state charged to the budget
+        return sum(x.numel() * x.element_size() for x in self.state)
+
+
+class WindowScorer(Scorer):
+    """kvpop-window (delayed, ours, the default): as t leaves the window it reads the n = min(w - 1, 32) cached
+    tokens after it, with two reads a = 0, 1, each by content and by offset o = 1..n (README, Method: scorers):
+    alpha_a[o] = softmax_o((W_q x[t])_a . (W_k x[t + o])_a / sqrt(d) + bo_a[o]),  z_a = sum_o alpha_a[o] (W_v x[t + o])_a.
+    bo_0[o] starts at -(o - 1) (read 0 starts on the next token), bo_1 flat (read 1 evenly)."""
+
+    kind = "kvpop-window"
+    reads = 2  # A
+    d_key = 16  # d: each read's width
+    ahead = 32  # the most tokens after t a read sees (ours)
+
+    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
+        super().__init__(config, window, d_mem, d_hidden, gamma, arrival)
+        if window < 2:
+            raise ValueError("kvpop-window reads the tokens between t and the query that pushes t out: use window >= 2")
+        n = min(window - 1, self.ahead)
+        self.span = 1 + n  # t and the n after it
+        width = self.reads * self.d_key
+        self.wq = self.randn(self.width, width)  # the query, of x[t]
+        self.wk = self.randn(self.width, width)  # the keys, of x[t + o]
+        self.wv = self.randn(self.width, width)  # the values, of x[t + o]
+        # the offset bias: -slope (o - 1) a read
+        slope = torch.tensor([1.0, 0.0])
+        slope = slope[: self.reads, None]
+        bias = -slope * torch.arange(n)  # (A, n)
+        bias = bias.expand(self.layers, self.heads, -1, -1)
+        self.bo = Parameter(bias.clone())
+        self.add_head(width)
+
+    # a projection (..., A d) as its reads (..., A, I, d)
+    def split(self, y):
+        reads = y.unflatten(-1, (self.reads, self.d_key))
+        return reads.transpose(2, 3)
+
+    def look(self, layer, x, after, offsets):
+        """Scores r (B, H, I) of tokens with features x (B, H, I, X) from the features `after` (B, H, J, X) of the
+        tokens after them, offsets (I, J) apart (visible: 1..n)."""
+        n = self.bo.shape[-1]
+        q = self.split(x @ self.wq[layer])  # (B, H, A, I, d)
+        k = self.split(after @ self.wk[layer])  # (B, H, A, J, d)
+        v = self.split(after @ self.wv[layer])
+        offset = offsets.clamp(1, n) - 1
+        bias = self.bo[layer][:, :, offset]  # (H, A, I, J)
+        hidden = (offsets < 1) | (offsets > n)
+        logits = q @ k.mT / math.sqrt(self.d_key) + bias
+        logits = logits.masked_fill(hidden, -math.inf)
+        # the last token has nothing after it and reads zeros
+        alpha = logits.softmax(-1).nan_to_num(0.0)  # (B, H, A, I, J)
+        z = (alpha @ v).transpose(2, 3)
+        z = z.flatten(-2)  # (B, H, I, A d)
+        return self.head(layer, x, z)
+
+    def parallel(self, layer, x):
+        """A whole sequence's features x (B, H, T, X) -> r (B, H, T): chunks of tokens, each reading the n after it."""
+        T = x.shape[2]
+        n = self.bo.shape[-1]
+        out = []
+        for start in range(0, T, self.chunk):
+            end = min(start + self.chunk, T)
+            reach = min(start + self.chunk + n, T)
+            t = torch.arange(start, end, device=x.device)
+            after = torch.arange(start + 1, reach, device=x.device)
+            offsets = after - t[:, None]  # (I, J)
+            tokens = x[..., start:end, :]
+            following = x[..., start + 1 : reach, :]
+            out.append(self.look(layer, tokens, following, offsets))
+        return torch.cat(out, -1)
+
+    def online(self, x, t):
+        """Decoding: every layer's priority (L, B, H, 1) of token t from the features x (L, B, H, 1 + n, X) of t and
+        the n tokens after it, in position order. W_k and W_v are folded into the read, u_a = W_k,a (W_q x)_a /
+        sqrt(d) and z_a = W_v,a^T (sum_o alpha_a[o] x[t + o]): the n tokens are never projected."""
+        xt = x[..., :1, :]  # (L, B, H, 1, X)
+        after = x[..., 1:, :]  # (L, B, H, n, X)
+        reads = (self.reads, self.d_key)
+        q = xt @ at(self.wq, ALL)
+        q = q[..., 0, :]
+        q = q.unflatten(-1, reads)  # (L, B, H, A, d)
+        wk = at(self.wk, ALL).unflatten(-1, reads)
+        wv = at(self.wv, ALL).unflatten(-1, reads)
+        u = torch.einsum("...ad,...xad->...ax", q, wk)
+        u = u / math.sqrt(self.d_key)  # (L, B, H, A, X)
+        logits = u @ after.mT + at(self.bo, ALL)
+        alpha = logits.softmax(-1)  # (L, B, H, A, n): offsets 1..n
+        z = torch.einsum("...ax,...xad->...ad", alpha @ after, wv)  # (L, B, H, A, d)
+        z = z.flatten(-2)[..., None, :]
+        return self.head(ALL, xt, z) + self.recency(ALL, t)
+
+    def decoder(self, cache):
+        return WindowDecoder(self, cache)
+
+
+class WindowDecoder(Decoder):
+    """kvpop-window's decoding state: the features of t .. t + n, the tokens the next read sees, each made once, as
+    it becomes t + n, in a ring of n + 1 (token u at u % (n + 1)). Reading them from the cache every step instead
+    (the Decoder's way) gives the same priorities and costs a gather of n + 1 tokens a layer (LOG.md)."""
+
+    def __init__(self, scorer, cache):
+        super().__init__(scorer, cache)
+        grid = cache.pos.shape[:3]  # (L, B, H)
+        shape = (*grid, scorer.span, scorer.width)
+        self.near = cache.pos.new_zeros(shape, dtype=scorer.theta.dtype)
+
+    def keep(self, layer, u, x):  # the features x (..., len(u), X) of tokens u into the ring
+        self.near[layer][..., u % self.scorer.span, :] = x
+
+    def prefill(self, layer, k, v, pos):
+        """The prompt's priorities, and the ring: its tokens t .. t + n - 1 for the first t to leave, T - w."""
+        first = k.shape[2] - self.cache.window
+        last = first + self.scorer.span - 1
+        u = torch.arange(max(first, 0), max(last, 0), device=k.device)
+        x = self.scorer.features(k[..., u, :], v[..., u, :])
+        self.keep(layer, u, x)
+        return self.scorer(layer, k, v, pos)
+
+    def leaving(self, p):
+        """Token t + n joins the ring, then t = p - w reads it."""
+        t = p - self.cache.window
+        n = self.scorer.span - 1
+        if t + n >= 0:
+            x = self.scorer.features(*self.cache.held(t + n))
+            self.keep(ALL, t + n, x[..., 0, :])
+        if t < 0:
+            return None
+        order = torch.arange(n + 1, device=self.near.device)
+        order = t + order
+        x = self.near[..., order % (n + 1), :]
+        return self.scorer.online(x, t)
+
+
+class MemoryScorer(Scorer):
+    """kvpop (delayed, the paper's): an mLSTM matrix memory [C; n] that takes every token q (README, Method: scorers),
+    C_q = f_q C_{q-1} + i_q v'_q k'_q^T,   n_q = f_q n_{q-1} + i_q k'_q,   k' = W_k x / sqrt(d_m),   v' = W_v x,
+    with an exponential input gate i and a sigmoid forget gate f. Token t is read at q = t + w - 1, what the cache
+    holds as t leaves the window (on arrival, the delay ablation: q = t), with u = W_r x[t]:
+    z[t] = rms(C_q u / max(|n_q . u|, 1)). Three forms, tested one against another: the plain recurrence, the
+    chunked form training runs, and decoding's, every layer at once."""
+
+    kind = "kvpop"
+    on_arrival = True
+
+    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
+        super().__init__(config, window, d_mem, d_hidden, gamma, arrival)
+        # t is read from the memory of the tokens up to t + delay
+        self.delay = 0 if arrival else window - 1
+        # the memory's key, value and read projections
+        self.wk = self.randn(self.width, d_mem)
+        self.wv = self.randn(self.width, d_mem)
+        self.wr = self.randn(self.width, d_mem)
+        # the gates' pre-activations; the forget gate starts near 1 - 1/w: the memory spans the window
+        self.wi = self.randn(self.width)
+        self.bi = self.const()
+        self.wf = self.randn(self.width)
+        self.bf = self.const(math.log(window))
+        self.add_head(d_mem)
+
+    def charge(self, dtype):
+        """m: the cache entries (a key and a value of head_dim in `dtype`) whose bytes the memory takes: C, n and its
+        log-scale, (d_m + 1) d_m + 1 numbers in the scorer's dtype per layer and KV head."""
+        numbers = (self.d_mem + 1) * self.d_mem + 1
+        entry = 2 * self.shape["head_dim"] * dtype.itemsize
+        return math.ceil(numbers * self.theta.element_size() / entry)
+
+    def gates(self, layer, x):
+        """log i (the exponential input gate) and log f (the sigmoid forget gate) (B, H, T) of features x."""
+        log_input = (x * self.wi[layer][:, None]).sum(-1)
+        log_input = log_input + self.bi[layer][:, None]
+        log_forget = (x * self.wf[layer][:, None]).sum(-1)
+        log_forget = log_forget + self.bf[layer][:, None]
+        return log_input, logsigmoid(log_forget)
+
+    def parallel(self, layer, x):  # a whole sequence's features x (B, H, T, X) -> r (B, H, T)
+        return self.chunked(layer, x)[0]
+
+    # the plain recurrence: the definition the chunked and decoding forms compute
+
+    def recurrent(self, layer, x):
+        """r (B, H, T) of features x (B, H, T, X), one token at a time, stabilised as in xLSTM by a log-scale s:
+        s_q = max(log f_q + s_{q-1}, log i_q), and C, n stored as exp(-s_q) times their values."""
+        T, size = x.shape[2], self.d_mem
+        k = x @ self.wk[layer] / math.sqrt(size)  # k' (B, H, T, M)
+        v = x @ self.wv[layer]  # v'
+        u = x @ self.wr[layer]  # the read vectors
+        log_input, log_forget = self.gates(layer, x)
+        memory = x.new_zeros(*x.shape[:2], size, size)  # C
+        norm = x.new_zeros(*x.shape[:2], size, 1)  # n
+        scale = x.new_full(x.shape[:2], -math.inf)  # s
+        read_at = torch.arange(T, device=x.device) + self.delay
+        read_at = read_at.clamp(max=T - 1)  # each token's q
+        z = torch.zeros_like(u)
+        for q in range(T):
+            forgotten = log_forget[..., q] + scale
+            new_scale = torch.maximum(forgotten, log_input[..., q])
+            forget = (forgotten - new_scale).exp()[..., None, None]
+            write = log_input[..., q] - new_scale
+            write = write.exp()[..., None, None]
+            outer = v[..., q, :, None] * k[..., q, None, :]  # v' k'^T
+            memory = forget * memory + write * outer
+            norm = forget * norm + write * k[..., q, :, None]
+            scale = new_scale
+            # the tokens read at q: C u / max(|n . u|, 1), stabilised
+            now = read_at == q
+            floor = (-scale).exp()[..., None, None]
+            read = u[..., now, :]
+            divisor = torch.maximum((read @ norm).abs(), floor)
+            z[..., now, :] = rms(read @ memory.mT / divisor)
+        return self.head(layer, x, z)
+
+    # the chunked form (training, the masked pass, prefill)
+
+    def chunked(self, layer, x):
+        """The same r (B, H, T) of features x (B, H, T, X), chunk by chunk, and the final state: [C; n] (B, H, M + 1,
+        M) and its log-scale (B, H). Within a chunk, with F_q = log f_0 + .. + log f_q,
+        C_q u = sum_{j <= q} exp(F_q - F_j + log i_j) v'_j (k'_j . u)
+        over the chunk's tokens j (decay-masked), plus the state carried from the tokens before it, under one max a
+        row (the recurrent form's stabiliser); then the state moves to the chunk's last token. Only x is made at full
+        length."""
+        T = x.shape[2]
+        size, delay = self.d_mem, self.delay
+        chunks = x.split(self.chunk, -2)
+        gates = [self.gates(layer, part) for part in chunks]
+        log_inputs, log_forgets = zip(*gates)
+        log_input = torch.cat(log_inputs, -1)  # (B, H, T)
+        log_forget = torch.cat(log_forgets, -1)
+        # decay[..., q + 1] = F_q, in fp64: differences of long sums
+        decay = log_forget.double().cumsum(-1)
+        decay = pad(decay, (1, 0))
+        starts = range(0, T, self.chunk)
+        # chunk c reads tokens reads[c] .. reads[c + 1] - 1
+        reads = [max(start - delay, 0) for start in starts] + [T]
+        # [C; n] = sum_j weight_j [v'_j; 1] k'_j^T over the tokens before the chunk, and its log-scale
+        memory = x.new_zeros(*x.shape[:2], size + 1, size)
+        scale = x.new_full(x.shape[:2], -math.inf)
+        out = []
+        for start, first, last, part in zip(starts, reads, reads[1:], chunks):
+            end = start + part.shape[2]  # the chunk's tokens: start .. end - 1
+            # the chunk's memory keys k' and values [v'; 1]
+            k = part @ self.wk[layer] / math.sqrt(size)  # (B, H, c, M)
+            v = part @ self.wv[layer]
+            v = pad(v, (0, 1), value=1.0)  # (B, H, c, M + 1)
+            # the tokens read in it and their read vectors u
+            xr = x[..., first:last, :]  # (B, H, R, X)
+            t = torch.arange(first, last, device=x.device)
+            u = xr @ self.wr[layer]  # (B, H, R, M)
+            # the rows: each read's q, then the chunk's last token (where the state moves), as indices into decay
+            read_at = (t + delay).clamp(max=T - 1)
+            rows = [read_at, t.new_tensor([end - 1])]
+            q = torch.cat(rows) + 1
+            # log weight of the chunk's token j in row q: F_q - F_j + log i_j for j <= q, else -inf (B, H, R + 1, c)
+            j = torch.arange(start + 1, end + 1, device=x.device)
+            decay_j = decay[..., None, start + 1 : end + 1]
+            decayed = decay[..., q, None] - decay_j
+            log_weight = decayed.to(x.dtype)
+            log_weight = log_weight + log_input[..., None, start:end]
+            later = j > q[:, None]
+            log_weight = log_weight.masked_fill(later, -math.inf)
+            # the carried state's log-scale in row q; one max a row over both
+            carried = decay[..., q] - decay[..., start, None]
+            carried = carried.to(x.dtype)
+            log_carried = scale[..., None, None] + carried[..., None]
+            row_max = log_weight.amax(-1, keepdim=True)
+            row_max = torch.maximum(row_max, log_carried)
+            weight = (log_weight - row_max).exp()
+            keep = (log_carried - row_max).exp()
+            # the reads [C u; n . u]: the chunk's tokens, decay-masked (B, H, R, M + 1)
+            attention = u @ k.mT
+            attention = weight[..., :-1, :] * attention
+            y = attention @ v
+            # plus the carried state (none before chunk 0)
+            if start:
+                carried_read = u @ memory.mT
+                y = y + keep[..., :-1, :] * carried_read
+            # h = C u / max(|n . u|, 1), stabilised; r = head(x, rms(h))
+            floor = (-row_max[..., :-1, :]).exp()
+            divisor = torch.maximum(y[..., size:].abs(), floor)
+            h = y[..., :size] / divisor
+            out.append(self.head(layer, xr, rms(h)))
+            # the state moves to the chunk's last token
+            written = (v * weight[..., -1, :, None]).mT @ k
+            memory = keep[..., -1:, :] * memory + written
+            scale = row_max[..., -1, 0]
+        return torch.cat(out, -1), (memory, scale)
+
+    # the decoding form, every layer at once (MemoryDecoder runs it)
+
+    @torch.no_grad()
+    def folded(self):
+        """The update's weights, made once per cache, with the RMS scale of the raw x = [k; v] folded in (rms(x) =
+        sqrt(2D) x rsqrt(|x|^2 + 2D eps)): z = W x rsqrt(|x|^2 + 2D eps) + b is [k'; v'; 1; log i; the forget gate's
+        pre-activation] in one product, x^T W: W (L, 1, H, 2D, 2M + 3) (a row vector times a matrix stored row by row,
+        the faster product on a CPU, LOG.md), b (L, 1, H, 1, 2M + 3)."""
+        one = torch.zeros_like(self.wi[..., None])  # its bias makes the 1 of [v'; 1]
+        gates = [self.wi[..., None], self.wf[..., None]]
+        key = self.wk / math.sqrt(self.d_mem)
+        weight = torch.cat([key, self.wv, one, *gates], -1)
+        biases = [torch.ones_like(self.bi), self.bi, self.bf]
+        bias = torch.stack(biases, -1)
+        bias = pad(bias, (2 * self.d_mem, 0))  # no bias on k', v'
+        weight = (weight * math.sqrt(self.width)).contiguous()
+        return weight[:, None], bias[:, None, :, None]
+
+    def remember(self, memory, scale, k, v, fold):
+        """Every layer's memory takes one more token (k, v (L, B, H, 1, D)), in place:
+        [C; n] = f [C; n] + g [v'; 1] k'^T, stabilised by its log-scale s (L, B, H) as in xLSTM:
+        s' = max(log f + s, log i), g = exp(log i - s'), f = exp(log f + s - s')."""
+        weight, bias = fold
+        size = self.d_mem
+        x = torch.cat([k, v], -1).to(weight.dtype)  # (L, B, H, 1, 2D)
+        square = (x * x).sum(-1, keepdim=True)
+        inverse = torch.rsqrt(square + x.shape[-1] * EPS)
+        z = torch.addcmul(bias, x @ weight, inverse)
+        log_input = z[..., 0, -2]  # (L, B, H)
+        log_forget = scale - softplus(-z[..., 0, -1])  # log f + s
+        new_scale = torch.maximum(log_input, log_forget)
+        write = (log_input - new_scale).exp()[..., None, None]
+        forget = (log_forget - new_scale).exp()[..., None, None]
+        # in place, one pass for the product: memory (L, B, H, M + 1, M) as a batch of matrices
+        value = z[..., size : 2 * size + 1]
+        value = value.reshape(-1, size + 1, 1)  # [v'; 1]
+        key = (write * z[..., :size]).view(-1, 1, size)  # g k'
+        matrices = memory.mul_(forget).view(-1, size + 1, size)
+        matrices.baddbmm_(value, key)
+        scale.copy_(new_scale)
+
+    def prepare(self, x):
+        """What a read needs of tokens with features x (L, B, H, c, X) alone, every layer's: u = W_r x and W_1's
+        product with x in the read-out (made for c tokens at once, the weights are read once for c)."""
+        u = x @ at(self.wr, ALL)
+        w1 = at(self.w1, ALL)[..., : self.width, :]
+        return u, x @ w1
+
+    def read(self, memory, scale, u, wx, t):
+        """The priority (L, B, H, 1) of the token at t, every layer at once, from the memories as they are and its
+        prepared u, wx (L, B, H, 1, ...): [C u; n . u] = [C; n] u, h = C u / max(|n . u|, exp(-s)),
+        r = head(x, rms(h)) + gamma_h t."""
+        size = self.d_mem
+        y = u @ memory.mT  # (L, B, H, 1, M + 1)
+        floor = (-scale).exp()[..., None, None]
+        divisor = torch.maximum(y[..., size:].abs(), floor)
+        h = y[..., :size] / divisor
+        w1 = at(self.w1, ALL)[..., self.width :, :]
+        b1 = at(self.b1, ALL)[..., None, :]
+        a = wx + rms(h) @ w1 + b1
+        return self.out(ALL, a) + self.recency(ALL, t)
+
+    def decoder(self, cache):
+        return MemoryDecoder(self, cache)
+
+
+class MemoryDecoder(Decoder):
+    """kvpop's decoding state: every layer and head's memory [C; n] (M + 1, M) and its log-scale, charged to the
+    budget, which take each token once it is cached; and the reads of the next c = min(w, 32) leaving tokens,
+    prepared together (the weights read once for c)."""
+
+    def __init__(self, scorer, cache):
+        super().__init__(scorer, cache)
+        if scorer.arrival:
+            raise ValueError("a kvpop scorer read on arrival (the delay ablation) runs in the masked pass only")
+        grid = cache.pos.shape[:3]  # (L, B, H)
+        size = scorer.d_mem
+        shape = (*grid, size + 1, size)
+        self.memory = cache.pos.new_zeros(shape, dtype=scorer.theta.dtype)
+        self.scale = self.memory.new_full(grid, -math.inf)
+        self.state = (self.memory, self.scale)
+        # the update's weights, folded once: the scorer is frozen while decoding
+        self.fold = scorer.folded()
+        self.start = 0  # the tokens a prompt gave the memories
+        # the prepared reads: `block` of them, from token `first` on (none yet)
+        self.block = min(cache.window, 32)
+        self.first = -cache.window - self.block
+        self.prepared = None
+
+    def prefill(self, layer, k, v, pos):
+        """The prompt's priorities, and the memories after reading it."""
+        x = self.scorer.features(k, v)
+        r, (self.memory[layer], self.scale[layer]) = self.scorer.chunked(layer, x)
+        self.start = k.shape[2]
+        return r + self.scorer.recency(layer, pos.to(r.dtype))
+
+    def leaving(self, p):
+        """The memories take token p - 1 (the prompt's were read in prefill), then t = p - w reads them."""
+        if p > self.start:
+            k, v = self.cache.held(p - 1)
+            self.scorer.remember(self.memory, self.scale, k, v, self.fold)
+        t = p - self.cache.window
+        if t < 0:
+            return None
+        # the reads of t .. t + c - 1, prepared at once (all cached: c <= w)
+        if not self.first <= t < self.first + self.block:
+            u = torch.arange(t, t + self.block, device=self.memory.device)
+            x = self.scorer.features(*self.cache.held(u))
+            self.first = t
+            self.prepared = self.scorer.prepare(x)
+        j = t - self.first
+        u, wx = (x[..., j : j + 1, :] for x in self.prepared)
+        return self.scorer.read(self.memory, self.scale, u, wx, t)
+
+
+# the learned kinds by name, the default first: a fourth kind is a class here (README, Add a scorer)
+SCORERS = {"kvpop-window": WindowScorer, "kvpop": MemoryScorer, "kvpop-mlp": MLPScorer}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -492,15 +831,19 @@ def boundary(pi, e, q, sinks, window):
     pool-th best eligible token, or the best dropped one when that is t_new. pi: the teacher's priorities, e: their
     eviction times."""
     T = pi.shape[-1]
-    u, tn = torch.arange(T, device=pi.device), q - window
+    u = torch.arange(T, device=pi.device)
+    t_new = q - window
     # each token's place in the order of (pi, t)
-    order = torch.empty_like(e).scatter_(-1, pi.sort(stable=True).indices, u.expand_as(e))
-    keep = e.gather(-1, tn.expand(*e.shape[:2], -1)) > q  # t_new still visible at q
-    elig = (u >= sinks) & (u <= tn[:, None])  # (Q, T)
-    kept = elig & (e[..., None, :] > q[:, None])  # (B, H, Q, T): exactly the pool
-    worst = torch.where(kept, order[..., None, :], T).argmin(-1)
-    best_dropped = torch.where(elig & ~kept, order[..., None, :], -1).argmax(-1)
-    return keep, torch.where(worst == tn, best_dropped, worst)
+    ranked = pi.sort(stable=True).indices
+    order = torch.empty_like(e).scatter_(-1, ranked, u.expand_as(e))
+    # t_new still visible at q
+    keep = e.gather(-1, t_new.expand(*e.shape[:2], -1)) > q
+    eligible = (u >= sinks) & (u <= t_new[:, None])  # (Q, T)
+    kept = eligible & (e[..., None, :] > q[:, None])  # (B, H, Q, T): exactly the pool
+    order = order[..., None, :]
+    worst = torch.where(kept, order, T).argmin(-1)
+    best_dropped = torch.where(eligible & ~kept, order, -1).argmax(-1)
+    return keep, torch.where(worst == t_new, best_dropped, worst)
 
 
 def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
@@ -509,233 +852,22 @@ def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
     sum omega softplus(-y (pi[t_new] - pi[t_bnd])), omega weighing each pool's keeps and drops half each -> (loss,
     balanced keep/drop accuracy), each this layer's share of the mean over `layers` layers and the pools. `total`
     sums the keep/drop counts over processes (training's batch split); None: one process."""
-    loss, hits, share = 0.0, 0.0, layers * len(pools)
-    for pool, q in zip(pools, qs):  # each pool's edge, its queries q (Q,)
+    loss, hits = 0.0, 0.0
+    share = layers * len(pools)
+    # each pool's edge, at its queries q (Q,)
+    for pool, q in zip(pools, qs):
         q = q.to(pi.device)
-        y, bnd = boundary(teacher, kernels.eviction_times(teacher, sinks, window, pool), q, sinks, window)
-        tn = (q - window).expand(*pi.shape[:2], -1)  # t_new
-        d = pi.gather(-1, tn) - pi.gather(-1, bnd)  # (B, H, Q)
-        n = torch.stack([y.sum(), (~y).sum()])  # keeps and drops, over the processes if split
-        n = total(n) if total is not None else n
-        omega = torch.where(y, 0.5 / n[0].clamp(min=1), 0.5 / n[1].clamp(min=1))
-        loss = loss + (omega * F.softplus(-(2 * y.float() - 1) * d)).sum() / share
+        e = kernels.eviction_times(teacher, sinks, window, pool)
+        y, t_bnd = boundary(teacher, e, q, sinks, window)
+        t_new = (q - window).expand(*pi.shape[:2], -1)
+        margin = pi.gather(-1, t_new) - pi.gather(-1, t_bnd)  # (B, H, Q)
+        # keeps and drops, over the processes if split
+        counts = torch.stack([y.sum(), (~y).sum()])
+        counts = total(counts) if total is not None else counts
+        halves = 0.5 / counts.clamp(min=1)
+        omega = torch.where(y, halves[0], halves[1])
+        sign = 2 * y.float() - 1
+        loss = loss + (omega * softplus(-sign * margin)).sum() / share
         # the student ranks t_new on the teacher's side of t_bnd; chance is 0.5
-        hits += (omega * ((d > 0) == y)).sum().item() / share
+        hits += (omega * ((margin > 0) == y)).sum().item() / share
     return loss, hits
-
-
-# ------------------------------------------------------------------------------------------------
-# the evicting cache: the rule's fast form, every layer at once (README, How it works)
-
-
-class KVCache:
-    """`evict`'s rule for every layer, batch row and KV head at once, in buffers allocated once: `slots` = S - m
-    entries a layer and head, keys (L, B, H, slots, D) and values transposed (L, B, H, D, slots), so both products
-    of a step read their matrix row by row, the layout that streams memory fastest. Filled slots are
-    [0, min(t, slots)); an evicted slot goes to the newcomer, in place. pos[slot]: its token's position (-1: empty);
-    score[slot]: its priority (a learned scorer's, given as the token leaves the window, 0 before; h2o's and tova's
-    attention).
-
-    t: the tokens taken so far, the next newcomer's position p (qwen3's forward advances it). A learned scorer's work
-    for a step is done at layer 0 for every layer (`score_leaving`): ring[..., t % w] is window token t's slot; near
-    holds the features of the tokens the next read sees, t .. t + n (t + n joins as t leaves), twice over so that
-    they are one slice in position order; kvpop's memories sit beside, with the next leaving tokens' prepared
-    reads."""
-
-    def __init__(self, model, batch, slots, policy="full", sinks=4, window=256):
-        c, p = model.config, next(model.parameters())
-        L, H, D = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-        self.rule, self.priority = resolve(policy)
-        self.policy, self.slots, self.sinks, self.window, self.t = policy, slots, sinks, window, 0
-        self.pool = slots - sinks - window
-        self.kind = policy.kind if self.rule == "learned" else None  # a learned scorer's kind
-        # priorities in a learned scorer's dtype (fp64 beside an fp64 model), else fp32
-        sdt = policy.theta.dtype if self.kind else torch.float32
-        dev, shape = dict(device=p.device), (L, batch, H, slots)
-        self.k = torch.zeros(*shape, D, dtype=p.dtype, **dev)
-        self.v = torch.zeros(L, batch, H, D, slots, dtype=p.dtype, **dev)
-        self.pos = torch.full(shape, -1, **dev)
-        self.score = torch.zeros(shape, dtype=sdt, **dev)
-        # per-layer views, made once: a step indexes less
-        self.layer = list(zip(self.k, self.v, self.score))
-        self.new = None  # every layer's slot (L, B, H, 1) for this step's newcomer, set at layer 0
-        if self.kind:
-            policy.check(c, window)
-            if policy.arrival:
-                raise ValueError("a kvpop scorer read on arrival (the delay ablation) runs in the masked pass only")
-            self.ring = torch.zeros(L, batch, H, window, dtype=torch.long, **dev)
-            self.n = policy.bo.shape[-1] if self.kind == "kvpop-window" else 0  # the tokens a read sees after t
-        if self.kind in ("kvpop-window", "kvpop-mlp"):
-            self.near = torch.zeros(L, batch, H, 2 * self.n + 2, 2 * D, dtype=sdt, **dev)
-        if self.kind == "kvpop":
-            # every layer and head's memory [C; n] (M + 1, M), its log-scale, how many tokens it has read
-            M = policy.d_mem
-            self.mem = torch.zeros(L, batch, H, M + 1, M, dtype=sdt, **dev)
-            self.scale = torch.full((L, batch, H), -math.inf, dtype=sdt, **dev)
-            # the update's weights, folded once per cache: the scorer is frozen while decoding
-            self.known, self.fold = 0, policy.folded()
-            # the next leaving tokens' prepared reads, c = min(w, 32) of them from token b0 on (none yet: b0 < -c)
-            self.block, self.b0, self.ready = min(window, 32), -window - 32, None
-
-    def nbytes(self):  # keys, values and a learned scorer's state
-        state = (self.mem, self.scale) if self.kind == "kvpop" else ()
-        return 2 * self.k.numel() * self.k.element_size() + sum(x.numel() * x.element_size() for x in state)
-
-    # can T > 1 tokens come in one pass? (else the model feeds them one at a time)
-    def whole(self, T):
-        return self.t == 0 and (T <= self.slots or self.rule in ("static", "learned"))
-
-    # layer i: q (B, Hq, T, D), new k, v (B, H, T, D) at positions pos; inference only: no graph
-    @torch.no_grad()
-    def attend(self, i, q, k, v, pos):
-        return self.prefill(i, q, k, v, pos) if k.shape[2] > 1 else self.step(i, q, k, v, pos)
-
-    def prefill(self, i, q, k, v, pos):
-        """An empty cache takes a whole prompt at once and ends exactly as if fed token by token."""
-        T, slots = k.shape[2], self.slots
-        pi = torch.zeros(k.shape[:3], device=k.device)
-        if self.rule == "static":
-            pi = self.priority(i, k, v, pos)
-        if self.rule == "learned":
-            pi = self.prefill_scorer(i, k, v, pos)
-        if T <= slots:  # nothing is evicted yet
-            y, lse = kernels.attention(q, k, v)
-            keep = torch.arange(T, device=k.device).expand(k.shape[:3])
-            if self.rule == "dynamic":
-                pi = attention_received(self.policy, q, k, lse)
-        # longer than the budget (static, learned): the eviction-time mask; keep what the last query still sees,
-        # exactly `slots` a head: sinks + window + pool
-        else:
-            y, e = masked_attention(q, k, v, pi, self.sinks, self.window, self.pool)
-            seen = (pos < self.sinks) | (e > T - 1)
-            keep = seen.byte().sort(dim=-1, descending=True, stable=True).indices[..., :slots]
-        count, D = keep.shape[-1], k.shape[-1]
-        rows = keep[..., None].expand(-1, -1, -1, D)
-        self.k[i, :, :, :count] = k.gather(2, rows)
-        self.v[i, :, :, :, :count] = v.gather(2, rows).mT
-        self.pos[i, :, :, :count], self.score[i, :, :, :count] = pos[keep], pi.gather(2, keep)
-        # kept in position order: the last tokens, still in the window, fill the last slots
-        if self.kind:
-            nw, a = min(T, self.window), torch.arange(count, device=k.device)
-            self.ring[i][..., (a[-nw:] + T - count) % self.window] = a[-nw:]
-        return y
-
-    def prefill_scorer(self, i, k, v, pos):
-        """Layer i's learned priorities of a prompt (B, H, T), 0 for the tokens still in the window (not scored yet),
-        and the scorer's state after it: kvpop's memories, which have read every token, and the features of the next
-        read's tokens t .. t + n - 1, t = T - w."""
-        T, w, memory = k.shape[2], self.window, []
-        pi = self.policy(i, k, v, pos, memory)
-        if self.kind == "kvpop":
-            (self.mem[i], self.scale[i]), self.known = memory[0], T
-        else:
-            u = torch.arange(max(T - w, 0), max(T - w + self.n, 0), device=k.device)
-            self.keep_near(i, u, self.policy.features(k[..., u, :], v[..., u, :]))
-        return pi.masked_fill(pos > T - 1 - w, 0.0)
-
-    def step(self, i, q, k, v, pos):
-        """Layer i's decoding step for the newcomer p = self.t: at layer 0 `decide` applies the rule to every layer
-        at once (a layer's decision reads only what it stored before this step); then the newcomer's key and value
-        go to its slot, and it attends."""
-        if i == 0:
-            self.new = self.decide(self.t)
-        self.put(i, self.new[i], k, v, pos)
-        return self.attention(i, q, self.t)
-
-    def decide(self, p):
-        """Every layer's slot (L, B, H, 1) for the newcomer p: a learned scorer first gives token p - w, leaving the
-        window, its priority; then the next free slot while there is one, else the slot of the eligible token
-        (sinks <= t <= p - w) with the lowest (priority, position). The newcomer's position, and its score (0) under
-        a learned or dynamic policy, go in here."""
-        if self.kind:
-            self.score_leaving(p)
-        new = self.pos.new_full((*self.pos.shape[:3], 1), p) if p < self.slots else self.lowest(p)
-        self.pos.scatter_(-1, new, p)
-        if self.rule in ("learned", "dynamic"):
-            self.score.scatter_(-1, new, 0.0)
-        if self.kind:
-            self.ring[..., p % self.window] = new[..., 0]
-        return new
-
-    def lowest(self, p):
-        """Every layer's slot (L, B, H, 1) of the eligible token with the lowest (score, position), past the sinks'
-        slots [0, sinks)."""
-        s, P = self.sinks, self.pos[..., self.sinks :]
-        # ineligible tokens at inf, above any eligible one (torch.where: one pass a table)
-        low = torch.where(P > p - self.window, math.inf, self.score[..., s:])
-        least = low.amin(-1, keepdim=True)
-        # of the lowest, the oldest (the others at a position above any)
-        return torch.where(low > least, 2**62, P).argmin(-1, keepdim=True) + s
-
-    def score_leaving(self, p):
-        """A learned scorer's work of step p for every layer at once: token t = p - w, leaving the window, gets its
-        priority, read from the memories (kvpop, which take token p - 1 first) or from the features of t .. t + n
-        (the others; token p - w + n's join `near` first)."""
-        w, n, t = self.window, self.n, p - self.window
-        assert not self.kind == "kvpop" or self.known >= p - 1, "the memories missed a token"
-        if self.kind == "kvpop" and self.known < p:
-            self.policy.remember(self.mem, self.scale, *self.cached(p - 1), self.fold)
-            self.known = p
-        if self.kind != "kvpop" and t + n >= 0:
-            x = self.policy.features(*self.cached(t + n))  # (L, B, H, 1, X)
-            self.keep_near(ALL, t + n, x[..., 0, :])
-        if t < 0:
-            return
-        if self.kind == "kvpop":
-            r = self.read_memory(t)
-        else:
-            a = t % (n + 1)  # near[..., a : a + n + 1, :] holds t .. t + n
-            r = self.policy.online(self.near[..., a : a + n + 1, :], t)
-        self.score.scatter_(-1, self.ring[..., t % w, None], r)  # r (L, B, H, 1)
-
-    def read_memory(self, t):
-        """kvpop: token t's read of the memories, its u and W_1 x prepared with the next c - 1 leaving tokens',
-        t .. t + c - 1 (all cached: c <= w)."""
-        c = self.block
-        if not self.b0 <= t < self.b0 + c:
-            u = torch.arange(t, t + c, device=self.ring.device)
-            self.b0, self.ready = t, self.policy.prepare(self.policy.features(*self.cached(u)))
-        j = t - self.b0
-        return self.policy.read(self.mem, self.scale, *(x[..., j : j + 1, :] for x in self.ready), t)
-
-    # every layer's cached keys and values (L, B, H, len(u), D) of window tokens u (a tensor), or (L, B, H, 1, D) of
-    # token u
-    def cached(self, u):
-        j = self.ring[..., u % self.window] if torch.is_tensor(u) else self.ring[..., u % self.window, None]
-        j, D = j[..., None], self.k.shape[-1]  # (L, B, H, len(u), 1)
-        k = self.k.gather(3, j.expand(-1, -1, -1, -1, D))
-        v = self.v.gather(4, j.mT.expand(-1, -1, -1, D, -1))
-        return k, v.mT
-
-    # the features x (..., X) of token u, or (..., len(u), X) of tokens u, into near at u % (n + 1), twice over;
-    # layer i's (or ALL layers')
-    def keep_near(self, i, u, x):
-        a = u % (self.n + 1)
-        self.near[i][..., a, :] = x
-        self.near[i][..., a + self.n + 1, :] = x
-
-    def put(self, i, slot, k, v, pos):
-        """Layer i's newcomer key and value (and a static heuristic's priority) into its slot."""
-        K, V, sc = self.layer[i]  # keys, values (transposed), scores (B, H, slots)
-        D = k.shape[-1]
-        K.scatter_(2, slot[..., None].expand(-1, -1, 1, D), k)
-        V.scatter_(3, slot[..., None, :].expand(-1, -1, D, 1), v.mT)
-        if self.rule == "static":
-            sc.scatter_(2, slot, self.priority(i, k, v, pos))
-
-    def attention(self, i, q, p):
-        """The newcomer p's attention (B, Hq, 1, D) over layer i's filled slots, in slot order, in the cache's dtype;
-        h2o and tova score from it."""
-        K, V, sc = self.layer[i]
-        (B, H, _, D), G, used = K.shape, q.shape[1] // K.shape[1], min(p + 1, self.slots)
-        K, V = K[:, :, :used], V[..., :used]
-        s = K @ q.view(B, H, G, D).mT.to(K.dtype)  # (B, H, used, G)
-        # (B, H, G, used): a softmax along memory, 4-6x faster
-        a = (kernels.wide(s.mT) / math.sqrt(D)).softmax(-1)
-        # h2o: accumulated attention, tova: the current query's (group means)
-        if self.policy == "h2o":
-            sc[..., :used] += a.mean(-2)
-        if self.policy == "tova":
-            sc[..., :used] = a.mean(-2)
-        y = a.to(V.dtype) @ V.mT  # (B, H, G, D)
-        return y.to(q.dtype).view(B, H * G, 1, D)

@@ -192,7 +192,7 @@ def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop=(), cache=None):
-    """Stream (B,) next-token tensors. With a cache (kvpop.KVCache, which sets the budget) each step feeds the newest
+    """Stream (B,) next-token tensors. With a cache (cache.KVCache, which sets the budget) each step feeds the newest
     token; without one, the whole sequence. A sequence that produced a stop id keeps emitting it; generation ends when
     all have stopped."""
     x, seq, nxt = idx, idx, idx[:, -1]

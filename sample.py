@@ -16,7 +16,8 @@ import torch
 from tasks import recall_marks, recall_score, task_ids
 from checkpoint import DTYPES, checkpoint_dir, read_json
 from flags import auto_dtype, check_budget, check_device, check_dtype, check_seed, configure, fail, need
-from kvpop import SCORERS, KVCache, Scorer, budget_size, entries, resolve, state_charge
+from cache import KVCache
+from kvpop import SCORERS, Scorer, budget_size, entries, resolve, state_charge
 from qwen3 import Qwen3, Qwen3Config, generate
 from tokenizer import Tokenizer
 

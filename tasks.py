@@ -7,6 +7,7 @@ bindings that only the next word marks as useless (README, The baby).
 import torch
 
 import kvpop
+from cache import KVCache
 
 # ----------------------------------------------------------------------------------------------------------
 # the words. A binding is the bigram `key value`; a later `key value'` reassigns (the old value is useless from then
@@ -117,7 +118,7 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, targe
     if isinstance(policy, str) and policy == "oracle":
         policy = kvpop.oracle_policy(model, idx, window, target)
     if online:
-        cache = kvpop.KVCache(model, B, kvpop.entries(size, charge, T), policy, sinks, window)
+        cache = KVCache(model, B, kvpop.entries(size, charge, T), policy, sinks, window)
         return torch.cat([model(idx[:, t : t + 1], cache=cache) for t in range(T)], dim=1)
     rule, priority = kvpop.resolve(policy)
     if rule == "dynamic":

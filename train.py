@@ -230,7 +230,7 @@ def load():
     texts = pack_files(tok) if data != "baby" else None
     # the scorer: a fresh one at --seed, or a trained one (--resume's own, or --init_from's)
     torch.manual_seed(seed)
-    scorer = kvpop.Scorer(config, kind, window, d_mem, d_hidden, gamma, arrival).to(device) if learned else None
+    scorer = kvpop.SCORERS[kind](config, window, d_mem, d_hidden, gamma, arrival).to(device) if learned else None
     ck = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
     if learned and (resume or init_from):
         scorer = kvpop.Scorer.from_pretrained(out_dir if resume else init_from)

@@ -1,0 +1,191 @@
+"""The evicting KV cache: kvpop.evict's rule for every layer, batch row and KV head at once, the fast form of one
+decoding step (README, How it works). It only evicts: slots, positions, priorities, the rule (`lowest`), put,
+attention, prefill. A learned policy's decoder (kvpop.py, beside its scorer) gives it the priority of each token as
+it leaves the window; the cache knows no scorer's kind.
+"""
+
+import math
+
+import torch
+
+import kernels
+from kvpop import attention_received, masked_attention, resolve
+
+
+class KVCache:
+    """Buffers allocated once: `slots` = S - m entries a layer and head, keys (L, B, H, slots, D) and values
+    transposed (L, B, H, D, slots), so both products of a step read their matrix row by row, the layout that
+    streams memory fastest. Filled slots are [0, min(t, slots)); an evicted slot goes to the newcomer, in place.
+    pos[slot]: its token's position (-1: empty); score[slot]: its priority (a static policy's, given on arrival; a
+    learned scorer's, as the token leaves the window; h2o's and tova's attention). t: the tokens taken so far, the
+    next newcomer's position p (qwen3's forward advances it)."""
+
+    def __init__(self, model, batch, slots, policy="full", sinks=4, window=256):
+        config, param = model.config, next(model.parameters())
+        self.rule, self.priority = resolve(policy)
+        self.policy, self.slots = policy, slots
+        self.sinks, self.window = sinks, window
+        self.pool = slots - sinks - window
+        self.t = 0
+        learned = self.rule == "learned"
+        if learned:
+            policy.check(config, window)
+        # priorities in a learned scorer's dtype (fp64 beside an fp64 model), else fp32
+        dtype = policy.theta.dtype if learned else torch.float32
+        heads = config.num_key_value_heads
+        shape = (config.num_hidden_layers, batch, heads, slots)
+        self.k = param.new_zeros(*shape, config.head_dim)
+        self.v = self.k.transpose(-1, -2).contiguous()
+        self.pos = torch.full(shape, -1, device=param.device)
+        self.score = torch.zeros(shape, dtype=dtype, device=param.device)
+        # per-layer views, made once: a step indexes less
+        layers = zip(self.k, self.v, self.score)
+        self.layer = list(layers)
+        # every layer's slot (L, B, H, 1) for this step's newcomer, set at layer 0
+        self.new = None
+        self.decoder = policy.decoder(self) if learned else None
+
+    def nbytes(self):  # keys, values and a learned scorer's state
+        state = self.decoder.nbytes() if self.decoder else 0
+        entry = self.k.numel() * self.k.element_size()
+        return 2 * entry + state
+
+    # can T > 1 tokens come in one pass? (else the model feeds them one at a time)
+    def whole(self, T):
+        evicting = self.rule in ("static", "learned")
+        return self.t == 0 and (T <= self.slots or evicting)
+
+    # one layer: q (B, Hq, T, D), new k, v (B, H, T, D) at positions pos; inference only: no graph
+    @torch.no_grad()
+    def attend(self, layer, q, k, v, pos):
+        if k.shape[2] > 1:
+            return self.prefill(layer, q, k, v, pos)
+        return self.step(layer, q, k, v, pos)
+
+    def prefill(self, layer, q, k, v, pos):
+        """An empty cache takes a whole prompt at once and ends exactly as if fed token by token."""
+        T = k.shape[2]
+        pi = torch.zeros(k.shape[:3], device=k.device)
+        if self.rule == "static":
+            pi = self.priority(layer, k, v, pos)
+        # a learned policy's priorities: 0 for the tokens still in the window (not scored yet)
+        if self.rule == "learned":
+            pi = self.decoder.prefill(layer, k, v, pos)
+            pi = pi.masked_fill(pos > T - 1 - self.window, 0.0)
+        # nothing is evicted yet
+        if T <= self.slots:
+            out, lse = kernels.attention(q, k, v)
+            keep = torch.arange(T, device=k.device)
+            keep = keep.expand(k.shape[:3])
+            if self.rule == "dynamic":
+                pi = attention_received(self.policy, q, k, lse)
+        # longer than the budget (static, learned): the eviction-time mask; keep what the last query still sees,
+        # exactly `slots` a head: sinks + window + pool, in position order
+        else:
+            edges = (self.sinks, self.window, self.pool)
+            out, e = masked_attention(q, k, v, pi, *edges)
+            seen = (pos < self.sinks) | (e > T - 1)
+            order = seen.byte().sort(dim=-1, descending=True, stable=True)
+            keep = order.indices[..., : self.slots]
+        pi = pi.gather(2, keep)
+        self.store(layer, keep, k, v, pos[keep], pi)
+        return out
+
+    # one layer's kept keys and values (B, H, count), their positions and priorities, into its first count slots
+    def store(self, layer, keep, k, v, pos, pi):
+        count = keep.shape[-1]
+        D = k.shape[-1]
+        rows = keep[..., None].expand(-1, -1, -1, D)
+        self.k[layer, :, :, :count] = k.gather(2, rows)
+        self.v[layer, :, :, :, :count] = v.gather(2, rows).mT
+        self.pos[layer, :, :, :count] = pos
+        self.score[layer, :, :, :count] = pi
+
+    def step(self, layer, q, k, v, pos):
+        """One layer's decoding step for the newcomer p = self.t: at layer 0 `decide` applies the rule to every
+        layer at once (a layer's decision reads only what it stored before this step); then the newcomer's key and
+        value go to its slot, and it attends."""
+        if layer == 0:
+            self.new = self.decide(self.t)
+        self.put(layer, self.new[layer], k, v, pos)
+        return self.attention(layer, q, self.t)
+
+    def decide(self, p):
+        """Every layer's slot (L, B, H, 1) for the newcomer p: a learned policy first gives token p - w, leaving the
+        window, its priority; then the next free slot while there is one, else the slot of the eligible token
+        (sinks <= t <= p - w) with the lowest (priority, position). The newcomer's position, and its score (0)
+        under a dynamic policy, go in here."""
+        if self.decoder:
+            self.score_leaving(p)
+        if p < self.slots:
+            grid = self.pos.shape[:3]  # (L, B, H)
+            slot = self.pos.new_full((*grid, 1), p)
+        else:
+            slot = self.lowest(p)
+        self.pos.scatter_(-1, slot, p)
+        if self.rule == "dynamic":
+            self.score.scatter_(-1, slot, 0.0)
+        return slot
+
+    # the leaving token p - w's priority, from the learned policy's decoder, into its slot
+    def score_leaving(self, p):
+        r = self.decoder.leaving(p)  # (L, B, H, 1)
+        if r is not None:
+            slot = self.slot_of(p - self.window)
+            self.score.scatter_(-1, slot, r)
+
+    def lowest(self, p):
+        """Every layer's slot (L, B, H, 1) of the eligible token with the lowest (score, position), past the sinks'
+        slots [0, sinks)."""
+        held = self.pos[..., self.sinks :]
+        score = self.score[..., self.sinks :]
+        # ineligible tokens at inf, above any eligible one (torch.where: one pass a table)
+        low = torch.where(held > p - self.window, math.inf, score)
+        least = low.amin(-1, keepdim=True)
+        # of the lowest, the oldest (the others at a position above any)
+        oldest = torch.where(low > least, 2**62, held)
+        return oldest.argmin(-1, keepdim=True) + self.sinks
+
+    # every layer's slots (L, B, H, n) holding the tokens at positions u (n,), or (L, B, H, 1) at position u
+    def slot_of(self, u):
+        u = torch.as_tensor(u, device=self.pos.device)
+        found = self.pos[..., None] == u.view(-1)  # (L, B, H, slots, n)
+        return found.int().argmax(-2)
+
+    # every layer's keys and values (L, B, H, n, D) of held tokens at positions u (as slot_of)
+    def held(self, u):
+        slot = self.slot_of(u)[..., None]  # (L, B, H, n, 1)
+        D = self.k.shape[-1]
+        rows = slot.expand(-1, -1, -1, -1, D)
+        keys = self.k.gather(3, rows)
+        values = self.v.gather(4, rows.mT)
+        return keys, values.mT
+
+    def put(self, layer, slot, k, v, pos):
+        """One layer's newcomer key and value (and a static policy's priority) into its slot (B, H, 1)."""
+        keys, values, score = self.layer[layer]  # (B, H, slots, D), (B, H, D, slots), (B, H, slots)
+        D = k.shape[-1]
+        rows = slot[..., None].expand(-1, -1, 1, D)
+        keys.scatter_(2, rows, k)
+        values.scatter_(3, rows.mT, v.mT)
+        if self.rule == "static":
+            pi = self.priority(layer, k, v, pos)
+            score.scatter_(2, slot, pi)
+
+    def attention(self, layer, q, p):
+        """The newcomer p's attention (B, Hq, 1, D) over one layer's filled slots, in slot order, in the cache's
+        dtype; a dynamic policy updates its scores from it."""
+        keys, values, score = self.layer[layer]
+        batch, heads, _, D = keys.shape
+        used = min(p + 1, self.slots)
+        keys, values = keys[:, :, :used], values[..., :used]
+        query = q.view(batch, heads, -1, D).mT
+        query = query.to(keys.dtype)  # (B, H, D, G)
+        logits = (keys @ query).mT  # (B, H, G, used): a softmax along memory
+        logits = kernels.wide(logits) / math.sqrt(D)
+        attention = logits.softmax(-1)
+        if self.rule == "dynamic":
+            self.priority(score[..., :used], attention.mean(-2))
+        out = attention.to(values.dtype) @ values.mT  # (B, H, G, D)
+        out = out.to(q.dtype)
+        return out.view(batch, -1, 1, D)
