@@ -2482,6 +2482,59 @@ def test_scorer_online_equals_masked(small_model, budget, sinks, window):
         assert ((on - full).abs().max().item() <= 1e-4) == (budget == 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float64])
+def test_static_policy_of_any_real_dtype(small_model, dtype):
+    """A static policy added the README's way may return any real dtype (many ties here): cast once to fp32, the
+    cache and the masked pass both run it, and agree."""
+
+    def policy(layer, k, v, pos):
+        pi = (pos * 7919 + layer) % 13
+        pi = pi % 2 == 0 if dtype == torch.bool else pi.to(dtype)
+        return pi.expand(k.shape[:3])
+
+    idx = torch.randint(0, 384, (2, 96), generator=torch.Generator().manual_seed(2))
+    on = tasks.evaluate(small_model, idx, policy, 40, 4, 8, online=True)
+    off = tasks.evaluate(small_model, idx, policy, 40, 4, 8, online=False)
+    assert (on - off).abs().max().item() <= 1e-4
+    assert (on - small_model(idx)).abs().max().item() > 1e-3  # it evicted
+
+
+def test_readme_add_a_scorer(small_model):
+    """README's "Add a scorer": its class, registered, reads x[t + 1] (checked against that definition), trains a few
+    steps on the boundary loss (the loss falls), then runs online as it does masked, at a budget that evicts."""
+    import train
+
+    text = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    code = re.search(r"### Add a scorer.*?```python\n(.*?)```", text, re.S).group(1)
+    exec(code, {})
+    try:
+        torch.manual_seed(0)
+        s = kvpop.SCORERS["kvpop-next"](small_model.config, 8, d_hidden=16)
+        idx = torch.randint(0, 384, (2, 96), generator=torch.Generator().manual_seed(1))
+        kv, rs = kvpop.dense_targets(small_model, idx, 8)
+        # its parallel form: head(x[t], x[t + 1]), zeros after the last token
+        x = s.features(*kv[0])
+        after = torch.cat([x[..., 1:, :], torch.zeros_like(x[..., :1, :])], -2)
+        want = (torch.nn.functional.silu(torch.cat([x, after], -1) @ s.w1[0] + s.b1[0][:, None]) * s.w2[0][:, None]).sum(-1)
+        assert (s.parallel(0, x) - want - s.b2[0][:, None]).abs().max().item() <= 1e-5
+        pools = [40 - 4 - 8]
+        qs = train.query_positions(96, 0, 4, 8, pools)
+        opt = torch.optim.Adam(s.parameters(), lr=3e-2)
+        losses = []
+        for _ in range(6):
+            opt.zero_grad()
+            losses.append(train.scorer_loss(s, kv, rs, qs, 4, 8, pools)[0])
+            opt.step()
+        assert losses[-1] < losses[0], losses
+        s.eval().requires_grad_(False)
+        on = tasks.evaluate(small_model, idx, s, 40, 4, 8, online=True)
+        off = tasks.evaluate(small_model, idx, s, 40, 4, 8, online=False)
+        assert (on - off).abs().max().item() <= 1e-4
+        assert (on - small_model(idx)).abs().max().item() > 1e-3  # it evicted
+    finally:
+        kvpop.SCORERS.pop("kvpop-next", None)
+
+
 @pytest.fixture(scope="module")
 def model_fp64(tmp_path_factory):
     """[12/15]'s case: a random Qwen3 by transformers (vocab 300, hidden 96, 6 query / 2 KV heads of
