@@ -115,8 +115,11 @@ class KVCache:
         window, its priority; then the next free slot while there is one, else the slot of the eligible token
         (sinks <= t <= p - w) with the lowest (priority, position). The newcomer's position, and its score (0)
         under a dynamic policy, go in here."""
-        if self.decoder:
-            self.score_leaving(p)
+        # a learned policy's decoder scores the leaving token p - w, in its slot
+        r = self.decoder.leaving(p) if self.decoder else None  # (L, B, H, 1)
+        if r is not None:
+            leaving = self.slot_of(p - self.window)
+            self.score.scatter_(-1, leaving, r)
         if p < self.slots:
             grid = self.pos.shape[:3]  # (L, B, H)
             slot = self.pos.new_full((*grid, 1), p)
@@ -126,13 +129,6 @@ class KVCache:
         if self.rule == "dynamic":
             self.score.scatter_(-1, slot, 0.0)
         return slot
-
-    # the leaving token p - w's priority, from the learned policy's decoder, into its slot
-    def score_leaving(self, p):
-        r = self.decoder.leaving(p)  # (L, B, H, 1)
-        if r is not None:
-            slot = self.slot_of(p - self.window)
-            self.score.scatter_(-1, slot, r)
 
     def lowest(self, p):
         """Every layer's slot (L, B, H, 1) of the eligible token with the lowest (score, position), past the sinks'
@@ -186,6 +182,7 @@ class KVCache:
         attention = logits.softmax(-1)
         if self.rule == "dynamic":
             self.priority(score[..., :used], attention.mean(-2))
-        out = attention.to(values.dtype) @ values.mT  # (B, H, G, D)
+        attention = attention.to(values.dtype)
+        out = attention @ values.mT  # (B, H, G, D)
         out = out.to(q.dtype)
         return out.view(batch, -1, 1, D)

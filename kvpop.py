@@ -847,7 +847,7 @@ def boundary(pi, e, q, sinks, window):
 
 
 def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
-    """One layer's boundary loss: the student's priorities pi (B, H, T) against the teacher's pi* = r* + gamma_h t
+    """One layer's boundary loss: the scorer's priorities pi (B, H, T) against the teacher's pi* = r* + gamma_h t
     (B, H, T), at the edge of each of `pools` at its queries qs[j] (Q,): y = keep t_new = q - w, t_bnd the cutoff;
     sum omega softplus(-y (pi[t_new] - pi[t_bnd])), omega weighing each pool's keeps and drops half each -> (loss,
     balanced keep/drop accuracy), each this layer's share of the mean over `layers` layers and the pools. `total`

@@ -3475,7 +3475,7 @@ README_SMALL = {  # each README command -> the flags appended to run it here (a 
 # run in this order in one folder, against a random Qwen3 with the real vocabulary in a local
 # Hugging Face cache: train writes out/, which the last samples with
 README_QWEN = {
-    'python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25': [
+    'python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25 --policy streaming': [
         "--max_new_tokens",
         "4",
         "--window",
