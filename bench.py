@@ -160,11 +160,11 @@ def cmd_kernels(argv):
         ]:
             op = name.split("+")[0]
             ours, naive = getattr(kernels, op), getattr(kernels, "plain_" + op)
-            to, mo = measure(lambda: ours(*x))
-            tn, mn = measure(lambda: naive(*x))
-            ts = f"{measure(sdpa)[0]:.1f}" if name == "attention" and dev != "cpu" else "-"
-            speed = f"| {name} | {T} | {to:.1f} | {tn:.1f} | {tn / to:.2f} | {ts} | "
-            print(speed + f"{mo:.1f} | {mn:.1f} | {mn / max(mo, 1e-3):.0f} |", flush=True)
+            ours_ms, ours_mib = measure(lambda: ours(*x))
+            naive_ms, naive_mib = measure(lambda: naive(*x))
+            sdpa_ms = f"{measure(sdpa)[0]:.1f}" if name == "attention" and dev != "cpu" else "-"
+            speed = f"| {name} | {T} | {ours_ms:.1f} | {naive_ms:.1f} | {naive_ms / ours_ms:.2f} | {sdpa_ms} | "
+            print(speed + f"{ours_mib:.1f} | {naive_mib:.1f} | {naive_mib / max(ours_mib, 1e-3):.0f} |", flush=True)
 
 
 # the scorer folders --scorer names; shipped: those python train.py wrote for the baby, every kind
@@ -306,16 +306,16 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
             kv = cache.nbytes() - 2 * cache.k.nbytes + per_tok * n  # held + state
             w = W + sum(t.nbytes for t in scorers[p].parameters()) if p in scorers else W
             full = (sec, W + kv) if p == "full" else full
-            su, ideal, gbps = full[0] / sec, full[1] / (w + kv), (w + kv) / sec / 1e9
+            speedup, ideal, gbps = full[0] / sec, full[1] / (w + kv), (w + kv) / sec / 1e9
             r = dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3))
             r.update(kv_mib=kv / 2**20, gbps=gbps, limit_gbps=limit)
-            r.update(speedup=su, ideal_speedup=ideal)
+            r.update(speedup=speedup, ideal_speedup=ideal)
             # the scorer's share of a step: 1 - streaming's step / the scorer's, same round
             if p in kvpop.SCORERS and ("streaming", b) in runs:
                 r["scorer_share"] = 1 - med([x / y for x, y in zip(runs["streaming", b][2], times)])
             share = f"{r['scorer_share']:.1%}" if "scorer_share" in r else "-"
-            speed = f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {su:.2f}x | {ideal:.2f}x | "
-            speed += f"{su / ideal:.0%} | {kv / 2**20:.0f} | {gbps:.1f} | {limit:.1f} | "
+            speed = f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {speedup:.2f}x | {ideal:.2f}x | "
+            speed += f"{speedup / ideal:.0%} | {kv / 2**20:.0f} | {gbps:.1f} | {limit:.1f} | "
             print(speed + f"{gbps / limit:.0%} | {share} |", flush=True)
             rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
         del runs, M
@@ -408,8 +408,8 @@ def cmd_speed(argv):
         if a.model:
             c = qwen3.Qwen3Config.from_json(os.path.join(checkpoint.checkpoint_dir(a.model), "config.json"))
         else:
-            L, E, F_, Hq, tied = SHAPES[a.shape]
-            c = qwen3.Qwen3Config(hidden_size=E, intermediate_size=F_)
+            L, E, intermediate, Hq, tied = SHAPES[a.shape]
+            c = qwen3.Qwen3Config(hidden_size=E, intermediate_size=intermediate)
             c.num_attention_heads, c.tie_word_embeddings = Hq, tied
             c.num_hidden_layers, c.max_position_embeddings = a.layers or L, 131072
         torch.manual_seed(0)

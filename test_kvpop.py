@@ -4020,3 +4020,146 @@ def test_sample_scoreboard_streaming_row_keeps_all_s_entries(tmp_path):
         ref[S] = tuple(map(sum, zip(*(_ref_recall(words + s, len(words)) for s in _printed_samples(r.stdout, words)))))
     assert list(board) == ["kvpop", "full", "streaming"] and board["streaming"] == ref[80], (board, ref)
     assert ref[80] != ref[80 - 33]  # the test tells the two apart
+
+
+# ---------------------------------------------------------------------------------------------------------
+# [20/23] the mutation audit: each test below fails on a break the rest of the suite let pass (named in its docstring)
+
+
+def _train_globals(monkeypatch, *args):
+    """train.py run as __main__ with these flags, stopped once its flag checks pass (where it sets the threads) ->
+    its module globals then (the flags as the run would use them)."""
+    import runpy
+
+    class Checked(Exception):
+        pass
+
+    def stop(n):
+        raise Checked(sys._getframe(1).f_globals)
+
+    monkeypatch.chdir(HERE)
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    monkeypatch.setattr(torch, "set_num_threads", stop)
+    with pytest.raises(Checked) as e:
+        runpy.run_path(os.path.join(HERE, "train.py"), run_name="__main__")
+    return e.value.args[0]
+
+
+def test_audit_edges_sets_the_number_of_pools(monkeypatch):
+    """--edges: the boundary loss's pools are the budget's, then each half the last, --edges in all (README, Method:
+    boundary loss); on the baby at the defaults S = 0.125 x 512 = 64 = 4 sinks + 32 window + 28 pool (kvpop-window
+    has no state). Break: range(edges) written range(3)."""
+    import train
+
+    monkeypatch.chdir(HERE)
+    for edges, want in [(1, [28]), (2, [28, 14]), (5, [28, 14, 7, 3, 1]), (7, [28, 14, 7, 3, 1])]:
+        monkeypatch.setattr(train, "edges", edges)
+        assert train.load()[6] == want, edges
+
+
+def test_audit_model_lr_defaults(monkeypatch):
+    """--model_lr -1 (the default): the baby's fine-tune at 1e-5, a real checkpoint's at the paper's 8e-5; a rate given
+    is kept. Break: the two defaults swapped."""
+    assert _train_globals(monkeypatch, "--finetune")["model_lr"] == 1e-5
+    assert _train_globals(monkeypatch, "--finetune", "--model", "Qwen/Qwen3-0.6B")["model_lr"] == 8e-5
+    assert _train_globals(monkeypatch, "--finetune", "--model_lr", "3e-4")["model_lr"] == 3e-4
+
+
+def test_audit_arrival_reaches_the_scorer(monkeypatch):
+    """--kind kvpop --arrival (the delay ablation): token t is read on arrival, from the memory of tokens 0..t, so
+    changing the tokens after t leaves its priority alone; the delayed scorer (the default) reads t at t + w - 1 and
+    sees them. Break: arrival not passed to the scorer's constructor."""
+    import train
+
+    monkeypatch.chdir(HERE)
+    monkeypatch.setattr(train, "kind", "kvpop")
+    T, t = 64, 20
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 1, T, 64, generator=g), torch.randn(1, 1, T, 64, generator=g)  # the baby's head_dim
+    k2, v2 = k.clone(), v.clone()
+    k2[..., t + 1 :, :], v2[..., t + 1 :, :] = torch.randn(2, T - t - 1, 64, generator=g)
+    for arrival in (True, False):
+        monkeypatch.setattr(train, "arrival", arrival)
+        scorer = train.load()[5]
+        with torch.no_grad():
+            a, b = (scorer(1, x, y, torch.arange(T))[..., : t + 1] for x, y in ((k, v), (k2, v2)))
+        assert torch.equal(a, b) == arrival, arrival
+
+
+def test_audit_init_from_starts_from_that_scorer(monkeypatch):
+    """--init_from: training starts from the trained scorer in that folder, its weights as stored in its
+    scorer.safetensors (read here with safetensors, not the scorer's loader), not a fresh one at --seed. Break:
+    `if learned and (resume or init_from)` written `if learned and resume`."""
+    import train
+
+    monkeypatch.chdir(HERE)
+    folder = os.path.join(SHIPPED, "kvpop-window")
+    monkeypatch.setattr(train, "init_from", folder)
+    got = train.load()[5].state_dict()
+    stored = safetensors.torch.load_file(os.path.join(folder, "scorer.safetensors"))
+    assert set(stored) <= set(got)
+    assert all(torch.equal(got[name].float(), stored[name].float()) for name in stored)
+
+
+def test_audit_log_line_is_the_intervals_mean(monkeypatch, tmp_path, capsys):
+    """The step lines print the mean over the interval's steps so far (the first: the first step alone): with the
+    per-step (loss, accuracy) set to (1, .5), (2, .25), (6, 1), (3, 0), (3, 0), (9, .5) and --log_interval 3, step 1
+    prints 1, step 3 (1 + 2 + 6) / 3 = 3, step 6 (3 + 3 + 9) / 3 = 5. Break: the mean replaced by the last step."""
+    import train
+
+    steps = iter([(1.0, 0.5), (2.0, 0.25), (6.0, 1.0), (3.0, 0.0), (3.0, 0.0), (9.0, 0.5)])
+    monkeypatch.chdir(HERE)
+    settings = dict(max_iters=6, log_interval=3, eval_interval=6, final_seqs=0, batch_size=1, seq_len=128, window=16)
+    for name, value in (settings | dict(budget=0.375, out_dir=str(tmp_path))).items():
+        monkeypatch.setattr(train, name, value)
+    monkeypatch.setattr(train.kvpop, "dense_targets", lambda *a: (None, None))
+    monkeypatch.setattr(train, "scorer_loss", lambda *a: next(steps))
+    monkeypatch.setattr(train, "held_out", lambda *a: "")
+    train.train()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "accuracy" in line]
+    found = [re.search(r"step (\d+): loss ([\d.]+), keep/drop accuracy ([\d.]+)", line).groups() for line in lines]
+    assert found == [("1", "1.000000", "0.500"), ("3", "3.000000", "0.583"), ("6", "5.000000", "0.167")], lines
+
+
+def test_audit_cuda_index_past_the_last_gpu_refused(monkeypatch):
+    """--device cuda:N names one of the visible GPUs 0..n-1: with 2 visible, cuda:1 passes and cuda:2 is a one-line
+    error. Break: the bound `< n` written `<= n`."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for ok in ("cuda", "cuda:0", "cuda:1"):
+        flags.check_device(ok, "train.py")
+    with pytest.raises(SystemExit) as e:
+        flags.check_device("cuda:2", "train.py")
+    one_line_error(e.value.code, "--device cuda:2", "2 CUDA GPU(s)")
+
+
+def test_audit_head_dim_zero_refused(tmp_path):
+    """head_dim (absent: hidden_size // heads) must be even and positive: hidden_size 2 over 4 heads gives 0, a
+    one-line ValueError naming it. Break: `D > 0 and` dropped from the check."""
+    d = dict(vocab_size=10, hidden_size=2, intermediate_size=8, num_hidden_layers=1)
+    d |= dict(num_attention_heads=4, num_key_value_heads=1)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="head_dim 0 must be even and positive"):
+        qwen3.Qwen3Config.from_json(tmp_path / "config.json")
+
+
+def test_audit_gamma_beside_init_from_refused(monkeypatch):
+    """--init_from takes the folder's scorer as it is (its gamma too): --gamma beside it is ignored, so an error, as
+    an unknown flag is. Break: gamma dropped from the --init_from row of the ignored flags."""
+    init = ["--init_from", os.path.join("baby", "scorers", "recall-helpful", "kvpop-window")]
+    msg = exits(monkeypatch, "train.py", *init, "--gamma", "0.01")
+    one_line_error(msg, "--gamma does nothing with --init_from", "drop it")
+
+
+def test_audit_generate_without_cache_sees_the_whole_sequence(baby):
+    """qwen3.generate without a cache feeds the whole sequence each step: greedy, it emits what a reference that
+    reruns the model on the whole growing sequence and takes the argmax emits. Break: each step fed only the newest
+    token."""
+    net, tok = baby
+    idx = torch.tensor([tok.encode(open(os.path.join(HERE, "baby", "prompt.txt")).read())[:40]])
+    got = torch.stack(list(qwen3.generate(net, idx, 8, temperature=0)), 1)
+    seq = idx
+    with torch.no_grad():
+        for _ in range(8):
+            seq = torch.cat([seq, net(seq)[:, -1].float().argmax(-1, keepdim=True)], 1)
+    assert torch.equal(got, seq[:, 40:]), (got, seq[:, 40:])

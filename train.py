@@ -45,9 +45,9 @@ dtype = "auto"  # the frozen model's: auto = the checkpoint's on cuda, float32 o
 threads = 1  # CPU threads; 2 give the same bits, faster when idle, far slower when busy
 # --- scorer (README, Method: scorers)
 model = "baby"  # the frozen model: checkpoint folder or Hugging Face repo id
-kind = "kvpop-window"  # delayed: kvpop-window (reads its window), kvpop (mLSTM); kvpop-mlp
+kind = "kvpop-window"  # delayed: kvpop-window (reads the min(w - 1, 32) tokens after t), kvpop (mLSTM); kvpop-mlp
 d_mem = 16  # kvpop: memory d_mem x d_mem; sets the state charge (3 entries on the baby)
-d_hidden = 64  # kvpop-mlp, kvpop-window: hidden width
+d_hidden = 64  # the read-out's hidden width (every kind)
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
 arrival = False  # kvpop: read tokens on arrival, not on leaving the window (delay ablation)
 init_from = ""  # a trained scorer's folder to start from (its sizes), e.g. a frozen run's
@@ -166,7 +166,7 @@ def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
     for i, ((k, v), r) in enumerate(zip(kv, rs)):
         no_sync = isinstance(ddp, DDP) and i < L - 1
         with ddp.no_sync() if no_sync else contextlib.nullcontext():
-            teacher = r + scorer.recency(i, pos).detach()
+            teacher = r + scorer.recency(i, pos).detach()  # the teacher's priorities pi* = r* + gamma_h t
             pi = (ddp or scorer)(i, k, v, pos)
             loss, right = kvpop.boundary_loss(pi, teacher, qs, sinks, window, pools, L, count)
             hits += right
@@ -231,13 +231,13 @@ def load():
     # the scorer: a fresh one at --seed, or a trained one (--resume's own, or --init_from's)
     torch.manual_seed(seed)
     scorer = kvpop.SCORERS[kind](config, window, d_mem, d_hidden, gamma, arrival).to(device) if learned else None
-    ck = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
+    train_state = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
     if learned and (resume or init_from):
         scorer = kvpop.Scorer.from_pretrained(out_dir if resume else init_from)
         scorer.check(config, window)
         scorer = scorer.to(device).requires_grad_(True).train()
         if resume:
-            scorer.load_state_dict(ck["scorer"])
+            scorer.load_state_dict(train_state["scorer"])
     # the budget: the scorer's state comes off it
     dt = flags.auto_dtype(dtype, device)
     charge = kvpop.state_charge(scorer, getattr(torch, dt or config.torch_dtype))
@@ -258,24 +258,24 @@ def load():
     net = qwen3.Qwen3.from_pretrained(folder, device, dt).requires_grad_(False)
     student = qwen3.Qwen3.from_pretrained(folder, device, dt).train() if finetune else None
     if resume and finetune:
-        student.load_state_dict(ck["model"])
+        student.load_state_dict(train_state["model"])
     what = f"{kind} scorer: {sum(p.numel() for p in scorer.parameters())} parameters" if learned else "StreamingLLM+"
     heads = f"{config.num_hidden_layers} layers x {config.num_key_value_heads} KV heads"
     what += f" for {model} ({heads}){', fine-tuning the model' * finetune}"
     split = f"S = {size} per head: {sinks} sinks + {window} window + {pool} pool + {charge} state"
     log(f"{what}; budget {budget:g} = {split}; {world} process(es)")
-    return folder, tok, texts, net, student, scorer, pools, ck
+    return folder, tok, texts, net, student, scorer, pools, train_state
 
 
-def save(it, folder, scorer, opt, student, opt_m):
+def save(it, folder, scorer, scorer_opt, student, model_opt):
     """Everything to resume, written atomically by rank 0; --finetune: the model too, its full state gathered from every
     process's shards, and the tokenizer files beside it."""
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    sd, osd = get_state_dict(student, opt_m, options=full) if student is not None else (None, None)
+    weights, model_opt_state = get_state_dict(student, model_opt, options=full) if student is not None else (None, None)
     if rank:
         return
     if student is not None:
-        student.save_pretrained(out_dir, sd)
+        student.save_pretrained(out_dir, weights)
         for f in checkpoint.OPTIONAL:
             src, dst = os.path.join(folder, f), os.path.join(out_dir, f)
             if os.path.isfile(src) and not os.path.isfile(dst):
@@ -286,24 +286,26 @@ def save(it, folder, scorer, opt, student, opt_m):
         scorer.meta = {k: globals()[k] for k in "model budget sinks window data task target edges".split()}
         scorer.meta.update(iters=it, finetune=finetune)
         scorer.save_pretrained(out_dir)
-    state = dict(scorer=scorer and scorer.state_dict(), opt=opt and opt.state_dict(), model=sd, model_opt=osd, iter=it)
-    torch.save(state, os.path.join(out_dir, "tmp.pt"))
+    scorer_state = dict(scorer=scorer and scorer.state_dict(), opt=scorer_opt and scorer_opt.state_dict())
+    train_state = dict(scorer_state, model=weights, model_opt=model_opt_state, iter=it)
+    torch.save(train_state, os.path.join(out_dir, "tmp.pt"))
     os.replace(os.path.join(out_dir, "tmp.pt"), os.path.join(out_dir, "train_state.pt"))
 
 
-def held_out(net, tok, pol, texts, pools):
-    """Held-out (rank 0): far accuracy at the training budget (baby), else loss and keep/drop accuracy on texts[1]."""
+def held_out(evaluated, tok, pol, texts, pools):
+    """Held-out (rank 0), of `evaluated` (the frozen model, or --finetune's as saved) under `pol`: far accuracy at the
+    training budget (baby), else loss and keep/drop accuracy on texts[1]."""
     if data == "baby":
         rng = random.Random(f"valid-{seed}")
         x = task_batch(tok, eval_seqs, seq_len, rng, keys=keys, **TASKS[task])
-        rows = quality_runs(net, *[t.to(device) for t in x], [pol], [budget], sinks, window)[0]
+        rows = quality_runs(evaluated, *[t.to(device) for t in x], [pol], [budget], sinks, window)[0]
         full, at_b = (r["far_accuracy"] for r in rows)
         return f"held-out far accuracy at budget {budget:g}: {at_b:.3f} (full {full:.3f})"
     if finetune:
         return "no held-out measure for --finetune on text"
     qs = query_positions(seq_len, 0, sinks, window, pools)
     with torch.no_grad():
-        kv, rs = kvpop.dense_targets(net, texts[1].to(device), window, target)
+        kv, rs = kvpop.dense_targets(evaluated, texts[1].to(device), window, target)
         loss, acc = scorer_loss(pol, kv, rs, qs, sinks, window, pools)
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
@@ -312,12 +314,12 @@ def final_table(folder, tok, net, scorer):
     """The quality table on bench.py quality's held-out sequences: the trained scorer beside the oracle, streaming and
     h2o, or (--finetune) the fine-tuned model as saved, under its eviction, against the dense model it started from."""
     seqs = task_batch(tok, final_seqs, seq_len, random.Random("test-0"), **TASKS[task])
-    ref, ev, pols = None, net, ["oracle", "streaming", "h2o", scorer]
+    ref, evaluated, pols = None, net, ["oracle", "streaming", "h2o", scorer]
     if finetune:
         ref = qwen3.Qwen3.from_pretrained(folder, dtype="float32")
-        ev = qwen3.Qwen3.from_pretrained(out_dir)
+        evaluated = qwen3.Qwen3.from_pretrained(out_dir)
         pols = [scorer or "streaming"]
-    rows, far, n = quality_runs(ev, *seqs, pols, [0.25, 0.125], sinks, window, ref=ref, target=target)
+    rows, far, n = quality_runs(evaluated, *seqs, pols, [0.25, 0.125], sinks, window, ref=ref, target=target)
     for r in rows[1:] if finetune else []:
         r["policy"] = f"{r['policy']} (fine-tuned)" if scorer is not None else "StreamingLLM+"
     print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
@@ -333,7 +335,7 @@ def learning_rate(it):
 def train():
     # a bad checkpoint or data file: one line
     try:
-        folder, tok, texts, net, student, scorer, pools, ck = load()
+        folder, tok, texts, net, student, scorer, pools, train_state = load()
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         sys.exit(f"train.py: {e}")
     ddp = distribute(net, student, scorer)
@@ -341,13 +343,13 @@ def train():
     hyper = dict(betas=(0.9, 0.95), weight_decay=weight_decay)
     peaks = [(m, r) for m, r in ((scorer, lr), (student, model_lr)) if m is not None]
     opts = {m: torch.optim.AdamW(m.parameters(), lr=r, **hyper) for m, r in peaks}
-    it0 = ck["iter"] if resume else 0
+    it0 = train_state["iter"] if resume else 0
     if resume:  # the optimizers' states as the checkpoint left them
         if scorer is not None:
-            opts[scorer].load_state_dict(ck["opt"])
+            opts[scorer].load_state_dict(train_state["opt"])
         if finetune:
             full = StateDictOptions(full_state_dict=True)
-            set_optimizer_state_dict(student, opts[student], ck["model_opt"], options=full)
+            set_optimizer_state_dict(student, opts[student], train_state["model_opt"], options=full)
         log(f"resuming {out_dir} at step {it0}")
     n = batch_size // world  # this process's share of a batch
     t0, seen = time.time(), []
@@ -382,8 +384,8 @@ def train():
             save(it + 1, folder, scorer, opts.get(scorer), student, opts.get(student))
             # held-out, the scorer as it trains: it has no dropout, so eval mode would change nothing
             if rank == 0:
-                ev = qwen3.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
-                log(f"step {it + 1}: {held_out(ev, tok, scorer or 'streaming', texts, pools)}; saved {out_dir}/")
+                evaluated = qwen3.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
+                log(f"step {it + 1}: {held_out(evaluated, tok, scorer or 'streaming', texts, pools)}; saved {out_dir}/")
     log(f"trained in {time.time() - t0:.0f}s")
     if data == "baby" and final_seqs and rank == 0:
         final_table(folder, tok, net, scorer)
@@ -393,15 +395,16 @@ def train():
 # the fine-tune (--finetune) and several processes (torchrun: DDP for the scorer, FSDP2 for the fine-tune)
 
 
-def finetune_loss(net, teacher, scorer, idx, qs, sinks, window, pool, pools, top_logits, target, ddp=None):
-    """One --finetune step's backward: the model learns under the student's eviction by KL to the dense teacher's top
-    `top_logits`; the scorer by the boundary loss at each pool's queries qs against the dense teacher's --target future
-    attention (the frozen run's teacher), on the student's keys and values -> KL, boundary loss, keep/drop accuracy."""
+def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top_logits, target, ddp=None):
+    """One --finetune step's backward: the student (the model fine-tuned) learns under the scorer's eviction by KL to
+    the frozen dense model net's top `top_logits`; the scorer by the boundary loss at each pool's queries qs against
+    net's --target future attention (the frozen run's teacher), on the student's keys and values -> KL, boundary loss,
+    keep/drop accuracy."""
     with torch.no_grad():
-        top = teacher(idx).float().topk(min(top_logits, teacher.config.vocab_size), -1)  # (B, T, K)
-        rs = kvpop.dense_targets(teacher, idx, window, target)[1] if scorer is not None else None
+        top = net(idx).float().topk(min(top_logits, net.config.vocab_size), -1)  # (B, T, K)
+        rs = kvpop.dense_targets(net, idx, window, target)[1] if scorer is not None else None
     lt, kv = top.values.log_softmax(-1), []
-    evict_by = kvpop.resolve(scorer or "streaming")[1]  # the student's priorities
+    evict_by = kvpop.resolve(scorer or "streaming")[1]  # the scorer's priorities (or StreamingLLM+'s)
 
     def attn(i, q, k, v, pos):
         with torch.no_grad():
@@ -409,8 +412,8 @@ def finetune_loss(net, teacher, scorer, idx, qs, sinks, window, pool, pools, top
         kv.append((k.detach(), v.detach()))
         return kernels.attention(q, k, v, e, sinks)[0]
 
-    # KL(teacher's top K || student); FSDP averages gradients: every process holds as many tokens
-    lp = net(idx, attn=attn).float().log_softmax(-1).gather(-1, top.indices)
+    # KL(net's top K || student); FSDP averages gradients: every process holds as many tokens
+    lp = student(idx, attn=attn).float().log_softmax(-1).gather(-1, top.indices)
     kl = (lt.exp() * (lt - lp)).sum(-1).mean()
     kl.backward()
     b = scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp) if scorer is not None else (0.0, 0.0)
