@@ -25,6 +25,7 @@ from tokenizer import Tokenizer
 model = "baby"  # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby: the demo
 device = "cuda" if torch.cuda.is_available() else "cpu"  # where the model runs
 dtype = "auto"  # float32 / bfloat16 / float16; auto = the checkpoint's on cuda, float32 on cpu
+threads = 0  # CPU threads; 0: one for a model under 100M parameters (threads wait on each other), else torch's
 # --- prompt
 prompt = ""  # the text, or FILE:path; empty: the baby's recall prompt, or a sentence
 chat = False  # wrap the prompt in Qwen3's chat template
@@ -65,6 +66,7 @@ def check_flags():
     check_device(device)
     check_dtype(dtype, DTYPES)
     need(chat or not think, "--think only applies to the chat template; add --chat or drop --think")
+    need(threads >= 0, f"--threads {threads}: use 1 or more (0: the default)")
     need(num_samples >= 1, f"--num_samples {num_samples}: use 1 or more (0: the default)")
     need(max_new_tokens >= 1, f"--max_new_tokens {max_new_tokens}: generate at least 1 token")
     need(temperature >= 0, f"--temperature {temperature:g}: use 0 (greedy) or more (-1: the default)")
@@ -120,6 +122,9 @@ try:
     net = Qwen3.from_pretrained(folder, device=device, dtype=dtype, config=config)
 except (OSError, ValueError) as e:
     fail(e)
+# a small model's decoding step is too small to share: one thread, unless --threads says otherwise (LOG.md)
+small = sum(p.numel() for p in net.parameters()) < 1e8
+torch.set_num_threads(threads or (1 if small else torch.get_num_threads()))
 # the policy the cache runs (full: the budget keeps every token), and the baby's token id -> task word
 name = policy if S < total else "full"
 word = {i: w for w, i in task_ids(tok)[0].items()} if baby else {}
@@ -172,7 +177,8 @@ def report(cache, out, t, dec):
     print(dec(), end="")
     rate = (len(out) - 1) / (t[-1] - t[1]) if len(out) > 1 else 0.0
     prefill = f"prefill {len(ids)} tokens in {t[1] - t[0]:.2f} s"
-    print(f"\n---\n{prefill}; decode {len(out)} tokens at {rate:.1f} tokens/s")
+    on = f"{torch.get_num_threads()} thread(s)" if device == "cpu" else device
+    print(f"\n---\n{prefill}; decode {len(out)} tokens at {rate:.1f} tokens/s on {on}")
     state = f" + scorer state worth {charge}" if charge and S < total else ""
     full = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size() * total
     held = int((cache.pos >= 0).sum(-1).max())

@@ -703,6 +703,13 @@ def test_sample_streams_and_reports_budget(tmp_path):
 # times)
 
 
+def test_sample_threads_fit_the_model():
+    """sample.py decodes a model under 100M parameters (the baby) on one thread unless --threads says otherwise."""
+    for flags, want in [([], "on 1 thread(s)"), (["--threads", "2"], "on 2 thread(s)")]:
+        r = run("sample.py", "--max_new_tokens", "2", "--num_samples", "1", "--device", "cpu", *flags)
+        assert r.returncode == 0 and want in r.stdout, r.stderr
+
+
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("m")
