@@ -18,7 +18,8 @@ class KVCache:
     streams memory fastest. Filled slots are [0, min(t, slots)); an evicted slot goes to the newcomer, in place.
     pos[slot]: its token's position (-1: empty); score[slot]: its priority (a static policy's, given on arrival; a
     learned scorer's, as the token leaves the window; h2o's and tova's attention). t: the tokens taken so far, the
-    next newcomer's position p (qwen3's forward advances it)."""
+    next newcomer's position p, a tensor (qwen3's forward advances it). A decoding step has the same shapes and
+    no Python branch on t from the first step on, so it can be one graph (torch.compile, CUDA graphs)."""
 
     def __init__(self, model, batch, slots, policy="full", sinks=4, window=256):
         config, param = model.config, next(model.parameters())
@@ -26,7 +27,7 @@ class KVCache:
         self.policy, self.slots = policy, slots
         self.sinks, self.window = sinks, window
         self.pool = slots - sinks - window
-        self.t = 0
+        self.t = torch.zeros((), dtype=torch.long, device=param.device)
         learned = self.rule == "learned"
         if learned:
             policy.check(config, window)
@@ -53,7 +54,7 @@ class KVCache:
     # can T > 1 tokens come in one pass? (else the model feeds them one at a time)
     def whole(self, T):
         evicting = self.rule in ("static", "learned")
-        return self.t == 0 and (T <= self.slots or evicting)
+        return int(self.t) == 0 and (T <= self.slots or evicting)
 
     # one layer: q (B, Hq, T, D), new k, v (B, H, T, D) at positions pos; inference only: no graph
     @torch.no_grad()
@@ -108,24 +109,23 @@ class KVCache:
         if layer == 0:
             self.new = self.decide(self.t)
         self.put(layer, self.new[layer], k, v, pos)
-        return self.attention(layer, q, self.t)
+        return self.attention(layer, q)
 
     def decide(self, p):
         """Every layer's slot (L, B, H, 1) for the newcomer p: a learned policy first gives token p - w, leaving the
         window, its priority; then the next free slot while there is one, else the slot of the eligible token
         (sinks <= t <= p - w) with the lowest (priority, position). The newcomer's position, and its score (0)
         under a dynamic policy, go in here."""
-        # a learned policy's decoder scores the leaving token p - w, in its slot
-        r = self.decoder.leaving(p) if self.decoder else None  # (L, B, H, 1)
-        if r is not None:
+        # a learned policy's decoder scores the leaving token p - w, in its slot (none before a token leaves)
+        if self.decoder:
+            r = self.decoder.leaving(p)  # (L, B, H, 1)
             leaving = self.slot_of(p - self.window)
+            r = torch.where(p >= self.window, r, self.score.gather(-1, leaving))
             self.score.scatter_(-1, leaving, r)
-        if p < self.slots:
-            grid = self.pos.shape[:3]  # (L, B, H)
-            slot = self.pos.new_full((*grid, 1), p)
-        else:
-            slot = self.lowest(p)
-        self.pos.scatter_(-1, slot, p)
+        # the next free slot while there is one, else the lowest eligible (both made: no branch on p)
+        free = p.expand(*self.pos.shape[:3], 1)  # (L, B, H, 1)
+        slot = torch.where(p < self.slots, free, self.lowest(p))
+        self.pos.scatter_(-1, slot, free)
         if self.rule == "dynamic":
             self.score.scatter_(-1, slot, 0.0)
         return slot
@@ -168,20 +168,19 @@ class KVCache:
             pi = self.priority(layer, k, v, pos)
             score.scatter_(2, slot, pi)
 
-    def attention(self, layer, q, p):
-        """The newcomer p's attention (B, Hq, 1, D) over one layer's filled slots, in slot order, in the cache's
-        dtype; a dynamic policy updates its scores from it."""
+    def attention(self, layer, q):
+        """The newcomer's attention (B, Hq, 1, D) over one layer's slots, empty ones masked, in slot order, in the
+        cache's dtype; a dynamic policy updates its scores from it."""
         keys, values, score = self.layer[layer]
         batch, heads, _, D = keys.shape
-        used = min(p + 1, self.slots)
-        keys, values = keys[:, :, :used], values[..., :used]
         query = q.view(batch, heads, -1, D).mT
         query = query.to(keys.dtype)  # (B, H, D, G)
         logits = (keys @ query).mT  # (B, H, G, used): a softmax along memory
         logits = kernels.wide(logits) / math.sqrt(D)
-        attention = logits.softmax(-1)
+        empty = self.pos[layer, :, :, None] < 0  # (B, H, 1, slots)
+        attention = logits.masked_fill(empty, -math.inf).softmax(-1)
         if self.rule == "dynamic":
-            self.priority(score[..., :used], attention.mean(-2))
+            self.priority(score, attention.mean(-2))
         attention = attention.to(values.dtype)
         out = attention @ values.mT  # (B, H, G, D)
         out = out.to(q.dtype)

@@ -406,11 +406,9 @@ class Decoder:
         return self.scorer(layer, k, v, pos)
 
     def leaving(self, p):
-        """Every layer's priority (L, B, H, 1) of token t = p - w, leaving the window at step p; None before any
-        token leaves."""
+        """Every layer's priority (L, B, H, 1) of token t = p - w, leaving the window at step p (p a tensor; before
+        any token leaves, t < 0: a number the cache drops)."""
         t = p - self.cache.window
-        if t < 0:
-            return None
         span = torch.arange(self.scorer.span, device=self.cache.pos.device)
         k, v = self.cache.held(t + span)  # (L, B, H, span, D)
         x = self.scorer.features(k, v)
@@ -536,14 +534,12 @@ class WindowDecoder(Decoder):
         return self.scorer(layer, k, v, pos)
 
     def leaving(self, p):
-        """Token t + n joins the ring, then t = p - w reads it."""
+        """Token t + n joins the ring, then t = p - w reads it. Before t + n >= 0 what joins is never read: token u
+        is written at step u - n + w, after them."""
         t = p - self.cache.window
         n = self.scorer.span - 1
-        if t + n >= 0:
-            x = self.scorer.features(*self.cache.held(t + n))
-            self.keep(ALL, t + n, x[..., 0, :])
-        if t < 0:
-            return None
+        x = self.scorer.features(*self.cache.held(t + n))
+        self.keep(ALL, t + n, x[..., 0, :])
         order = torch.arange(n + 1, device=self.near.device)
         order = t + order
         x = self.near[..., order % (n + 1), :]
@@ -721,10 +717,11 @@ class MemoryScorer(Scorer):
         weight = (weight * math.sqrt(self.width)).contiguous()
         return weight[:, None], bias[:, None, :, None]
 
-    def remember(self, memory, scale, k, v, fold):
+    def remember(self, memory, scale, k, v, fold, take=True):
         """Every layer's memory takes one more token (k, v (L, B, H, 1, D)), in place:
         [C; n] = f [C; n] + g [v'; 1] k'^T, stabilised by its log-scale s (L, B, H) as in xLSTM:
-        s' = max(log f + s, log i), g = exp(log i - s'), f = exp(log f + s - s')."""
+        s' = max(log f + s, log i), g = exp(log i - s'), f = exp(log f + s - s'). take (a bool tensor) False: the
+        memory stays as it is (g = 0, f = 1), without a branch."""
         weight, bias = fold
         size = self.d_mem
         x = torch.cat([k, v], -1).to(weight.dtype)  # (L, B, H, 1, 2D)
@@ -734,15 +731,17 @@ class MemoryScorer(Scorer):
         log_input = z[..., 0, -2]  # (L, B, H)
         log_forget = scale - softplus(-z[..., 0, -1])  # log f + s
         new_scale = torch.maximum(log_input, log_forget)
-        write = (log_input - new_scale).exp()[..., None, None]
-        forget = (log_forget - new_scale).exp()[..., None, None]
+        take = torch.as_tensor(take, device=memory.device)
+        write = torch.where(take, (log_input - new_scale).exp(), 0.0)
+        forget = torch.where(take, (log_forget - new_scale).exp(), 1.0)
+        write, forget = write[..., None, None], forget[..., None, None]
         # in place, one pass for the product: memory (L, B, H, M + 1, M) as a batch of matrices
         value = z[..., size : 2 * size + 1]
         value = value.reshape(-1, size + 1, 1)  # [v'; 1]
         key = (write * z[..., :size]).view(-1, 1, size)  # g k'
         matrices = memory.mul_(forget).view(-1, size + 1, size)
         matrices.baddbmm_(value, key)
-        scale.copy_(new_scale)
+        scale.copy_(torch.where(take, new_scale, scale))
 
     def prepare(self, x):
         """What a read needs of tokens with features x (L, B, H, c, X) alone, every layer's: u = W_r x and W_1's
@@ -787,10 +786,12 @@ class MemoryDecoder(Decoder):
         # the update's weights, folded once: the scorer is frozen while decoding
         self.fold = scorer.folded()
         self.start = 0  # the tokens a prompt gave the memories
-        # the prepared reads: `block` of them, from token `first` on (none yet)
+        # the prepared reads u, W_1 x: `block` of them, from token `first` on (none yet)
         self.block = min(cache.window, 32)
-        self.first = -cache.window - self.block
-        self.prepared = None
+        self.first = cache.pos.new_tensor(-cache.window - self.block)
+        reads = (*grid, self.block)
+        u = self.memory.new_zeros(*reads, size)
+        self.prepared = (u, self.memory.new_zeros(*reads, scorer.d_hidden))
 
     def prefill(self, layer, k, v, pos):
         """The prompt's priorities, and the memories after reading it."""
@@ -800,22 +801,36 @@ class MemoryDecoder(Decoder):
         return r + self.scorer.recency(layer, pos.to(r.dtype))
 
     def leaving(self, p):
-        """The memories take token p - 1 (the prompt's were read in prefill), then t = p - w reads them."""
-        if p > self.start:
-            k, v = self.cache.held(p - 1)
-            self.scorer.remember(self.memory, self.scale, k, v, self.fold)
+        """The memories take token p - 1 (unless the prompt gave it), then t = p - w reads them (t < 0: a number
+        the cache drops). The reads of t .. t + c - 1 are prepared at once as t passes the block (all cached: c <=
+        w)."""
+        k, v = self.cache.held(p - 1)
+        self.scorer.remember(self.memory, self.scale, k, v, self.fold, p > self.start)
         t = p - self.cache.window
-        if t < 0:
-            return None
-        # the reads of t .. t + c - 1, prepared at once (all cached: c <= w)
-        if not self.first <= t < self.first + self.block:
-            u = torch.arange(t, t + self.block, device=self.memory.device)
-            x = self.scorer.features(*self.cache.held(u))
-            self.first = t
-            self.prepared = self.scorer.prepare(x)
-        j = t - self.first
-        u, wx = (x[..., j : j + 1, :] for x in self.prepared)
+        stale = (t < self.first) | (t >= self.first + self.block)
+        self.first, u, wx = when(stale, self.prepare, self.kept, (t, self.first, *self.prepared))
+        self.prepared = (u, wx)
+        j = (t - self.first).view(1)
+        u, wx = (x.index_select(-2, j) for x in self.prepared)
         return self.scorer.read(self.memory, self.scale, u, wx, t)
+
+    # the reads of t .. t + c - 1, and t
+    def prepare(self, t, first, u, wx):
+        block = torch.arange(self.block, device=t.device) + t
+        x = self.scorer.features(*self.cache.held(block))
+        return (t.clone(), *self.scorer.prepare(x))
+
+    # the prepared reads as they are (copies: a graph's branch returns new tensors)
+    def kept(self, t, first, u, wx):
+        return first.clone(), u.clone(), wx.clone()
+
+
+def when(condition, then, otherwise, args):
+    """then(*args) if the bool tensor condition holds, else otherwise(*args): a Python branch when run eagerly,
+    torch.cond inside a compiled graph (both branches in it, one runs), so a decoding step stays one graph."""
+    if torch.compiler.is_compiling():
+        return torch.cond(condition, then, otherwise, args)
+    return then(*args) if condition else otherwise(*args)
 
 
 # the learned kinds by name, the default first: a fourth kind is a class here (README, Add a scorer)

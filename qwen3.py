@@ -119,7 +119,7 @@ class Qwen3(nn.Module):
                 self(idx[:, t : t + 1], cache=cache, head=False)
             idx = idx[:, -1:]
         t0, attn = (0, attn) if cache is None else (cache.t, cache.attend)
-        pos = torch.arange(t0, t0 + idx.shape[1], device=idx.device)
+        pos = torch.arange(idx.shape[1], device=idx.device) + t0
         x = self.model.embed_tokens(idx)
         D = self.config.head_dim  # RoPE's cos, sin (T, D): computed in fp32 and cast as HF does
         inv = 1.0 / self.config.rope_theta ** (torch.arange(0, D, 2, device=idx.device).float() / D)

@@ -182,15 +182,16 @@ def report(cache, out, t, dec):
     state = f" + scorer state worth {charge}" if charge and S < total else ""
     full = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size() * total
     held = int((cache.pos >= 0).sum(-1).max())
-    kept = f"{held} entries kept per head{state} of {cache.t} tokens"
+    taken = int(cache.t)
+    kept = f"{held} entries kept per head{state} of {taken} tokens"
     used = cache.nbytes()
     size = f"{used / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * used / full:.1f}%)"
     learned = f" ({scorer})" if name in SCORERS else ""
     print(f"KV cache: {kept}; {size}, policy {name}{learned}")
     if show:
-        seq, p = ids + out[: cache.t - len(ids)], cache.pos[:, 0]
+        seq, p = ids + out[: taken - len(ids)], cache.pos[:, 0]
         heads = p.shape[0] * p.shape[1]
-        print(shade(seq, torch.bincount(p[p >= 0], minlength=cache.t) / heads))
+        print(shade(seq, torch.bincount(p[p >= 0], minlength=taken) / heads))
     print("=" * 80)
 
 
