@@ -1,6 +1,7 @@
 """Benchmarks: `python bench.py {quality,speed,kernels} [--key value ...]`, one cmd_ function per command, each
 reading the defaults under its heading below and the shared ones (`--help` after the command lists them)."""
 
+import itertools
 import os
 import random
 import sys
@@ -29,7 +30,7 @@ budgets = "0.25,0.125"  # comma-separated fractions of the tokens kept per head 
 sinks = 4  # first tokens never evicted
 window = 0  # recent tokens never evicted; 0: 32 (quality: the baby's) or 256 (speed: the paper's)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N (speed, kernels)
-json = ""  # also write the rows to this file (quality, speed)
+json = ""  # also write the rows to this file (quality, speed, kernels --targets)
 # --- quality: every policy on held-out sequences of the baby's tasks (teacher-forced)
 task = "recall"  # comma-separated tasks: recall, cue
 target = "helpful"  # comma-separated targets of the oracle and the scorers: helpful, max, mean
@@ -52,12 +53,13 @@ dtype = "auto"  # auto (bf16 on cuda, fp32 on cpu), float32 or bfloat16
 lengths = ""  # comma-separated T; empty: 4096,16384,32768 on cuda, 1024,2048,4096 on cpu
 D = 128  # head dim
 group = 2  # query heads of the one KV head timed
+targets = ""  # comma-separated GPUs, e.g. sm_75,sm_90: compile every kernel for each instead (no GPU needed)
 COMMAND_FLAGS = {  # what each command reads (another's flag is an unknown option)
     "quality": "model policies budgets sinks window json"
     " task target scorer seed p_cue n T threads",
     "speed": "model policies budgets sinks window device json"
     " shape layers contexts steps prefill train d_mem dtype",
-    "kernels": "device lengths D group",
+    "kernels": "device lengths D group targets json",
 }
 
 
@@ -128,21 +130,52 @@ def table(cols):
     return "| " + cols.replace(",", " | ") + " |\n" + "|---" * (cols.count(",") + 1) + "|"
 
 
+# the shared memory a block may opt in to, KiB (CUDA C++ Programming Guide, technical specifications per capability)
+SHARED_KIB = {"sm_75": 64, "sm_80": 163, "sm_86": 99, "sm_89": 99, "sm_90": 227, "sm_120": 99}
+def compile_targets(a, need):
+    """--targets: every kernel compiled for each GPU, in the launch configuration kernels.py chooses there."""
+    need(set(a.targets.split(",")) <= set(SHARED_KIB), f"--targets {a.targets}: use GPUs among {','.join(SHARED_KIB)}")
+    ptxas = os.path.join(os.path.dirname(kernels.triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    need(os.path.isfile(ptxas), f"--targets: no {ptxas}; reinstall triton (its wheel ships ptxas)")
+    print(table("kernel,target,dtype,head_dim,tiles,stages,warps,shared,limit,registers,spills,ok"))
+    rows = []
+    for target in a.targets.split(","):
+        limit = SHARED_KIB[target] * 1024
+        # eviction_times' kernel reads fp64 priorities, whatever the model's dtype and head_dim
+        launches = [("eviction_times", kernels._evict_kernel, {}, "float64", None, kernels.EVICT_CONFIG)]
+        for dtype, head_dim in itertools.product(("float32", "bfloat16", "float16"), (64, 128, 256)):
+            try:
+                config = kernels.launch_config(int(target[3:]), limit, getattr(torch, dtype), head_dim)
+                launches += [(*launch, dtype, head_dim, config) for launch in kernels.LAUNCHES]
+            except ValueError as refused:  # one line, before any launch
+                rows.append(dict(kernel="all", target=target, dtype=dtype, head_dim=head_dim, refused=str(refused)))
+                print(f"| all | {target} | {dtype} | {head_dim} | refused: {refused} |", flush=True)
+        for name, fn, constexprs, dtype, head_dim, config in launches:
+            shared, registers, spills = kernels.compile_for_gpu(target, fn, dtype, config, **constexprs)
+            tiles = "x".join(str(v) for k, v in config.items() if k.startswith("BLOCK") and k != "BLOCK_D")
+            row = dict(kernel=name, target=target, dtype=dtype, head_dim=head_dim, tiles=tiles)
+            row.update(stages=config["num_stages"], warps=config["num_warps"], shared=shared, limit=limit)
+            rows.append(dict(row, registers=registers, spills=spills, ok=shared <= limit))
+            print("| " + " | ".join(str(v) for v in rows[-1].values()) + " |", flush=True)
+    if a.json:
+        checkpoint.write_json([dict(row, ok=row.get("ok", False)) for row in rows], a.json)
+
+
 def cmd_kernels(argv):
-    """Time and peak memory of each kernels.py op vs its naive dense version (and SDPA on a GPU)."""
+    """Time and peak memory of each kernels.py op vs its naive dense version (and SDPA on a GPU), or --targets."""
     a, need = settings("kernels", argv)
-    need(a.group >= 1, f"--group {a.group}: use 1 or more")
+    if a.targets:
+        return compile_targets(a, need)
     dev, sinks, window = a.device, 4, 256
     dt = torch.float32 if dev == "cpu" else torch.bfloat16
     a.lengths = a.lengths or ("1024,2048,4096" if dev == "cpu" else "4096,16384,32768")
     ok = all(x.strip().isdecimal() and int(x) >= 1 for x in a.lengths.split(","))
     need(ok, f"--lengths {a.lengths!r}: use comma-separated lengths >= 1, e.g. 1024,2048")
-    ok = a.D >= 1 and (dev == "cpu" or a.D <= 256)
-    need(ok, f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)")
+    need(a.group >= 1, f"--group {a.group}: use 1 or more")
+    need(a.D >= 1 and (dev == "cpu" or a.D <= 256), f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA)")
     # best ms of 3 after a warm-up, and peak MiB
     measure = lambda fn: (min([clock(fn, dev) for _ in range(4)][1:]) * 1e3, peak(fn, dev)[1] / 2**20)
-    print(f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads", end=", ")
-    print(f"sinks {sinks}, window {window}, pool T/4\n")
+    print(f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads, sinks {sinks}, window {window}, pool T/4\n")
     print(table("op,T,ours ms,naive ms,naive/ours,SDPA ms,ours MiB,naive MiB,naive/ours"))
     for T in map(int, a.lengths.split(",")):
         q, k, v = (torch.randn(1, h, T, a.D, device=dev, dtype=dt) for h in (a.group, 1, 1))
@@ -151,19 +184,15 @@ def cmd_kernels(argv):
         lse = kernels.attention(q, k, v)[1]
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         # each op, ours and its naive plain_ version, on the same inputs
-        for name, x in [
-            ("attention", (q, k, v)),
-            ("attention+evict", (q, k, v, e, sinks)),
-            ("future_attention", (q, k, lse, window)),
-            ("eviction_times", (pri, sinks, window, T // 4)),
-        ]:
+        ops = [("attention", (q, k, v)), ("attention+evict", (q, k, v, e, sinks))]
+        ops += [("future_attention", (q, k, lse, window)), ("eviction_times", (pri, sinks, window, T // 4))]
+        for name, x in ops:
             op = name.split("+")[0]
-            ours, naive = getattr(kernels, op), getattr(kernels, "plain_" + op)
-            to, mo = measure(lambda: ours(*x))
-            tn, mn = measure(lambda: naive(*x))
-            ts = f"{measure(sdpa)[0]:.1f}" if name == "attention" and dev != "cpu" else "-"
-            speed = f"| {name} | {T} | {to:.1f} | {tn:.1f} | {tn / to:.2f} | {ts} | "
-            print(speed + f"{mo:.1f} | {mn:.1f} | {mn / max(mo, 1e-3):.0f} |", flush=True)
+            ours_ms, ours_mib = measure(lambda: getattr(kernels, op)(*x))
+            naive_ms, naive_mib = measure(lambda: getattr(kernels, "plain_" + op)(*x))
+            sdpa_ms = f"{measure(sdpa)[0]:.1f}" if name == "attention" and dev != "cpu" else "-"
+            speed = f"| {name} | {T} | {ours_ms:.1f} | {naive_ms:.1f} | {naive_ms / ours_ms:.2f} | {sdpa_ms} | "
+            print(speed + f"{ours_mib:.1f} | {naive_mib:.1f} | {naive_mib / max(ours_mib, 1e-3):.0f} |", flush=True)
 
 
 # the scorer folders --scorer names; shipped: those python train.py wrote for the baby, every kind
