@@ -117,17 +117,18 @@ def _check_heads(x, name, shape, device):
 # ----------------------------------------------------------------------------------------------
 # launch configurations: tiles that fit a GPU's shared memory
 
+
 def launch_config(capability, shared_limit, dtype, head_dim):
     """The attention and future-attention kernels' launch on a GPU of this compute capability (e.g. 89) whose blocks
     may use shared_limit bytes: tiles BLOCK_M x BLOCK_N, BLOCK_D, num_stages, num_warps. What cannot run is refused."""
     gpu = f"sm_{capability} ({shared_limit // 1024} KiB of shared memory a block)"
     if capability < 75:
-        raise ValueError(f"{gpu}: the Triton kernels need compute capability 7.5 or newer; run them on the CPU")
+        raise ValueError(f"{gpu}: the Triton kernels need compute capability 7.5 or newer; run on the CPU")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"the Triton kernels take float32, bfloat16 or float16, got {dtype}; cast q, k and v")
     BLOCK_D = max(16, triton.next_power_of_2(head_dim))
     if BLOCK_D > 256:
-        raise ValueError(f"the Triton kernels support head_dim <= 256, got {head_dim}")
+        raise ValueError(f"the Triton kernels support head_dim <= 256, got {head_dim}; run on the CPU")
     # The largest tile that fits, pipelined over 2 stages where there is room. sm_75 has no asynchronous copies to
     # pipeline and multiplies fp32 on its CUDA cores, where 64 x 64 tiles spill registers.
     tiles = (64, 32, 16) if capability >= 80 else (32, 16)
@@ -139,7 +140,7 @@ def launch_config(capability, shared_limit, dtype, head_dim):
         for stages in stage_counts:
             if (4 + 8 * stages) * tile * BLOCK_D + 1024 <= shared_limit:
                 return dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_D=BLOCK_D, num_stages=stages, num_warps=4)
-    raise ValueError(f"{gpu} has no room for the kernels at head_dim {head_dim}, not even for 16 x 16 tiles")
+    raise ValueError(f"{gpu} has no room for 16 x 16 tiles at head_dim {head_dim}; run on the CPU")
 
 
 # a GPU's compute capability (e.g. 89) and the shared memory a block may use, read once
