@@ -139,7 +139,8 @@ def launch_config(capability, shared_limit, dtype, head_dim):
     for tile in tiles:
         for stages in stage_counts:
             if (4 + 8 * stages) * tile * BLOCK_D + 1024 <= shared_limit:
-                return dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_D=BLOCK_D, num_stages=stages, num_warps=4)
+                warps = 8 if tile * BLOCK_D >= 64 * 128 else 4  # with 4, its accumulators would spill registers
+                return dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_D=BLOCK_D, num_stages=stages, num_warps=warps)
     raise ValueError(f"{gpu} has no room for 16 x 16 tiles at head_dim {head_dim}; run on the CPU")
 
 
@@ -215,7 +216,8 @@ def _attention_torch(q, k, v, evict_at, sinks, scale):
             m = m_new
         # a row that sees nothing is 0
         seen = row_sum > 0
-        out[:, :, :, i : i + BLOCK] = acc / torch.where(seen, row_sum, 1)[..., None]
+        denominator = torch.where(seen, row_sum, 1)[..., None]
+        out[:, :, :, i : i + BLOCK] = acc / denominator
         log_sum = torch.where(seen, m + torch.log(row_sum), -math.inf)
         lse[:, :, :, i : i + BLOCK] = log_sum
     return out.view(B, heads, T, D).to(dtype), lse.view(B, heads, T)
@@ -521,7 +523,7 @@ def _evict_kernel(PRIORITY, E, T, sinks, window, pool, BLOCK_T: tl.constexpr, BL
     tl.store(E + head * T + t, e, mask=t < T)
 
 
-# eviction_times' kernel: 64 tokens by 64 positions, a few KiB of shared memory on every GPU
+# eviction_times' kernel: 64 tokens by 64 positions, half a KiB of shared memory on every GPU
 EVICT_CONFIG = dict(BLOCK_T=64, BLOCK_U=64, num_stages=3, num_warps=4)
 
 
@@ -561,9 +563,10 @@ def compile_for_gpu(target, kernel, dtype, config, **flags):
     options = {name: value for name, value in config.items() if name.startswith("num")}
     # compiled afresh (not read from triton's cache), printing ptxas -v's log: the registers and spills
     knobs = triton.knobs
-    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(io.StringIO()) as printed:
+    with knobs.nvidia.scope(), knobs.compilation.scope():
         knobs.nvidia.dump_ptxas_log = knobs.compilation.always_compile = True
-        compiled = triton.compile(source, target=gpu, options=options)
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            compiled = triton.compile(source, target=gpu, options=options)
     log = printed.getvalue()
     registers = re.search(r"Used (\d+) registers", log)[1]
     spilled = re.search(r"(\d+) bytes spill stores", log)[1]
