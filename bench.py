@@ -132,6 +132,8 @@ def table(cols):
 
 # the shared memory a block may opt in to, KiB (CUDA C++ Programming Guide, technical specifications per capability)
 SHARED_KIB = {"sm_75": 64, "sm_80": 163, "sm_86": 99, "sm_89": 99, "sm_90": 227, "sm_120": 99}
+
+
 def compile_targets(a, need):
     """--targets: every kernel compiled for each GPU, in the launch configuration kernels.py chooses there."""
     need(set(a.targets.split(",")) <= set(SHARED_KIB), f"--targets {a.targets}: use GPUs among {','.join(SHARED_KIB)}")
@@ -166,16 +168,18 @@ def cmd_kernels(argv):
     a, need = settings("kernels", argv)
     if a.targets:
         return compile_targets(a, need)
+    need(a.group >= 1, f"--group {a.group}: use 1 or more")
     dev, sinks, window = a.device, 4, 256
     dt = torch.float32 if dev == "cpu" else torch.bfloat16
     a.lengths = a.lengths or ("1024,2048,4096" if dev == "cpu" else "4096,16384,32768")
     ok = all(x.strip().isdecimal() and int(x) >= 1 for x in a.lengths.split(","))
     need(ok, f"--lengths {a.lengths!r}: use comma-separated lengths >= 1, e.g. 1024,2048")
-    need(a.group >= 1, f"--group {a.group}: use 1 or more")
-    need(a.D >= 1 and (dev == "cpu" or a.D <= 256), f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA)")
+    ok = a.D >= 1 and (dev == "cpu" or a.D <= 256)
+    need(ok, f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)")
     # best ms of 3 after a warm-up, and peak MiB
     measure = lambda fn: (min([clock(fn, dev) for _ in range(4)][1:]) * 1e3, peak(fn, dev)[1] / 2**20)
-    print(f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads, sinks {sinks}, window {window}, pool T/4\n")
+    print(f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads", end=", ")
+    print(f"sinks {sinks}, window {window}, pool T/4\n")
     print(table("op,T,ours ms,naive ms,naive/ours,SDPA ms,ours MiB,naive MiB,naive/ours"))
     for T in map(int, a.lengths.split(",")):
         q, k, v = (torch.randn(1, h, T, a.D, device=dev, dtype=dt) for h in (a.group, 1, 1))
@@ -184,12 +188,16 @@ def cmd_kernels(argv):
         lse = kernels.attention(q, k, v)[1]
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         # each op, ours and its naive plain_ version, on the same inputs
-        ops = [("attention", (q, k, v)), ("attention+evict", (q, k, v, e, sinks))]
-        ops += [("future_attention", (q, k, lse, window)), ("eviction_times", (pri, sinks, window, T // 4))]
-        for name, x in ops:
+        for name, x in [
+            ("attention", (q, k, v)),
+            ("attention+evict", (q, k, v, e, sinks)),
+            ("future_attention", (q, k, lse, window)),
+            ("eviction_times", (pri, sinks, window, T // 4)),
+        ]:
             op = name.split("+")[0]
-            ours_ms, ours_mib = measure(lambda: getattr(kernels, op)(*x))
-            naive_ms, naive_mib = measure(lambda: getattr(kernels, "plain_" + op)(*x))
+            ours, naive = getattr(kernels, op), getattr(kernels, "plain_" + op)
+            ours_ms, ours_mib = measure(lambda: ours(*x))
+            naive_ms, naive_mib = measure(lambda: naive(*x))
             sdpa_ms = f"{measure(sdpa)[0]:.1f}" if name == "attention" and dev != "cpu" else "-"
             speed = f"| {name} | {T} | {ours_ms:.1f} | {naive_ms:.1f} | {naive_ms / ours_ms:.2f} | {sdpa_ms} | "
             print(speed + f"{ours_mib:.1f} | {naive_mib:.1f} | {naive_mib / max(ours_mib, 1e-3):.0f} |", flush=True)
