@@ -1,6 +1,7 @@
 """Benchmarks: `python bench.py {quality,speed,kernels} [--key value ...]`, one cmd_ function per command, each
 reading the defaults under its heading below and the shared ones (`--help` after the command lists them)."""
 
+import itertools
 import os
 import random
 import sys
@@ -30,7 +31,7 @@ budgets = "0.25,0.125"  # comma-separated fractions of the tokens kept per head 
 sinks = 4  # first tokens never evicted
 window = 0  # recent tokens never evicted; 0: 32 (quality: the baby's) or 256 (speed: the paper's)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N (speed, kernels)
-json = ""  # also write the rows to this file (quality, speed)
+json = ""  # also write the rows to this file (quality, speed, kernels --targets)
 # --- quality: every policy on held-out sequences of the baby's tasks (teacher-forced)
 task = "recall"  # comma-separated tasks: recall, cue
 target = "helpful"  # comma-separated targets of the oracle and the scorers: helpful, max, mean
@@ -53,12 +54,13 @@ dtype = "auto"  # auto (bf16 on cuda, fp32 on cpu), float32 or bfloat16
 lengths = ""  # comma-separated T; empty: 4096,16384,32768 on cuda, 1024,2048,4096 on cpu
 D = 128  # head dim
 group = 2  # query heads of the one KV head timed
+targets = ""  # comma-separated GPUs, e.g. sm_75,sm_90: compile every kernel for each instead (no GPU needed)
 COMMAND_FLAGS = {  # what each command reads (another's flag is an unknown option)
     "quality": "model policies budgets sinks window json"
     " task target scorer seed p_cue n T threads",
     "speed": "model policies budgets sinks window device json"
     " shape layers contexts steps prefill train d_mem dtype",
-    "kernels": "device lengths D group",
+    "kernels": "device lengths D group targets json",
 }
 
 
@@ -129,9 +131,44 @@ def table(cols):
     return "| " + cols.replace(",", " | ") + " |\n" + "|---" * (cols.count(",") + 1) + "|"
 
 
+# the shared memory a block may opt in to, KiB (CUDA C++ Programming Guide, technical specifications per capability)
+SHARED_KIB = {"sm_75": 64, "sm_80": 163, "sm_86": 99, "sm_89": 99, "sm_90": 227, "sm_120": 99}
+
+
+def compile_targets(a, need):
+    """--targets: every kernel compiled for each GPU, in the launch configuration kernels.py chooses there."""
+    need(set(a.targets.split(",")) <= set(SHARED_KIB), f"--targets {a.targets}: use GPUs among {','.join(SHARED_KIB)}")
+    ptxas = os.path.join(os.path.dirname(kernels.triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    need(os.path.isfile(ptxas), f"--targets: no {ptxas}; reinstall triton (its wheel ships ptxas)")
+    print(table("kernel,target,dtype,head_dim,tiles,stages,warps,shared,limit,registers,spills,ok"))
+    rows = []
+    for target in a.targets.split(","):
+        limit = SHARED_KIB[target] * 1024
+        # eviction_times' kernel reads fp64 priorities, whatever the model's dtype and head_dim
+        launches = [("eviction_times", kernels._evict_kernel, {}, "float64", None, kernels.EVICT_CONFIG)]
+        for dtype, head_dim in itertools.product(("float32", "bfloat16", "float16"), (64, 128, 256)):
+            try:
+                config = kernels.launch_config(int(target[3:]), limit, getattr(torch, dtype), head_dim)
+                launches += [(*launch, dtype, head_dim, config) for launch in kernels.LAUNCHES]
+            except ValueError as refused:  # one line, before any launch
+                rows.append(dict(kernel="all", target=target, dtype=dtype, head_dim=head_dim, refused=str(refused)))
+                print(f"| all | {target} | {dtype} | {head_dim} | refused: {refused} |", flush=True)
+        for name, fn, constexprs, dtype, head_dim, config in launches:
+            shared, registers, spills = kernels.compile_for_gpu(target, fn, dtype, config, **constexprs)
+            tiles = "x".join(str(v) for k, v in config.items() if k.startswith("BLOCK") and k != "BLOCK_D")
+            row = dict(kernel=name, target=target, dtype=dtype, head_dim=head_dim, tiles=tiles)
+            row.update(stages=config["num_stages"], warps=config["num_warps"], shared=shared, limit=limit)
+            rows.append(dict(row, registers=registers, spills=spills, ok=shared <= limit))
+            print("| " + " | ".join(str(v) for v in rows[-1].values()) + " |", flush=True)
+    if a.json:
+        checkpoint.write_json([dict(row, ok=row.get("ok", False)) for row in rows], a.json)
+
+
 def cmd_kernels(argv):
-    """Time and peak memory of each kernels.py op vs its naive dense version (and SDPA on a GPU)."""
+    """Time and peak memory of each kernels.py op vs its naive dense version (and SDPA on a GPU), or --targets."""
     a, need = settings("kernels", argv)
+    if a.targets:
+        return compile_targets(a, need)
     need(a.group >= 1, f"--group {a.group}: use 1 or more")
     dev, sinks, window = a.device, 4, 256
     dt = torch.float32 if dev == "cpu" else torch.bfloat16

@@ -291,6 +291,9 @@ BAD_FLAGS = [
     ("bench.py kernels", ["--D", "abc"], ["--D 'abc' is not an integer"]),
     ("bench.py kernels", ["--group", "0"], ["--group 0"]),
     ("bench.py kernels", ["--group", "x"], ["--group"]),
+    ("bench.py kernels", ["--targets", "sm_89,sm_70"], ["--targets sm_89,sm_70", "among sm_75,sm_80"]),
+    ("bench.py kernels", ["--targets", "sm_89,"], ["--targets sm_89,", "use GPUs among"]),
+    ("bench.py kernels", ["--targets", "sm_89", "--json", "/nonexistent/k.json"], ["--json /nonexistent/k.json"]),
     ("bench.py speed", ["--bogus"], ["unknown option '--bogus'"]),
     ("bench.py speed", ["--n", "3"], ["unknown option '--n'"]),  # quality's
     ("bench.py speed", ["--model", NOWHERE], ["no checkpoint folder"]),
@@ -951,6 +954,26 @@ def _k_simulate(priority, sinks, window, k):
     return e
 
 
+# the per-block shared memory of the GPUs kernels.launch_config is checked for (CUDA C++ Programming Guide, technical
+# specifications per compute capability), as (capability, bytes)
+_K_GPUS = {"sm_75": (75, 64 << 10), "sm_80": (80, 163 << 10), "sm_86": (86, 99 << 10)}
+_K_GPUS |= {"sm_89": (89, 99 << 10), "sm_90": (90, 227 << 10), "sm_120": (120, 99 << 10)}
+_K_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# every tile size launch_config picks on one of them at head_dim 64, 128 or 256
+_K_CASES = [(*gpu, dtype, D) for gpu in _K_GPUS.values() for dtype in _K_DTYPES for D in (64, 128, 256)]
+_K_TILES = sorted({kernels.launch_config(*case)["BLOCK_M"] for case in _K_CASES}) if kernels.triton else [64]
+
+
+@pytest.fixture(params=_K_TILES if kernels.INTERPRET else [None], ids=lambda tile: f"tile{tile}" if tile else "chosen")
+def _k_tile(request, monkeypatch):
+    """Under the interpreter, the Triton kernels run at every tile size some GPU gets (the tests' small head_dims
+    alone would always get 64 x 64); elsewhere the chosen tiles."""
+    if request.param:
+        chosen = kernels.launch_config
+        tiles = dict(BLOCK_M=request.param, BLOCK_N=request.param)
+        monkeypatch.setattr(kernels, "launch_config", lambda *gpu: chosen(*gpu) | tiles)
+
+
 def _k_qkv(B, G, T, D, device, seed, Hkv=2):
     g = torch.Generator().manual_seed(seed)
     # made (B, T, H, D) and transposed, as a model's projections are: the kernels must take strided
@@ -976,6 +999,7 @@ def test_kernels_plain_forms_are_the_definitions(G):
         assert _k_err(got, _k_dense_future(q, k, lse, 5, 1e-6, 16**-0.5, reduce)) <= 1e-5, reduce
 
 
+@pytest.mark.usefixtures("_k_tile")
 @pytest.mark.parametrize("device", _K_DEVICES)
 @pytest.mark.parametrize("G", [1, 2, 4])
 def test_kernels_attention(device, G):
@@ -1004,6 +1028,7 @@ def test_kernels_attention(device, G):
         assert _k_err(out, ref) <= _k_tol(device, 1e-5) and _k_err(lse, ref_lse) <= _k_tol(device, 1e-5), (T, mode)
 
 
+@pytest.mark.usefixtures("_k_tile")
 def test_kernels_attention_bf16_and_scale():
     q, k, v = (x.bfloat16() for x in _k_qkv(2, 2, 45, 32, "cpu", 7))
     out, lse = kernels.attention(q, k, v, scale=0.3)
@@ -1014,6 +1039,7 @@ def test_kernels_attention_bf16_and_scale():
     assert ((out.double() - ref).abs() <= 2**-7 * ref.abs() + 1e-5).all()
 
 
+@pytest.mark.usefixtures("_k_tile")
 @pytest.mark.parametrize("device", _K_DEVICES)
 @pytest.mark.parametrize("G", [1, 2, 4])
 @pytest.mark.parametrize("reduce", ["mean", "max"])
@@ -1141,8 +1167,8 @@ def test_kernels_memory_torch_path():
 def test_kernels_triton_interpreter():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("already inside the interpreter run")
-    # every kernel test but this one and the meter
-    sel = "test_kernels_ and not interpreter and not memory"
+    # every kernel test but this one, the meter and the compiler's (no kernel runs there)
+    sel = "test_kernels_ and not interpreter and not memory and not compile_for_gpus"
     # CPU only (CUDA runs the kernels natively); one thread, as the interpreter runs many tiny numpy
     # ops
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
@@ -1150,6 +1176,71 @@ def test_kernels_triton_interpreter():
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]
     assert " passed" in res.stdout and "skipped" not in res.stdout, res.stdout[-2000:]
+
+
+def _k_ptxas():
+    """triton's own ptxas (the wheel ships it), or why there is none."""
+    if kernels.triton is None:
+        return None, "triton is not installed"
+    path = os.path.join(os.path.dirname(kernels.triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return (path, "") if os.path.isfile(path) else (None, f"triton's ptxas is absent ({path})")
+
+
+def test_kernels_compile_for_gpus():
+    """Every Triton kernel compiled, no GPU needed, for a T4 (sm_75, 64 KiB of shared memory a block) and an RTX 40xx
+    (sm_89, 99 KiB) in fp32 and bf16 at head_dim 128 (every Qwen3), in the launch configuration launch_config chooses
+    there: the shared memory the compiler gives each must fit the GPU's limit (_K_GPUS, from the CUDA docs). The
+    launch every GPU had before, 64 x 64 tiles over 2 stages, does not fit the RTX 40xx in fp32 (113 KiB)."""
+    if _k_ptxas()[0] is None:
+        pytest.skip(_k_ptxas()[1])
+    for target in ("sm_75", "sm_89"):
+        capability, limit = _K_GPUS[target]
+        # eviction_times' kernel reads fp64 priorities whatever the model's dtype
+        launches = [("eviction_times", kernels._evict_kernel, {}, "float64", kernels.EVICT_CONFIG)]
+        for dtype in ("float32", "bfloat16"):
+            config = kernels.launch_config(capability, limit, getattr(torch, dtype), 128)
+            assert config["BLOCK_D"] == 128
+            launches += [(name, kernel, flags, dtype, config) for name, kernel, flags in kernels.LAUNCHES]
+        for name, kernel, flags, dtype, config in launches:
+            shared, registers, _ = kernels.compile_for_gpu(target, kernel, dtype, config, **flags)
+            print(f"{target} {dtype} {name}: {shared} bytes of {limit}, {registers} registers")
+            assert 0 < shared <= limit and 0 < registers <= 255, (target, dtype, name, shared)
+    before = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, num_stages=2, num_warps=4)
+    shared = kernels.compile_for_gpu("sm_89", kernels._attention_kernel, "float32", before, HAS_E=True)[0]
+    assert shared > _K_GPUS["sm_89"][1], shared
+
+
+def test_kernels_refuse_before_launch(monkeypatch):
+    """A GPU, dtype or head_dim the kernels cannot serve is refused with one line before any launch (never triton's
+    OutOfResources): here a mocked GPU whose blocks may use 16 KiB of shared memory, where at head_dim 256 the smallest
+    q tile alone, 16 rows of 256 fp32, takes all 16 KiB before k and v."""
+    monkeypatch.setattr(kernels, "INTERPRET", True)  # CPU tensors take the Triton path, as on a GPU
+    monkeypatch.setattr(kernels, "INTERPRET_AS", (86, 16 << 10))
+
+    class NoLaunch:  # stands in for a kernel: launching it fails the test
+        def __getitem__(self, grid):
+            raise AssertionError(f"a kernel was launched on grid {grid}")
+
+    monkeypatch.setattr(kernels, "_attention_kernel", NoLaunch())
+    monkeypatch.setattr(kernels, "_future_kernel", NoLaunch())
+    q, k, v = _k_qkv(1, 2, 8, 256, "cpu", 0)
+    lse = torch.zeros(1, 4, 8)
+    for run in (lambda: kernels.attention(q, k, v), lambda: kernels.future_attention(q, k, lse, 2)):
+        with pytest.raises(ValueError) as refused:
+            run()
+        message = str(refused.value)
+        assert "\n" not in message and "sm_86" in message and "head_dim 256" in message, message
+    # and on a GPU that has room, the same call would go on to launch
+    monkeypatch.setattr(kernels, "INTERPRET_AS", _K_GPUS["sm_86"])
+    with pytest.raises(AssertionError, match="launched"):
+        kernels.attention(q, k, v)
+    # what no GPU serves, one line each
+    refusals = [((70, 96 << 10, torch.float32, 128), "7.5"), ((89, 99 << 10, torch.float64, 128), "float64")]
+    refusals += [((90, 227 << 10, torch.bfloat16, 512), "head_dim <= 256")]
+    for case, reason in refusals:
+        with pytest.raises(ValueError, match=re.escape(reason)) as refused:
+            kernels.launch_config(*case)
+        assert "\n" not in str(refused.value)
 
 
 # =========================================================================================================
