@@ -50,6 +50,7 @@ prefill = 0  # prompt length of the prefill rows (0 = none)
 train = 0  # sequence length of the training-step rows (0 = none)
 d_mem = 128  # the kvpop scorer's memory size (the paper's 128)
 dtype = "auto"  # auto (bf16 on cuda, fp32 on cpu), float32 or bfloat16
+compile = False  # each decoding step one compiled graph (a GPU: CUDA graphs); the first round compiles
 # --- kernels: time and peak memory of each kernels.py op against its naive dense version
 lengths = ""  # comma-separated T; empty: 4096,16384,32768 on cuda, 1024,2048,4096 on cpu
 D = 128  # head dim
@@ -59,7 +60,7 @@ COMMAND_FLAGS = {  # what each command reads (another's flag is an unknown optio
     "quality": "model policies budgets sinks window json"
     " task target scorer seed p_cue n T threads",
     "speed": "model policies budgets sinks window device json"
-    " shape layers contexts steps prefill train d_mem dtype",
+    " shape layers contexts steps prefill train d_mem dtype compile",
     "kernels": "device lengths D group targets json",
 }
 
@@ -318,6 +319,8 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
     """The decoding rows: tokens/s of full, then each policy at each budget, beside the bytes a step reads (W of
     weights) and a model-sized matrix-vector product (the limit); a context's rows stepped in turn: the same minutes."""
     c, dev, rows = net.config, a.device, []
+    mode = "reduce-overhead" if dev.startswith("cuda") else None
+    step = torch.compile(net, fullgraph=True, mode=mode) if a.compile else net
     E, heads = c.hidden_size, c.num_hidden_layers * c.num_key_value_heads
     per_tok = 2 * heads * c.head_dim * dt.itemsize  # KV bytes of a token
     med = lambda t: sorted(t[1:])[len(t) // 2 - 1]  # after the warm-up round
@@ -335,7 +338,7 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
         for _ in range(a.steps + 1):  # the first round warms up
             lim.append(clock(lambda: M @ x, dev))
             for cache, n, sec in runs.values():
-                sec.append(clock(lambda: net(tok, cache=cache), dev))
+                sec.append(clock(lambda: step(tok, cache=cache), dev))
         limit = M.numel() * dt.itemsize / med(lim) / 1e9
         # full first: its seconds and bytes are the context's yardstick
         for (p, b), (cache, n, times) in runs.items():

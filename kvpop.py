@@ -521,8 +521,9 @@ class WindowDecoder(Decoder):
         shape = (*grid, scorer.span, scorer.width)
         self.near = cache.pos.new_zeros(shape, dtype=scorer.theta.dtype)
 
-    def keep(self, layer, u, x):  # the features x (..., len(u), X) of tokens u into the ring
-        self.near[layer][..., u % self.scorer.span, :] = x
+    def keep(self, layer, u, x):  # the features x (..., len(u), X) of tokens u (a tensor) into the ring
+        ring = u.view(-1) % self.scorer.span
+        self.near[layer][..., ring, :] = x
 
     def prefill(self, layer, k, v, pos):
         """The prompt's priorities, and the ring: its tokens t .. t + n - 1 for the first t to leave, T - w."""
@@ -539,7 +540,7 @@ class WindowDecoder(Decoder):
         t = p - self.cache.window
         n = self.scorer.span - 1
         x = self.scorer.features(*self.cache.held(t + n))
-        self.keep(ALL, t + n, x[..., 0, :])
+        self.keep(ALL, t + n, x)
         order = torch.arange(n + 1, device=self.near.device)
         order = t + order
         x = self.near[..., order % (n + 1), :]

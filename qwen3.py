@@ -191,15 +191,18 @@ def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop=(), cache=None):
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop=(), cache=None, step=None):
     """Stream (B,) next-token tensors. With a cache (cache.KVCache, which sets the budget) each step feeds the newest
-    token; without one, the whole sequence. A sequence that produced a stop id keeps emitting it; generation ends when
-    all have stopped."""
+    token, through `step` if given (the model compiled: one graph a step), the prompt through the model; without
+    one, the whole sequence. A sequence that produced a stop id keeps emitting it; generation ends when all have
+    stopped."""
     x, seq, nxt = idx, idx, idx[:, -1]
     done = torch.zeros(len(idx), dtype=torch.bool, device=idx.device)
     stop = idx.new_tensor(list(stop))
+    run = model
     for _ in range(max_new_tokens):
-        logits = model(x, cache=cache)[:, -1].float()
+        logits = run(x, cache=cache)[:, -1].float()
+        run = model if step is None else step
         nxt = torch.where(done, nxt, sample_next(logits, temperature, top_k, top_p))
         yield nxt
         done |= torch.isin(nxt, stop)

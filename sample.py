@@ -26,6 +26,7 @@ model = "baby"  # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); b
 device = "cuda" if torch.cuda.is_available() else "cpu"  # where the model runs
 dtype = "auto"  # float32 / bfloat16 / float16; auto = the checkpoint's on cuda, float32 on cpu
 threads = 0  # CPU threads; 0: one for a model under 100M parameters (threads wait on each other), else torch's
+compile = False  # decode with the step compiled, one graph (torch.compile: CUDA graphs on a GPU, inductor on a CPU)
 # --- prompt
 prompt = ""  # the text, or FILE:path; empty: the baby's recall prompt, or a sentence
 chat = False  # wrap the prompt in Qwen3's chat template
@@ -125,6 +126,9 @@ except (OSError, ValueError) as e:
 # a small model's decoding step is too small to share: one thread, unless --threads says otherwise (LOG.md)
 small = sum(p.numel() for p in net.parameters()) < 1e8
 torch.set_num_threads(threads or (1 if small else torch.get_num_threads()))
+# --compile: one graph a decoding step; on a GPU replayed as a CUDA graph
+mode = "reduce-overhead" if device.startswith("cuda") else None
+compiled = torch.compile(net, fullgraph=True, mode=mode) if compile else None
 # the policy the cache runs (full: the budget keeps every token), and the baby's token id -> task word
 name = policy if S < total else "full"
 word = {i: w for w, i in task_ids(tok)[0].items()} if baby else {}
@@ -145,11 +149,13 @@ def draw(pol, size, echo):
     x, outs = torch.tensor([ids], device=device), []
     if echo:
         print(tok.decode(ids) if chat else text, end="\n" + "=" * 80 + "\n", flush=True)
+    # the policy's own samples: each step through the compiled model, if --compile
+    step = compiled if echo else None
     for _ in range(num_samples):
         cache = KVCache(net, 1, size, pol, sinks, window)
         dec, out, t = tok.decode_stream(), [], [time.time()]
         outs.append(out)
-        for nxt in generate(net, x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache):
+        for nxt in generate(net, x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache, step):
             out.append(int(nxt[0]))
             t.append(time.time())
             if out[-1] in tok.stop:

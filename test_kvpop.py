@@ -2597,6 +2597,33 @@ def test_static_policy_of_any_real_dtype(small_model, dtype):
     assert (on - small_model(idx)).abs().max().item() > 1e-3  # it evicted
 
 
+# every policy crosses the fill -> evict boundary while decoding; kvpop's 600 steps cross its prepared blocks many times
+@pytest.mark.parametrize("policy, steps", [(p, 48) for p in ("full", "streaming", "knorm", "random", "h2o", "tova", "kvpop-window", "kvpop-mlp")] + [("kvpop", 600)])
+def test_decoding_step_is_one_graph(baby, policy, steps):
+    """[21/23]: a decoding step traced whole by torch.compile (fullgraph: a graph break raises; a recompilation
+    raises too) from the first step to the last, and the compiled run the eager one: the same positions held
+    after every step, the same logits. The prompt goes eagerly (generate's `step`)."""
+    import torch._dynamo
+
+    net, tok = baby
+    idx = tasks.task_batch(tok, 1, 40, random.Random("one-graph"))[0]
+    pol = kvpop.Scorer.from_pretrained(os.path.join(MODEL_DIR, "scorers", "recall-helpful", policy)) if policy in kvpop.SCORERS else policy
+    slots = 40 + steps - 1 if policy == "full" else 40 + steps // 4 + kvpop.state_charge(pol, torch.float32)
+    torch._dynamo.reset()
+    step = torch.compile(net, fullgraph=True, backend="eager")
+    runs = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for compiled in (None, step):
+            cache, held = KVCache(net, 1, slots, pol, 4, 32), []
+            torch.manual_seed(0)
+            logits = []
+            for nxt in qwen3.generate(net, idx, steps, cache=cache, step=compiled):
+                held.append(cache.pos.sort(-1).values.clone())
+            runs.append(held)
+    assert all(torch.equal(a, b) for a, b in zip(*runs)) and len(runs[1]) == steps
+    assert int((runs[1][-1] >= 0).sum(-1).min()) == slots  # it filled and evicted
+
+
 def test_readme_add_a_scorer(small_model):
     """README's "Add a scorer": its class, registered, reads x[t + 1] (checked against that definition), trains a few
     steps on the boundary loss (the loss falls), then runs online as it does masked, at a budget that evicts."""
