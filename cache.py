@@ -27,7 +27,7 @@ class KVCache:
         self.policy, self.slots = policy, slots
         self.sinks, self.window = sinks, window
         self.pool = slots - sinks - window
-        self.t = torch.zeros((), dtype=torch.long, device=param.device)
+        self.t = torch.tensor(0, device=param.device)
         learned = self.rule == "learned"
         if learned:
             policy.check(config, window)
@@ -86,7 +86,8 @@ class KVCache:
             edges = (self.sinks, self.window, self.pool)
             out, e = masked_attention(q, k, v, pi, *edges)
             seen = (pos < self.sinks) | (e > T - 1)
-            order = seen.byte().sort(dim=-1, descending=True, stable=True)
+            seen = seen.byte()
+            order = seen.sort(dim=-1, descending=True, stable=True)
             keep = order.indices[..., : self.slots]
         pi = pi.gather(2, keep)
         self.store(layer, keep, k, v, pos[keep], pi)
@@ -97,8 +98,10 @@ class KVCache:
         count = keep.shape[-1]
         D = k.shape[-1]
         rows = keep[..., None].expand(-1, -1, -1, D)
-        self.k[layer, :, :, :count] = k.gather(2, rows)
-        self.v[layer, :, :, :, :count] = v.gather(2, rows).mT
+        keys = k.gather(2, rows)
+        self.k[layer, :, :, :count] = keys
+        values = v.gather(2, rows)
+        self.v[layer, :, :, :, :count] = values.mT
         self.pos[layer, :, :, :count] = pos
         self.score[layer, :, :, :count] = pi
 
@@ -120,11 +123,13 @@ class KVCache:
         if self.decoder:
             r = self.decoder.leaving(p)  # (L, B, H, 1)
             leaving = self.slot_of(p - self.window)
-            r = torch.where(p >= self.window, r, self.score.gather(-1, leaving))
+            held = self.score.gather(-1, leaving)
+            r = torch.where(p >= self.window, r, held)
             self.score.scatter_(-1, leaving, r)
         # the next free slot while there is one, else the lowest eligible (both made: no branch on p)
         free = p.expand(*self.pos.shape[:3], 1)  # (L, B, H, 1)
-        slot = torch.where(p < self.slots, free, self.lowest(p))
+        lowest = self.lowest(p)
+        slot = torch.where(p < self.slots, free, lowest)
         self.pos.scatter_(-1, slot, free)
         if self.rule == "dynamic":
             self.score.scatter_(-1, slot, 0.0)
@@ -178,7 +183,8 @@ class KVCache:
         logits = (keys @ query).mT  # (B, H, G, used): a softmax along memory
         logits = kernels.wide(logits) / math.sqrt(D)
         empty = self.pos[layer, :, :, None] < 0  # (B, H, 1, slots)
-        attention = logits.masked_fill(empty, -math.inf).softmax(-1)
+        logits = logits.masked_fill(empty, -math.inf)
+        attention = logits.softmax(-1)
         if self.rule == "dynamic":
             self.priority(score, attention.mean(-2))
         attention = attention.to(values.dtype)

@@ -360,7 +360,8 @@ class Scorer(Module):
             scorer = kind(Qwen3Config(**shape), *sizes, arrival=saved["arrival"])
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{path}: missing or bad field ({e})") from None
-        want = {name: x.shape for name, x in scorer.state_dict().items()}
+        state = scorer.state_dict()
+        want = {name: x.shape for name, x in state.items()}
         got = {name: x.shape for name, x in tensors.items()}
         if got != want:
             raise ValueError(f"{folder}: scorer.safetensors does not hold the tensors scorer.json describes")
@@ -530,7 +531,8 @@ class WindowDecoder(Decoder):
         first = k.shape[2] - self.cache.window
         last = first + self.scorer.span - 1
         u = torch.arange(max(first, 0), max(last, 0), device=k.device)
-        x = self.scorer.features(k[..., u, :], v[..., u, :])
+        keys, values = k[..., u, :], v[..., u, :]
+        x = self.scorer.features(keys, values)
         self.keep(layer, u, x)
         return self.scorer(layer, k, v, pos)
 
@@ -582,10 +584,10 @@ class MemoryScorer(Scorer):
 
     def gates(self, layer, x):
         """log i (the exponential input gate) and log f (the sigmoid forget gate) (B, H, T) of features x."""
-        log_input = (x * self.wi[layer][:, None]).sum(-1)
-        log_input = log_input + self.bi[layer][:, None]
-        log_forget = (x * self.wf[layer][:, None]).sum(-1)
-        log_forget = log_forget + self.bf[layer][:, None]
+        wi, bi = self.wi[layer][:, None], self.bi[layer][:, None]
+        log_input = (x * wi).sum(-1) + bi
+        wf, bf = self.wf[layer][:, None], self.bf[layer][:, None]
+        log_forget = (x * wf).sum(-1) + bf
         return log_input, logsigmoid(log_forget)
 
     def parallel(self, layer, x):  # a whole sequence's features x (B, H, T, X) -> r (B, H, T)
@@ -651,7 +653,8 @@ class MemoryScorer(Scorer):
         memory = x.new_zeros(*x.shape[:2], size + 1, size)
         scale = x.new_full(x.shape[:2], -math.inf)
         out = []
-        for start, first, last, part in zip(starts, reads, reads[1:], chunks):
+        spans = zip(starts, reads, reads[1:], chunks)
+        for start, first, last, part in spans:
             end = start + part.shape[2]  # the chunk's tokens: start .. end - 1
             # the chunk's memory keys k' and values [v'; 1]
             k = part @ self.wk[layer] / math.sqrt(size)  # (B, H, c, M)
@@ -735,11 +738,13 @@ class MemoryScorer(Scorer):
         take = torch.as_tensor(take, device=memory.device)
         write = torch.where(take, (log_input - new_scale).exp(), 0.0)
         forget = torch.where(take, (log_forget - new_scale).exp(), 1.0)
-        write, forget = write[..., None, None], forget[..., None, None]
+        write = write[..., None, None]
+        forget = forget[..., None, None]
         # in place, one pass for the product: memory (L, B, H, M + 1, M) as a batch of matrices
         value = z[..., size : 2 * size + 1]
         value = value.reshape(-1, size + 1, 1)  # [v'; 1]
-        key = (write * z[..., :size]).view(-1, 1, size)  # g k'
+        key = write * z[..., :size]
+        key = key.view(-1, 1, size)  # g k'
         matrices = memory.mul_(forget).view(-1, size + 1, size)
         matrices.baddbmm_(value, key)
         scale.copy_(torch.where(take, new_scale, scale))
@@ -792,12 +797,15 @@ class MemoryDecoder(Decoder):
         self.first = cache.pos.new_tensor(-cache.window - self.block)
         reads = (*grid, self.block)
         u = self.memory.new_zeros(*reads, size)
-        self.prepared = (u, self.memory.new_zeros(*reads, scorer.d_hidden))
+        wx = self.memory.new_zeros(*reads, scorer.d_hidden)
+        self.prepared = (u, wx)
 
     def prefill(self, layer, k, v, pos):
         """The prompt's priorities, and the memories after reading it."""
         x = self.scorer.features(k, v)
-        r, (self.memory[layer], self.scale[layer]) = self.scorer.chunked(layer, x)
+        r, (memory, scale) = self.scorer.chunked(layer, x)
+        self.memory[layer] = memory
+        self.scale[layer] = scale
         self.start = k.shape[2]
         return r + self.scorer.recency(layer, pos.to(r.dtype))
 
@@ -806,13 +814,18 @@ class MemoryDecoder(Decoder):
         the cache drops). The reads of t .. t + c - 1 are prepared at once as t passes the block (all cached: c <=
         w)."""
         k, v = self.cache.held(p - 1)
-        self.scorer.remember(self.memory, self.scale, k, v, self.fold, p > self.start)
+        take = p > self.start
+        memory = (self.memory, self.scale)
+        self.scorer.remember(*memory, k, v, self.fold, take)
         t = p - self.cache.window
-        stale = (t < self.first) | (t >= self.first + self.block)
-        self.first, u, wx = when(stale, self.prepare, self.kept, (t, self.first, *self.prepared))
+        last = self.first + self.block - 1
+        stale = (t < self.first) | (t > last)
+        state = (t, self.first, *self.prepared)
+        self.first, u, wx = when(stale, self.prepare, self.kept, state)
         self.prepared = (u, wx)
         j = (t - self.first).view(1)
-        u, wx = (x.index_select(-2, j) for x in self.prepared)
+        u = u.index_select(-2, j)
+        wx = wx.index_select(-2, j)
         return self.scorer.read(self.memory, self.scale, u, wx, t)
 
     # the reads of t .. t + c - 1, and t
@@ -851,9 +864,11 @@ def boundary(pi, e, q, sinks, window):
     t_new = q - window
     # each token's place in the order of (pi, t)
     ranked = pi.sort(stable=True).indices
-    order = torch.empty_like(e).scatter_(-1, ranked, u.expand_as(e))
+    order = torch.empty_like(e)
+    order.scatter_(-1, ranked, u.expand_as(e))
     # t_new still visible at q
-    keep = e.gather(-1, t_new.expand(*e.shape[:2], -1)) > q
+    t_new_heads = t_new.expand(*e.shape[:2], -1)
+    keep = e.gather(-1, t_new_heads) > q
     eligible = (u >= sinks) & (u <= t_new[:, None])  # (Q, T)
     kept = eligible & (e[..., None, :] > q[:, None])  # (B, H, Q, T): exactly the pool
     order = order[..., None, :]
@@ -878,12 +893,15 @@ def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
         t_new = (q - window).expand(*pi.shape[:2], -1)
         margin = pi.gather(-1, t_new) - pi.gather(-1, t_bnd)  # (B, H, Q)
         # keeps and drops, over the processes if split
-        counts = torch.stack([y.sum(), (~y).sum()])
+        counts = [y.sum(), (~y).sum()]
+        counts = torch.stack(counts)
         counts = total(counts) if total is not None else counts
         halves = 0.5 / counts.clamp(min=1)
         omega = torch.where(y, halves[0], halves[1])
         sign = 2 * y.float() - 1
-        loss = loss + (omega * softplus(-sign * margin)).sum() / share
+        losses = omega * softplus(-sign * margin)
+        loss = loss + losses.sum() / share
         # the student ranks t_new on the teacher's side of t_bnd; chance is 0.5
-        hits += (omega * ((margin > 0) == y)).sum().item() / share
+        right = (margin > 0) == y
+        hits += (omega * right).sum().item() / share
     return loss, hits
