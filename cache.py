@@ -16,7 +16,7 @@ class KVCache:
     """Buffers allocated once: `slots` = S - m entries a layer and head, keys (L, B, H, slots, D) and values
     transposed (L, B, H, D, slots), so both products of a step read their matrix row by row, the layout that
     streams memory fastest. Filled slots are [0, min(t, slots)); an evicted slot goes to the newcomer, in place.
-    pos[slot]: its token's position (-1: empty); score[slot]: its priority (a static policy's, given on arrival; a
+    pos[slot]: its token's position (-1: empty); recent[t % w]: the slot of window token t; score[slot]: its priority (a static policy's, given on arrival; a
     learned scorer's, as the token leaves the window; h2o's and tova's attention). t: the tokens taken so far, the
     next newcomer's position p, a tensor (qwen3's forward advances it). A decoding step has the same shapes and
     no Python branch on t from the first step on, so it can be one graph (torch.compile, CUDA graphs)."""
@@ -39,6 +39,7 @@ class KVCache:
         self.v = self.k.transpose(-1, -2).contiguous()
         self.pos = torch.full(shape, -1, device=param.device)
         self.score = torch.zeros(shape, dtype=dtype, device=param.device)
+        self.recent = self.pos.new_zeros(*shape[:3], window)
         # per-layer views, made once: a step indexes less
         layers = zip(self.k, self.v, self.score)
         self.layer = list(layers)
@@ -91,6 +92,10 @@ class KVCache:
             keep = order.indices[..., : self.slots]
         pi = pi.gather(2, keep)
         self.store(layer, keep, k, v, pos[keep], pi)
+        # the last tokens, still in the window, fill the last of the kept slots (kept in position order)
+        last = min(T, self.window)
+        slots = torch.arange(keep.shape[-1] - last, keep.shape[-1], device=k.device)
+        self.recent[layer][..., pos[-last:] % self.window] = slots
         return out
 
     # one layer's kept keys and values (B, H, count), their positions and priorities, into its first count slots
@@ -118,7 +123,7 @@ class KVCache:
         """Every layer's slot (L, B, H, 1) for the newcomer p: a learned policy first gives token p - w, leaving the
         window, its priority; then the next free slot while there is one, else the slot of the eligible token
         (sinks <= t <= p - w) with the lowest (priority, position). The newcomer's position, and its score (0)
-        under a dynamic policy, go in here."""
+        under a learned policy (not scored until it leaves the window) or a dynamic one, go in here."""
         # a learned policy's decoder scores the leaving token p - w, in its slot (none before a token leaves)
         if self.decoder:
             r = self.decoder.leaving(p)  # (L, B, H, 1)
@@ -131,7 +136,8 @@ class KVCache:
         lowest = self.lowest(p)
         slot = torch.where(p < self.slots, free, lowest)
         self.pos.scatter_(-1, slot, free)
-        if self.rule == "dynamic":
+        self.recent.index_copy_(-1, (p % self.window).view(1), slot)
+        if self.rule in ("learned", "dynamic"):
             self.score.scatter_(-1, slot, 0.0)
         return slot
 
@@ -147,13 +153,12 @@ class KVCache:
         oldest = torch.where(low > least, 2**62, held)
         return oldest.argmin(-1, keepdim=True) + self.sinks
 
-    # every layer's slots (L, B, H, n) holding the tokens at positions u (n,), or (L, B, H, 1) at position u
+    # every layer's slots (L, B, H, n) of the window tokens at positions u (a tensor)
     def slot_of(self, u):
-        u = torch.as_tensor(u, device=self.pos.device)
-        found = self.pos[..., None] == u.view(-1)  # (L, B, H, slots, n)
-        return found.int().argmax(-2)
+        ring = u.view(-1) % self.window
+        return self.recent.index_select(-1, ring)
 
-    # every layer's keys and values (L, B, H, n, D) of held tokens at positions u (as slot_of)
+    # every layer's keys and values (L, B, H, n, D) of the window tokens at positions u (a tensor)
     def held(self, u):
         slot = self.slot_of(u)[..., None]  # (L, B, H, n, 1)
         D = self.k.shape[-1]
