@@ -297,7 +297,7 @@ def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target="mean
             online = name(p) in kvpop.DYNAMIC
             lp = full if p == "full" else evaluate(net, x, p, b, sinks, window, online, target).float().log_softmax(-1)
             per[p, b].append(file_metrics(full, lp, x, size(min(budgets) if p == "full" else b)))
-    rows, num = [], lambda x: None if math.isnan(x) else round(x, 4)  # nan (no file to average): None
+    rows, num = [], lambda x: None if math.isnan(x) else round(x, 5)  # nan (no file to average): None
     for (p, b), parts in per.items():
         row = dict(policy=name(p), budget=b, files=len(idx))
         for key in parts[0]:
