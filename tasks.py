@@ -138,6 +138,10 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, targe
     return model(idx, attn=attn)
 
 
+def policy_name(p):  # a learned scorer is named by its kind
+    return p if isinstance(p, str) else p.kind + " on arrival" * p.arrival
+
+
 def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None, target="mean"):
     """Every (policy, budget) on the same sequences, teacher-forced through evaluate -> rows of accuracy on all
     queries, on far ones, relative to full, and mean KL(full || policy) from position S on. `full` is the dense pass of
@@ -145,8 +149,6 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
     size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]
     # queries out of reach of a window at every budget
     far = (dist >= max(map(size, budgets)) - sinks)[tgt >= 0]
-    # a learned scorer is named by its kind
-    name = lambda p: p if isinstance(p, str) else p.kind + " on arrival" * p.arrival
     runs = [("full", 1)] + [(p, b) for p in policies if p != "full" for b in budgets]
     hit, kl, rows = {r: [] for r in runs}, {r: [] for r in runs}, []
     # full-vocabulary log-probs of a chunk, then every run on it
@@ -154,7 +156,7 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
         x, m = idx[c : c + chunk], tgt[c : c + chunk] >= 0
         full = evaluate(ref or net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
         for p, b in runs:
-            online = name(p) in kvpop.DYNAMIC
+            online = policy_name(p) in kvpop.DYNAMIC
             lp = full if p == "full" else evaluate(net, x, p, b, sinks, window, online, target).float().log_softmax(-1)
             hit[p, b].append(lp.argmax(-1)[m] == tgt[c : c + chunk][m])
             # (chunk * (T - S),)
@@ -163,7 +165,8 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
     for p, b in runs:
         h, k = torch.cat(hit[p, b]).float(), torch.cat(kl[p, b])
         acc = h.mean().item()
-        row = dict(policy=name(p), budget=b, accuracy=round(acc, 4), far_accuracy=round(h[far].mean().item(), 4))
+        row = dict(policy=policy_name(p), budget=b, accuracy=round(acc, 4))
+        row["far_accuracy"] = round(h[far].mean().item(), 4)
         rows.append(row | dict(relative=round(acc / acc_full, 4), kl=round(k.mean().item(), 4) if len(k) else 0.0))
     return rows, far.float().mean().item(), len(far)
 
@@ -180,7 +183,6 @@ def quality_table(rows):  # a markdown table; with task and target columns when 
     return "\n".join(lines)
 
 
-
 # ----------------------------------------------------------------------------------------------------------
 # code: the .py/.txt files of a folder, read at run time (torch: the installed package's own source, never copied into
 # the repository). A file is held out by the hash of its path under the folder: the split never moves.
@@ -192,9 +194,12 @@ def corpus_root(corpus):  # torch: the installed package's folder; else the fold
     return os.path.dirname(torch.__file__) if corpus == "torch" else corpus
 
 
+def digest(path):  # a relative path's sha256, an integer
+    return int(hashlib.sha256(path.encode()).hexdigest(), 16)
+
+
 def held_out(path):  # a relative path -> whether its file is held out
-    digest = hashlib.sha256(path.encode()).hexdigest()
-    return int(digest, 16) % HELD_OUT == 0
+    return digest(path) % HELD_OUT == 0
 
 
 def code_files(corpus):
@@ -232,9 +237,9 @@ def code_sequences(tok, corpus, T):
 
 
 def code_held_out(tok, corpus, T, n):
-    """The first T tokens of each held-out file that has T, at most n files in path order -> (files, T); at least 2
-    files (an interval needs two), or ValueError."""
-    held = code_files(corpus)[1]
+    """The first T tokens of each held-out file that has T, at most n files in the order of their paths' hashes (a
+    fixed draw across folders) -> (files, T); at least 2 files (an interval needs two), or ValueError."""
+    held = sorted(code_files(corpus)[1], key=digest)
     ids = [f[:T] for f in code_tokens(tok, corpus, held) if len(f) >= T][:n]
     if len(ids) < 2:
         what = f"{len(ids)} of its {len(held)} held-out files have {T} tokens"
@@ -262,7 +267,8 @@ def file_metrics(full, lp, idx, S):
     -> dict of (B,): KL(full || lp), top-1 agreement, log-perplexity over full's, far-copy accuracy (the next tokens
     full predicts right that were last seen >= S back: the share lp predicts right; nan in a file without one)."""
     nxt = idx[:, S + 1 :, None]  # (B, T - S - 1, 1): the tokens positions S.. predict
-    full, lp, guess = full[:, S:-1], lp[:, S:-1], full[:, S:-1].argmax(-1)
+    full, lp = full[:, S:-1], lp[:, S:-1]
+    guess = full.argmax(-1)  # (B, T - S - 1)
     kl = (full.exp() * (full - lp)).sum(-1).mean(-1)
     top1 = (lp.argmax(-1) == guess).float().mean(-1)
     nll = (full.gather(-1, nxt) - lp.gather(-1, nxt))[..., 0].mean(-1)
@@ -286,7 +292,6 @@ def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target="mean
     (ppl_lo, ppl_hi). `full` first, at budget 1, measured at the smallest budget's positions. -> (rows, the share of
     next tokens last seen >= S back at the largest budget, their count)."""
     size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]
-    name = lambda p: p if isinstance(p, str) else p.kind + " on arrival" * p.arrival
     runs = [("full", 1)] + [(p, b) for p in policies if p != "full" for b in budgets]
     per = {r: [] for r in runs}
     # a chunk of files: full's log-probs, then every run on it
@@ -294,12 +299,12 @@ def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target="mean
         x = idx[c : c + chunk]
         full = evaluate(net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
         for p, b in runs:
-            online = name(p) in kvpop.DYNAMIC
+            online = policy_name(p) in kvpop.DYNAMIC
             lp = full if p == "full" else evaluate(net, x, p, b, sinks, window, online, target).float().log_softmax(-1)
             per[p, b].append(file_metrics(full, lp, x, size(min(budgets) if p == "full" else b)))
     rows, num = [], lambda x: None if math.isnan(x) else round(x, 5)  # nan (no file to average): None
     for (p, b), parts in per.items():
-        row = dict(policy=name(p), budget=b, files=len(idx))
+        row = dict(policy=policy_name(p), budget=b, files=len(idx))
         for key in parts[0]:
             mean, half = interval(torch.cat([m[key] for m in parts]))
             row[key], row[key + "_ci"] = num(mean), num(half)
