@@ -182,7 +182,8 @@ def cmd_quality(argv):
     # code: its own model and length (tasks.py), so alone
     code = task_names == ["code"]
     need(code or "code" not in task_names, f"--task {a.task}: code runs alone (its own model, code/)")
-    a.model, a.window, a.T = a.model or ("code" if code else "baby"), a.window or 32, a.T or 512 + 512 * code
+    a.model = a.model or ("code" if code else "baby")
+    a.window, a.T = a.window or 32, a.T or (1024 if code else 512)
     policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
     # every name known, or exit naming the first that is not
     for flag, what, names, known in [

@@ -188,7 +188,8 @@ def pretrain():
     tok = tokenizer.Tokenizer.from_pretrained(tmp)
     # --data: the training files packed, 16 held-out files; too few tokens: one line, nothing left written
     try:
-        seqs, files = (code_sequences(tok, data, seq_len), code_held_out(tok, data, seq_len, 16)) if data else (0, 0)
+        seqs = code_sequences(tok, data, seq_len) if data else None
+        files = code_held_out(tok, data, seq_len, 16) if data else None
     except ValueError as e:
         shutil.rmtree(tmp)
         flags.fail(e, "pretrain.py")
