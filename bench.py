@@ -32,14 +32,15 @@ sinks = 4  # first tokens never evicted
 window = 0  # recent tokens never evicted; 0: 32 (quality: the baby's) or 256 (speed: the paper's)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N (speed, kernels)
 json = ""  # also write the rows to this file (quality, speed, kernels --targets)
-# --- quality: every policy on held-out sequences of the baby's tasks (teacher-forced)
-task = "recall"  # comma-separated tasks: recall, cue
+# --- quality: every policy on held-out sequences of the baby's tasks, or of code files (teacher-forced)
+task = "recall"  # comma-separated tasks: recall, cue; or code alone (the code baby's held-out files)
+corpus = "torch"  # code: torch (the installed package's .py/.txt source) or a folder of such files
 target = "helpful"  # comma-separated targets of the oracle and the scorers: helpful, max, mean
-scorer = "shipped"  # comma-separated folders ('' none); shipped: baby/scorers/<task>-<target>/*
+scorer = "shipped"  # comma-separated folders ('' none); shipped: <model>/scorers/<task>-<target>/*
 seed = 0  # held-out task seed (training draws other streams)
 p_cue = -1.0  # cue task: the share of would-be fillers that start a distractor (-1: the task's, 0.17)
-n = 128  # sequences
-T = 512  # tokens per sequence
+n = 128  # sequences (code: held-out files, their first T tokens; at most)
+T = 0  # tokens per sequence; 0: 512 (the tasks) or 1024 (code)
 threads = 1  # CPU threads (tiny ops: a second one mostly waits)
 # --- speed: decoding against the bytes it reads, prefill, a training step
 shape = "0.6B"  # Qwen3 shape of the random model: 0.6B, 4B or 8B
@@ -58,7 +59,7 @@ group = 2  # query heads of the one KV head timed
 targets = ""  # comma-separated GPUs, e.g. sm_75,sm_90: compile every kernel for each instead (no GPU needed)
 COMMAND_FLAGS = {  # what each command reads (another's flag is an unknown option)
     "quality": "model policies budgets sinks window json"
-    " task target scorer seed p_cue n T threads",
+    " task corpus target scorer seed p_cue n T threads",
     "speed": "model policies budgets sinks window device json"
     " shape layers contexts steps prefill train d_mem dtype compile",
     "kernels": "device lengths D group targets json",
@@ -205,24 +206,28 @@ def cmd_kernels(argv):
             print(speed + f"{ours_mib:.1f} | {naive_mib:.1f} | {naive_mib / max(ours_mib, 1e-3):.0f} |", flush=True)
 
 
-# the scorer folders --scorer names; shipped: those python train.py wrote for the baby, every kind
-def scorer_folders(scorer, task, target):
+# the scorer folders --scorer names; shipped: those python train.py wrote for the model (baby, code), every kind
+def scorer_folders(scorer, model, task, target):
     if scorer != "shipped":
         return [d for d in scorer.split(",") if d]
-    folders = [f"baby/scorers/{task}-{target}/{k}" for k in kvpop.SCORERS]
+    folders = [f"{model}/scorers/{task}-{target}/{k}" for k in kvpop.SCORERS]
     return [d for d in folders if os.path.isfile(os.path.join(d, "scorer.json"))]
 
 
 def cmd_quality(argv):
     """Teacher-forced quality on held-out task sequences: every policy, then each target's oracle and scorers."""
     a, need = settings("quality", argv)
-    a.model, a.window = a.model or "baby", a.window or 32
-    policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
     task_names, targets = a.task.split(","), a.target.split(",")
+    # code: its own model and length (tasks.py), so alone
+    code = task_names == ["code"]
+    need(code or "code" not in task_names, f"--task {a.task}: code runs alone (its own model, code/)")
+    a.model = a.model or ("code" if code else "baby")
+    a.window, a.T = a.window or 32, a.T or (1024 if code else 512)
+    policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
     # every name known, or exit naming the first that is not
     for flag, what, names, known in [
         ("policies", "policy", policies, kvpop.POLICIES),
-        ("task", "task", task_names, tasks.TASKS),
+        ("task", "task", task_names, (*tasks.TASKS, "code")),
         ("target", "target", targets, kvpop.TARGETS),
     ]:
         bad = [x for x in names if x not in known]
@@ -234,7 +239,7 @@ def cmd_quality(argv):
     try:
         folder = checkpoint.checkpoint_dir(a.model)
         config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
-        folders = {(t, r): scorer_folders(a.scorer, t, r) for t in task_names for r in targets}
+        folders = {(t, r): scorer_folders(a.scorer, a.model, t, r) for t in task_names for r in targets}
         scorers = {d: kvpop.Scorer.from_pretrained(d) for ds in folders.values() for d in ds}
         # a scorer for another model or window, or a budget that leaves no room, raises
         for s in scorers.values():
@@ -244,9 +249,10 @@ def cmd_quality(argv):
                 kvpop.budget_size(b, a.T, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
         most = config.max_position_embeddings  # checked before the weights load
         need(a.T <= most, f"--T {a.T}: the model has {most} positions; lower --T")
+        tok = tokenizer.Tokenizer.from_pretrained(folder)
+        files = tasks.code_held_out(tok, a.corpus, a.T, a.n) if code else None  # (files, T)
         torch.set_num_threads(a.threads)
         net = qwen3.Qwen3.from_pretrained(a.model, dtype=torch.float32)
-        tok = tokenizer.Tokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
         need(False, str(e))
     t0, rows, counts = time.time(), [], []
@@ -254,19 +260,23 @@ def cmd_quality(argv):
     for task in task_names:
         rate = dict(p_cue=a.p_cue) if task == "cue" and a.p_cue >= 0 else {}
         rng = random.Random(f"test-{a.seed}")
-        idx, tgt, dist = tasks.task_batch(tok, a.n, a.T, rng, **tasks.TASKS[task] | rate)
-        batch, cache = (net, idx, tgt, dist), (budgets, a.sinks, a.window)
+        seqs = lambda: tasks.task_batch(tok, a.n, a.T, rng, **tasks.TASKS[task] | rate)  # idx, tgt, dist
+        # code: the held-out files, its metrics per file (tasks.code_runs)
+        measure, batch = (tasks.code_runs, (net, files)) if code else (tasks.quality_runs, (net, *seqs()))
+        cache = (budgets, a.sinks, a.window)
         plain = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
-        runs, far, n = tasks.quality_runs(*batch, plain, *cache)
+        runs, far, n = measure(*batch, plain, *cache)
         rows += [dict(task=task, target="-", **r) for r in runs]
         for target in targets:
             learned = ["oracle"] * ("oracle" in policies) + [scorers[d] for d in folders[task, target]]
-            runs = tasks.quality_runs(*batch, learned, *cache, target=target)[0]
+            runs = measure(*batch, learned, *cache, target=target)[0]
             rows += [dict(task=task, target=target, **r) for r in runs[1:]]  # full is above
-        counts.append(f"{task}: {n} queries ({far:.0%} far)")
-    head = f"{a.model}: {a.n} held-out sequences of {a.T} tokens (seed {a.seed}), {'; '.join(counts)}"
+        counts.append(f"{task}: {n} {'next tokens' if code else 'queries'} ({far:.0%} far)")
+    files = f"{len(files)} held-out files, the first" if code else f"{a.n} held-out sequences of"
+    head = f"{a.model}: {files} {a.T} tokens (seed {a.seed}), {'; '.join(counts)}"
     print(f"{head}; sinks {a.sinks}, window {a.window}\n")
-    print(f"{tasks.quality_table(rows)}\n\n{time.time() - t0:.0f}s")
+    table = tasks.code_table if code else tasks.quality_table
+    print(f"{table(rows)}\n\n{time.time() - t0:.0f}s")
     if a.json:
         checkpoint.write_json(rows, a.json)
 

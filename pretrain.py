@@ -5,10 +5,13 @@ override any with --name value (--help lists them).
   python pretrain.py --out_dir my_baby
   # a tiny one, in seconds
   python pretrain.py --out_dir tiny --seq_len 64 --tokens 256 --phase_steps 2 --final_steps 2
+  # the shipped code baby, bit for bit: the installed torch package's own source (REAL_TEXT.md; about 13 minutes)
+  python pretrain.py --data torch --out_dir code --final_steps 700 --tokens 8192
 
 The same Qwen3 class as any checkpoint, 2 layers: layer 0 a hand-built previous-token head, frozen; the rest learns
-every position's next token plus --answer_weight x the task's answers, at lengths 64, 128, 256, then --seq_len. It
-writes config.json and model.safetensors into --out_dir and leaves the folder's other files (baby/'s prompt, scorers).
+every position's next token plus --answer_weight x the task's answers, at lengths 64, 128, 256, then --seq_len; with
+--data, every next token of the corpus's training files at --seq_len (tasks.py: code). It writes config.json and
+model.safetensors into --out_dir and leaves the folder's other files (baby/'s prompt, scorers).
 """
 
 import math
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 import flags
 import qwen3
 import tokenizer
-from tasks import TASK_RANKS, TASKS, evaluate, task_batch
+from tasks import TASK_RANKS, TASKS, code_files, code_held_out, code_sequences, evaluate, last_seen, task_batch
 
 # --- run
 out_dir = "out"  # written: config.json and model.safetensors (replaced; the folder's other files stay)
@@ -35,11 +38,12 @@ n_layer = 2  # layers
 n_embd = 128  # hidden size (= 2 * head_dim: the upper half holds the previous token)
 n_ff = 256  # MLP width
 rope_theta = 1e4  # RoPE base
-# --- data: the baby's tasks (tasks.py)
+# --- data: the baby's tasks (tasks.py), or code
+data = ""  # empty: the tasks; torch (the installed package's source) or a folder of .py/.txt files: code
 task = "recall"  # the task of the shorter curriculum lengths and of the held-out check: recall or cue
 final_tasks = "recall,cue"  # the tasks the steps at seq_len take in turn
 keys = 8  # recall task: keys per sequence; fewer at the shorter curriculum lengths
-seq_len = 512  # tokens per sequence at the curriculum's last length
+seq_len = 0  # tokens per sequence (the curriculum's last length); 0: 512, or 1024 with --data
 tokens = 4096  # tokens per step
 # --- optimisation
 lr = 3e-3  # AdamW peak learning rate
@@ -49,6 +53,7 @@ advance_acc = 0.9  # next length once train accuracy (20-step mean) reaches this
 final_steps = 600  # steps at seq_len, cosine decay to 0
 answer_weight = 4.0  # weight of the answers' loss on top of every position's next-token loss
 flags.configure(globals())
+seq_len = seq_len or (1024 if data else 512)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -141,6 +146,39 @@ def train_steps(model, tok, opt, params):
     return step
 
 
+def code_steps(model, opt, params, seqs):
+    """--data: --final_steps steps of --tokens // --seq_len of the packed training sequences seqs (n, seq_len), in a
+    seeded order drawn anew each epoch, every next token's loss; warmup, then a cosine to 0 -> the steps taken."""
+    B, N, t0 = tokens // seq_len, len(seqs), time.time()
+    g = torch.Generator().manual_seed(seed)
+    order = torch.cat([torch.randperm(N, generator=g) for _ in range(-(-final_steps * B // N))])
+    for step in range(final_steps):
+        f = min(1, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / final_steps))
+        opt.param_groups[0]["lr"] = lr * f
+        idx = seqs[order[step * B : (step + 1) * B]]  # (B, seq_len)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(idx, attn=causal)
+        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), idx[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if (step + 1) % 50 == 0:
+            print(f"step {step + 1} T {seq_len} loss {loss.item():.3f} {time.time() - t0:.0f}s")
+    return final_steps
+
+
+def held_out_batch(tok, files):
+    """The held-out check's idx, tgt (the token to predict, -1 where none), dist (how far back it was last written,
+    0 if never): --data: the held-out files (the next token everywhere); else the task's sequences."""
+    if not data:
+        valid = random.Random(f"valid-{seed}")
+        return task_batch(tok, 64, seq_len, valid, keys=keys, **TASKS[task])
+    tgt = F.pad(files[:, 1:], (0, 1), value=-1)
+    dist = F.pad(last_seen(files)[:, 1:], (0, 1))
+    return files, tgt, dist
+
+
 def pretrain():
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -148,16 +186,22 @@ def pretrain():
     # the tokenizer (cut vocabulary) is read from the checkpoint's config
     model.save_pretrained(tmp)
     tok = tokenizer.Tokenizer.from_pretrained(tmp)
+    # --data: the training files packed, 16 held-out files; too few tokens: one line, nothing left written
+    try:
+        seqs = code_sequences(tok, data, seq_len) if data else None
+        files = code_held_out(tok, data, seq_len, 16) if data else None
+    except ValueError as e:
+        shutil.rmtree(tmp)
+        flags.fail(e, "pretrain.py")
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in model.parameters()) / 1e6
     trained = sum(p.numel() for p in params) / 1e6
     print(f"baby: {n:.2f}M parameters, {trained:.2f}M trained")
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     t0 = time.time()
-    step = train_steps(model, tok, opt, params)
+    step = code_steps(model, opt, params, seqs) if data else train_steps(model, tok, opt, params)
     wall = time.time() - t0
-    valid = random.Random(f"valid-{seed}")
-    idx, tgt, dist = task_batch(tok, 64, seq_len, valid, keys=keys, **TASKS[task])
+    idx, tgt, dist = held_out_batch(tok, files)
     logits = evaluate(model.eval(), idx, "full", 1, online=False)
     # farther back than a 25% budget's plain window
     far = tgt.masked_fill(dist < seq_len // 4 - 4, -1)
@@ -205,6 +249,11 @@ def check_flags():
     ours = not os.path.exists(out_dir) or os.path.isfile(os.path.join(out_dir, "config.json"))
     name_new = "pretrain.py writes its model files there, so name a new one"
     need(ours, f"--out_dir {out_dir}: exists and is no checkpoint; {name_new}")
+    # --data: a folder with .py/.txt files (their tokens are counted once read)
+    try:
+        code_files(data) if data else None
+    except FileNotFoundError as e:
+        need(False, f"--data: {e}")
 
 
 if __name__ == "__main__":

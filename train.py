@@ -2,6 +2,7 @@
 
   python train.py                                     # the default delayed scorer (kvpop-window) on the frozen baby
   python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25  # a real Qwen3
+  python train.py --task code --batch_size 4 --max_iters 200 --out_dir code/scorers/code-helpful/kvpop-window  # code
   python train.py --finetune --out_dir out-ft         # the paper's recipe: the model trains too, under eviction
   python train.py --finetune --policy streaming       # its control, StreamingLLM+ (recency eviction, no scorer)
   torchrun --nproc_per_node=2 train.py ...            # several processes: DDP (scorer), FSDP2 (--finetune)
@@ -32,7 +33,7 @@ import kernels
 import kvpop
 import qwen3
 import tokenizer
-from tasks import TASKS, quality_runs, quality_table, task_batch
+from tasks import TASKS, code_held_out, code_sequences, quality_runs, quality_table, task_batch
 
 # --- what to run
 finetune = False  # the model trains too, under the eviction, by KL to the dense model
@@ -54,7 +55,8 @@ init_from = ""  # a trained scorer's folder to start from (its sizes), e.g. a fr
 target = "helpful"  # the teacher's future attention: helpful, max (ours) or mean (the paper's)
 # --- data
 data = "baby"  # baby: a baby task (tasks.py); else .txt/.jsonl files (folder, glob), packed
-task = "recall"  # --data baby: recall, or cue (distractors only the next word marks)
+task = "recall"  # --data baby: recall, cue (distractors only the next word marks), or code (the code baby's corpus)
+corpus = "torch"  # --task code: torch (the installed package's .py/.txt source) or a folder of such files
 keys = 8  # --data baby: keys per sequence
 seq_len = 512  # tokens per sequence
 queries = 0  # the loss's query positions per sequence and pool, at random (0: all)
@@ -80,6 +82,9 @@ eval_seqs = 32  # held-out sequences per evaluation
 final_seqs = 128  # held-out sequences of the final quality table (bench.py quality's; 0: none)
 given = flags.configure(globals(), None if __name__ == "__main__" else [])  # tests: the defaults
 model_lr = (1e-5 if model == "baby" else 8e-5) if model_lr == -1 else model_lr
+# --task code: the code baby (pretrain.py --data) at its length, unless given
+model = "code" if task == "code" and "model" not in given else model
+seq_len = 1024 if task == "code" and "seq_len" not in given else seq_len
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
 log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None  # rank 0 logs
 need = lambda ok, msg: flags.need(ok, msg, "train.py")  # bad input: one line, exit 1
@@ -90,7 +95,7 @@ def check_flags():
     flags.check_device(device, "train.py")
     flags.check_dtype(dtype, ("float32", "bfloat16", "float16"), "train.py")
     # a choice from a list
-    choices = dict(kind=kvpop.SCORERS, task=TASKS, target=kvpop.TARGETS, policy=("scorer", "streaming"))
+    choices = dict(kind=kvpop.SCORERS, task=(*TASKS, "code"), target=kvpop.TARGETS, policy=("scorer", "streaming"))
     for name, among in choices.items():
         value = globals()[name]
         need(value in among, f"--{name} {value!r}: choose from {', '.join(among)}")
@@ -125,6 +130,8 @@ def check_flags():
         (f"--kind {kind}", kind != "kvpop", "d_mem arrival"),
         ("--init_from (the folder's sizes)", bool(init_from), "d_mem d_hidden gamma arrival"),
         (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
+        ("--task code (no baby's task)", task == "code", "keys final_seqs"),
+        (f"--task {task}", task != "code", "corpus"),
     ]
     for why, on, names in unread:
         for name in names.split():
@@ -181,7 +188,7 @@ def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
 def batch(tok, texts, it):
     """Step it's sequences (batch_size, seq_len), a function of (--seed, it): a checkpoint's data position is its step.
     The baby task's are drawn fresh; of --data's texts[0] (N), the j-th is the (j % N)-th in epoch j // N's order."""
-    if data == "baby":
+    if data == "baby" and task != "code":
         rng = random.Random(f"scorer-train-{seed}-{it}")
         return task_batch(tok, batch_size, seq_len, rng, keys=keys, **TASKS[task])[0]
     seqs, rows = texts[0], []
@@ -228,6 +235,8 @@ def load():
     P = config.max_position_embeddings
     need(seq_len <= P, f"--seq_len {seq_len}: the model has only {P} positions")
     texts = pack_files(tok) if data != "baby" else None
+    if task == "code":  # the corpus's training files packed, its first held-out files
+        texts = code_sequences(tok, corpus, seq_len), code_held_out(tok, corpus, seq_len, eval_seqs)
     # the scorer: a fresh one at --seed, or a trained one (--resume's own, or --init_from's)
     torch.manual_seed(seed)
     scorer = kvpop.SCORERS[kind](config, window, d_mem, d_hidden, gamma, arrival).to(device) if learned else None
@@ -283,7 +292,8 @@ def save(it, folder, scorer, scorer_opt, student, model_opt):
                 os.replace(dst + ".tmp", dst)
     if scorer is not None:
         # what the scorer was trained for, in scorer.json
-        scorer.meta = {k: globals()[k] for k in "model budget sinks window data task target edges".split()}
+        names = "model budget sinks window data task" + " corpus" * (task == "code") + " target edges"
+        scorer.meta = {k: globals()[k] for k in names.split()}
         scorer.meta.update(iters=it, finetune=finetune)
         scorer.save_pretrained(out_dir)
     scorer_state = dict(scorer=scorer and scorer.state_dict(), opt=scorer_opt and scorer_opt.state_dict())
@@ -295,7 +305,7 @@ def save(it, folder, scorer, scorer_opt, student, model_opt):
 def held_out(evaluated, tok, pol, texts, pools):
     """Held-out (rank 0), of `evaluated` (the frozen model, or --finetune's as saved) under `pol`: far accuracy at the
     training budget (baby), else loss and keep/drop accuracy on texts[1]."""
-    if data == "baby":
+    if data == "baby" and task != "code":
         rng = random.Random(f"valid-{seed}")
         x = task_batch(tok, eval_seqs, seq_len, rng, keys=keys, **TASKS[task])
         rows = quality_runs(evaluated, *[t.to(device) for t in x], [pol], [budget], sinks, window)[0]
@@ -387,7 +397,7 @@ def train():
                 evaluated = qwen3.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
                 log(f"step {it + 1}: {held_out(evaluated, tok, scorer or 'streaming', texts, pools)}; saved {out_dir}/")
     log(f"trained in {time.time() - t0:.0f}s")
-    if data == "baby" and final_seqs and rank == 0:
+    if data == "baby" and task != "code" and final_seqs and rank == 0:
         final_table(folder, tok, net, scorer)
 
 
