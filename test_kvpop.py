@@ -3627,22 +3627,31 @@ README_QWEN = {
     ],
 }
 README_NOT_RUN = {  # the commands no test runs, and why
+    "python pretrain.py --data torch --out_dir code --final_steps 700 --tokens 8192": "13 minutes; "
+    "test_code_commands_run_on_a_tiny_corpus runs it on a tiny corpus",
+    "python train.py --task code --batch_size 4 --max_iters 200 --out_dir code/scorers/code-helpful/kvpop-window": "the"
+    " same test runs it on a tiny corpus",
+    "python bench.py quality --task code --n 64": "the same test runs it on a tiny corpus",
+    "python bench.py kernels --targets sm_75,sm_80,sm_86,sm_89,sm_90,sm_120 --json kernels.json": "222 compiles, minutes;"
+    " test_kernels_compile_for_gpus compiles a slice of it",
     "pip install -r requirements.txt": "CI runs it (.ci/run)",
     "python -m pytest -q test_kvpop.py": "this is the test run",
     "python -m pytest -q test_kvpop.py -k cuda && python bench.py kernels --lengths 4096,16384 && "
-    "python bench.py speed --prefill 16384 --train 4096 && python sample.py --device cuda --budget 0.25": "needs a GPU",
+    "python bench.py speed --prefill 16384 --train 4096 --compile && python sample.py --device cuda --budget 0.25 --compile": "needs a GPU",
 }
 
 
 def _readme_commands():
-    text = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
-    blocks = re.findall(r"```\n(.*?)```", text, re.S)
-    return [
-        line.strip()
-        for b in blocks
-        for line in b.splitlines()
-        if line.strip().startswith(("python ", "torchrun ", "pip "))
-    ]
+    """The command lines of the README's shell blocks (fenced by a bare ```; a ```python block is code, not
+    commands)."""
+    lines, shell, fence = [], False, None
+    for line in open(os.path.join(HERE, "README.md"), encoding="utf-8").read().splitlines():
+        if line.startswith("```"):
+            fence = line if fence is None else None
+            shell = fence == "```"
+        elif shell and line.strip().startswith(("python ", "torchrun ", "pip ")):
+            lines.append(line.strip())
+    return lines
 
 
 def _run_readme(cmd, extra, tmp, cwd=HERE, env=None):
