@@ -670,9 +670,9 @@ class MemoryScorer(Scorer):
             q = torch.cat(rows) + 1
             # log weight of the chunk's token j in row q: F_q - F_j + log i_j for j <= q, else -inf (B, H, R + 1, c)
             j = torch.arange(start + 1, end + 1, device=x.device)
-            decay_j = decay[..., None, start + 1 : end + 1]
-            decayed = decay[..., q, None] - decay_j
-            log_weight = decayed.to(x.dtype)
+            log_weight = decay[..., None, start + 1 : end + 1]
+            log_weight = decay[..., q, None] - log_weight
+            log_weight = log_weight.to(x.dtype)
             log_weight = log_weight + log_input[..., None, start:end]
             later = j > q[:, None]
             log_weight = log_weight.masked_fill(later, -math.inf)
@@ -685,20 +685,20 @@ class MemoryScorer(Scorer):
             weight = (log_weight - row_max).exp()
             keep = (log_carried - row_max).exp()
             # the reads [C u; n . u]: the chunk's tokens, decay-masked (B, H, R, M + 1)
-            attention = u @ k.mT
-            attention = weight[..., :-1, :] * attention
-            y = attention @ v
+            y = u @ k.mT
+            y = weight[..., :-1, :] * y
+            y = y @ v
             # plus the carried state (none before chunk 0)
             if start:
-                carried_read = u @ memory.mT
-                y = y + keep[..., :-1, :] * carried_read
+                y = y + keep[..., :-1, :] * (u @ memory.mT)
             # h = C u / max(|n . u|, 1), stabilised; r = head(x, rms(h))
             floor = (-row_max[..., :-1, :]).exp()
             divisor = torch.maximum(y[..., size:].abs(), floor)
             h = y[..., :size] / divisor
             out.append(self.head(layer, xr, rms(h)))
             # the state moves to the chunk's last token
-            written = (v * weight[..., -1, :, None]).mT @ k
+            written = v * weight[..., -1, :, None]
+            written = written.mT @ k
             memory = keep[..., -1:, :] * memory + written
             scale = row_max[..., -1, 0]
         return torch.cat(out, -1), (memory, scale)

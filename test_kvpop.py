@@ -2781,7 +2781,7 @@ def test_scorer_round_trip_keeps_every_setting_of_scorer_json(tmp_path):
         saved = json.loads((tmp_path / kind / "scorer.json").read_text())
         t = kvpop.Scorer.from_pretrained(tmp_path / kind)
         # the settings, the model's shape and the training record
-        got = dict(vars(t), **t.shape, trained=t.meta)
+        got = dict(vars(t), kind=t.kind, **t.shape, trained=t.meta)  # the kind: its class's
         assert set(saved) <= set(got) and {k: got[k] for k in saved} == saved, kind
         assert saved["window"] == 13 and saved["kind"] == kind and saved["trained"]["iters"] == 9
         assert s.state_dict().keys() == t.state_dict().keys()
@@ -2797,7 +2797,7 @@ def test_state_charge_comes_off_the_pool(small_model):
     assert kvpop.budget_size(50, 200, 4, 16, s.charge(torch.float32)) == (50, 28)
     cache = KVCache(small_model, 1, 48, s, 4, 16)
     kv = 2 * cache.k.numel() * cache.k.element_size()
-    assert cache.nbytes() - kv == 4 * (cache.mem.numel() + cache.scale.numel())
+    assert cache.nbytes() - kv == 4 * (cache.decoder.memory.numel() + cache.decoder.scale.numel())
 
 
 def test_bf16_cache_holds_entries_and_state_within_the_budgets_bytes():
@@ -2825,7 +2825,7 @@ def test_bf16_cache_holds_entries_and_state_within_the_budgets_bytes():
     for t in range(T):
         net(idx[:, t : t + 1], cache=cache)
     held = (cache.pos >= 0).sum(-1)  # (L, 1, Hkv) entries held
-    state = (cache.mem[0, 0, 0].numel() + 1) * cache.mem.element_size()  # one layer and head's
+    state = (cache.decoder.memory[0, 0, 0].numel() + 1) * cache.decoder.memory.element_size()  # one layer and head's
     assert state == 66052 and (held == B - charge).all()
     assert (held * entry + state <= B * entry).all()
     assert cache.nbytes() <= 2 * 1 * B * entry  # 2 layers, 1 row, 1 KV head
