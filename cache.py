@@ -94,8 +94,10 @@ class KVCache:
         self.store(layer, keep, k, v, pos[keep], pi)
         # the last tokens, still in the window, fill the last of the kept slots (kept in position order)
         last = min(T, self.window)
-        slots = torch.arange(keep.shape[-1] - last, keep.shape[-1], device=k.device)
-        self.recent[layer][..., pos[-last:] % self.window] = slots
+        count = keep.shape[-1]
+        slots = torch.arange(count - last, count, device=k.device)
+        ring = pos[-last:] % self.window
+        self.recent[layer][..., ring] = slots
         return out
 
     # one layer's kept keys and values (B, H, count), their positions and priorities, into its first count slots
@@ -136,7 +138,8 @@ class KVCache:
         lowest = self.lowest(p)
         slot = torch.where(p < self.slots, free, lowest)
         self.pos.scatter_(-1, slot, free)
-        self.recent.index_copy_(-1, (p % self.window).view(1), slot)
+        ring = (p % self.window).view(1)
+        self.recent.index_copy_(-1, ring, slot)
         if self.rule in ("learned", "dynamic"):
             self.score.scatter_(-1, slot, 0.0)
         return slot
@@ -147,7 +150,8 @@ class KVCache:
         held = self.pos[..., self.sinks :]
         score = self.score[..., self.sinks :]
         # ineligible tokens at inf, above any eligible one (torch.where: one pass a table)
-        low = torch.where(held > p - self.window, math.inf, score)
+        young = held > p - self.window
+        low = torch.where(young, math.inf, score)
         least = low.amin(-1, keepdim=True)
         # of the lowest, the oldest (the others at a position above any)
         oldest = torch.where(low > least, 2**62, held)
