@@ -1,4 +1,4 @@
-"""Benchmarks: `python bench.py {quality,speed,kernels} [--key value ...]`, one cmd_ function per command, each
+"""Benchmarks: `python bench.py {quality,generate,speed,kernels} [--key value ...]`, one cmd_ function per command, each
 reading the defaults under its heading below and the shared ones (`--help` after the command lists them)."""
 
 import os
@@ -13,6 +13,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm import tqdm
 
 import checkpoint
 import flags
@@ -39,6 +40,10 @@ p_cue = -1.0  # cue task: the share of would-be fillers that start a distractor 
 n = 128  # sequences
 T = 512  # tokens per sequence
 threads = 1  # CPU threads (tiny ops: a second one mostly waits)
+# --- generate: every policy continues held-out prompts, the text scored by sample.py's scoreboard
+prompts = 256  # held-out prompts per task: a sequence's words 1 .. T - tokens - 1 (bos dropped)
+tokens = 112  # tokens written per prompt (sample.py's 112 after baby/prompt.txt's 399)
+temperature = 1.0  # 0 = greedy; 1: the baby's own distribution, as sample.py samples it
 # --- speed: decoding against the bytes it reads, prefill, a training step
 shape = "0.6B"  # Qwen3 shape of the random model: 0.6B, 4B or 8B
 layers = 0  # layers of the random model (0 = the shape's)
@@ -55,6 +60,8 @@ group = 2  # query heads of the one KV head timed
 COMMAND_FLAGS = {  # what each command reads (another's flag is an unknown option)
     "quality": "model policies budgets sinks window json"
     " task target scorer seed p_cue n T threads",
+    "generate": "model policies budgets sinks window json"
+    " task target scorer seed p_cue T threads prompts tokens temperature",
     "speed": "model policies budgets sinks window device json"
     " shape layers contexts steps prefill train d_mem dtype",
     "kernels": "device lengths D group",
@@ -75,7 +82,9 @@ def settings(command, argv):
     folder = os.path.dirname(j) or "."
     ok = not j or not os.path.isdir(j) and os.path.isdir(folder) and os.access(folder, os.W_OK)
     need(ok, f"--json {j}: give a file name in an existing, writable folder")
-    return types.SimpleNamespace(**{k: v for k, v in g.items() if k[0] != "_"}), need
+    a = types.SimpleNamespace(**{k: v for k, v in g.items() if k[0] != "_"})
+    a.prog = g["__prog__"]  # for messages
+    return a, need
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -174,11 +183,10 @@ def scorer_folders(scorer, task, target):
     return [d for d in folders if os.path.isfile(os.path.join(d, "scorer.json"))]
 
 
-def cmd_quality(argv):
-    """Teacher-forced quality on held-out task sequences: every policy, then each target's oracle and scorers."""
-    a, need = settings("quality", argv)
+def baby_setup(a, need, policies, total):
+    """quality, generate: names and numbers checked (a budget of `total` tokens), then the model -> net, tok, budgets,
+    tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}."""
     a.model, a.window = a.model or "baby", a.window or 32
-    policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
     task_names, targets = a.task.split(","), a.target.split(",")
     # every name known, or exit naming the first that is not
     for flag, what, names, known in [
@@ -188,10 +196,10 @@ def cmd_quality(argv):
     ]:
         bad = [x for x in names if x not in known]
         need(not bad, f"--{flag}: unknown {what} {(bad or [''])[0]!r}; choose from {','.join(known)}")
-    for name, least in dict(n=1, T=64, sinks=0, window=1, threads=1).items():
+    for name, least in dict(T=64, sinks=0, window=1, threads=1).items():
         need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
     need(a.p_cue < 1, f"--p_cue {a.p_cue}: use a rate below 1 (-1: the cue task's own)")
-    budgets = [flags.parse_value("bench.py quality", "budgets", b, float) for b in a.budgets.split(",")]
+    budgets = [flags.parse_value(a.prog, "budgets", b, float) for b in a.budgets.split(",")]
     try:
         folder = checkpoint.checkpoint_dir(a.model)
         config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
@@ -202,7 +210,7 @@ def cmd_quality(argv):
             s.check(config, a.window)
         for s in [None, *scorers.values()]:
             for b in budgets:
-                kvpop.budget_size(b, a.T, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
+                kvpop.budget_size(b, total, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
         most = config.max_position_embeddings  # checked before the weights load
         need(a.T <= most, f"--T {a.T}: the model has {most} positions; lower --T")
         torch.set_num_threads(a.threads)
@@ -210,6 +218,16 @@ def cmd_quality(argv):
         tok = tokenizer.Tokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
         need(False, str(e))
+    return net, tok, budgets, task_names, targets, folders, scorers
+
+
+def cmd_quality(argv):
+    """Teacher-forced quality on held-out task sequences: every policy, then each target's oracle and scorers."""
+    a, need = settings("quality", argv)
+    policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
+    need(a.n >= 1, f"--n {a.n}: use 1 or more")
+    setup = baby_setup(a, need, policies, a.T)
+    net, tok, budgets, task_names, targets, folders, scorers = setup
     t0, rows, counts = time.time(), [], []
     # the same held-out sequences for every policy and target of a task
     for task in task_names:
@@ -230,6 +248,42 @@ def cmd_quality(argv):
     print(f"{tasks.quality_table(rows)}\n\n{time.time() - t0:.0f}s")
     if a.json:
         checkpoint.write_json(rows, a.json)
+
+
+# --------------------------------------------------------------------------------------------------- generate
+def cmd_generate(argv):
+    """Every policy continues the same held-out prompts of each task; the written text is scored by sample.py's
+    scoreboard -> (rows per task, policy and budget; samples {(task, policy, budget): (prompts, continuations)})."""
+    a, need = settings("generate", argv)
+    policies = (a.policies or "full,streaming,knorm,random,h2o,tova").split(",")
+    need("oracle" not in policies, "--policies oracle: it reads the future, teacher-forced only (bench.py quality)")
+    need(a.prompts >= 1, f"--prompts {a.prompts}: use 1 or more")
+    need(1 <= a.tokens <= a.T - 2, f"--tokens {a.tokens}: use 1 .. T - 2 (a prompt of 1 token or more)")
+    need(a.temperature >= 0, f"--temperature {a.temperature:g}: use 0 (greedy) or more")
+    setup = baby_setup(a, need, policies, a.T - 1)
+    net, tok, budgets, task_names, targets, folders, scorers = setup
+    word = {i: w for w, i in tasks.task_ids(tok)[0].items()}
+    # far: bound at least S back, S the largest budget's (the same answers' bar at every budget)
+    far = max(kvpop.budget_size(b, a.T - 1, a.sinks, a.window)[0] for b in budgets)
+    t0, rows, samples = time.time(), [], {}
+    for task in task_names:
+        # held-out prompts: bench.py quality's sequences (test-<seed>), their bos dropped as in baby/prompt.txt
+        rate = dict(p_cue=a.p_cue) if task == "cue" and a.p_cue >= 0 else {}
+        rng = random.Random(f"test-{a.seed}")
+        idx = tasks.task_batch(tok, a.prompts, a.T, rng, **tasks.TASKS[task] | rate)[0]
+        prompt = idx[:, 1 : a.T - a.tokens]  # (N, P)
+        learned = [scorers[d] for r in targets for d in folders[task, r]]
+        runs = [("full", 1)] + [(p, b) for p in policies + learned if p != "full" for b in budgets]
+        cache = (a.sinks, a.window, a.tokens, a.temperature, a.seed)
+        got = tasks.generate_runs(net, word, prompt, tqdm(runs, desc=task, leave=False), far, *cache)
+        rows += [dict(task=task) | r for r in got[0]]
+        samples |= {(task, *k): v for k, v in got[1].items()}
+    head = f"{a.model}: {a.prompts} held-out prompts of {a.T - a.tokens - 1} tokens a task (seed {a.seed}), "
+    print(head + f"{a.tokens} written each at temperature {a.temperature:g}; far: bound >= {far} back\n")
+    print(f"{tasks.generate_table(rows)}\n\n{time.time() - t0:.0f}s")
+    if a.json:
+        checkpoint.write_json(rows, a.json)
+    return rows, samples
 
 
 # ---------------------- speed: a step reads every weight and every kept key and value once: its cost follows bytes
@@ -443,7 +497,7 @@ def cmd_speed(argv):
 
 
 if __name__ == "__main__":
-    commands = {"kernels": cmd_kernels, "quality": cmd_quality, "speed": cmd_speed}
+    commands = {"kernels": cmd_kernels, "quality": cmd_quality, "generate": cmd_generate, "speed": cmd_speed}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         usage = f"usage: python bench.py {{{','.join(commands)}}} [options]"
         raise SystemExit(f"{usage}  (-h after a command for help)")

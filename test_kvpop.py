@@ -3016,7 +3016,9 @@ def test_train_first_step_loss_is_the_definitions(tmp_path, baby, task, target):
     printed = float(re.search(r"step 1: loss (\d+\.\d+)", r.stdout).group(1))
     torch.manual_seed(0)
     s = kvpop.Scorer(net.config, "kvpop-window", 16, d_hidden=64)
-    idx = tasks.task_batch(tok, 2, 128, random.Random("scorer-train-0-0"), **tasks.TASKS[task])[0]
+    # cue: train.py draws each sequence's distractor rate from its default range, 0.05-0.35
+    rates = dict(p_cue=(0.05, 0.35)) if task == "cue" else {}
+    idx = tasks.task_batch(tok, 2, 128, random.Random("scorer-train-0-0"), **tasks.TASKS[task] | rates)[0]
     kv, rs = kvpop.dense_targets(net, idx, 16, target)
     pool = kvpop.budget_size(0.375, 128, 4, 16)[1]
     with torch.no_grad():

@@ -56,6 +56,8 @@ target = "helpful"  # the teacher's future attention: helpful, max (ours) or mea
 data = "baby"  # baby: a baby task (tasks.py); else .txt/.jsonl files (folder, glob), packed
 task = "recall"  # --data baby: recall, or cue (distractors only the next word marks)
 keys = 8  # --data baby: keys per sequence
+p_cue_min = 0.05  # --task cue: each sequence's distractor rate drawn uniformly from
+p_cue_max = 0.35  # [p_cue_min, p_cue_max] (both 0.17: the task's own rate alone)
 seq_len = 512  # tokens per sequence
 queries = 0  # the loss's query positions per sequence and pool, at random (0: all)
 edges = 3  # the loss at the edges of this many pools: the budget's, then each half the last
@@ -110,6 +112,8 @@ def check_flags():
     need(0 <= min_lr <= lr, f"--min_lr {min_lr}: must be in [0, --lr]")
     need(0 <= weight_decay < 1 and grad_clip > 0, "--weight_decay must be in [0, 1) and --grad_clip positive")
     need(1 <= keys <= 16 and seq_len >= 64, "--keys must be 1..16 and --seq_len at least 64")
+    rates = f"--p_cue_min {p_cue_min}, --p_cue_max {p_cue_max}"
+    need(0 <= p_cue_min <= p_cue_max < 1, f"{rates}: use 0 <= min <= max < 1")
     flags.check_seed(seed, "train.py")
     need(out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name")
     # the training budget (load() charges the scorer's state too)
@@ -125,6 +129,7 @@ def check_flags():
         (f"--kind {kind}", kind != "kvpop", "d_mem arrival"),
         ("--init_from (the folder's sizes)", bool(init_from), "d_mem d_hidden gamma arrival"),
         (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
+        (f"--task {task}", task != "cue", "p_cue_min p_cue_max"),
     ]
     for why, on, names in unread:
         for name in names.split():
@@ -183,7 +188,9 @@ def batch(tok, texts, it):
     The baby task's are drawn fresh; of --data's texts[0] (N), the j-th is the (j % N)-th in epoch j // N's order."""
     if data == "baby":
         rng = random.Random(f"scorer-train-{seed}-{it}")
-        return task_batch(tok, batch_size, seq_len, rng, keys=keys, **TASKS[task])[0]
+        # cue: a range of distractor rates, a rate per sequence
+        rates = dict(p_cue=(p_cue_min, p_cue_max)) if task == "cue" else {}
+        return task_batch(tok, batch_size, seq_len, rng, keys=keys, **TASKS[task] | rates)[0]
     seqs, rows = texts[0], []
     N = len(seqs)
     for j in range(it * batch_size, (it + 1) * batch_size):
@@ -283,7 +290,8 @@ def save(it, folder, scorer, opt, student, opt_m):
                 os.replace(dst + ".tmp", dst)
     if scorer is not None:
         # what the scorer was trained for, in scorer.json
-        scorer.meta = {k: globals()[k] for k in "model budget sinks window data task target edges".split()}
+        said = "model budget sinks window data task target edges" + " p_cue_min p_cue_max" * (task == "cue")
+        scorer.meta = {k: globals()[k] for k in said.split()}
         scorer.meta.update(iters=it, finetune=finetune)
         scorer.save_pretrained(out_dir)
     state = dict(scorer=scorer and scorer.state_dict(), opt=opt and opt.state_dict(), model=sd, model_opt=osd, iter=it)
