@@ -184,7 +184,7 @@ def generate_runs(model, word, prompt, runs, far, sinks, window, tokens, tempera
 
 def generate_table(rows):  # a markdown table of bench.py generate's rows
     head = "task policy budget answers accuracy far_accuracy_(answers) retained_[95%] longest_run distinct"
-    lines = ["| " + " | ".join(head.replace("_", " ").split()) + " |", "|---" * 9 + "|"]
+    lines = ["| " + " | ".join(head.split()).replace("_", " ") + " |", "|---" * 9 + "|"]
     for r in rows:
         cells = [r["task"], r["policy"], f"{r['budget']:g}", r["answers"], f"{r['accuracy']:.1%}"]
         cells += [f"{r['far_accuracy']:.1%} ({r['far_answers']})"]
