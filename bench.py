@@ -82,9 +82,8 @@ def settings(command, argv):
     folder = os.path.dirname(j) or "."
     ok = not j or not os.path.isdir(j) and os.path.isdir(folder) and os.access(folder, os.W_OK)
     need(ok, f"--json {j}: give a file name in an existing, writable folder")
-    a = types.SimpleNamespace(**{k: v for k, v in g.items() if k[0] != "_"})
-    a.prog = g["__prog__"]  # for messages
-    return a, need
+    # the flags, and the command's name for messages
+    return types.SimpleNamespace(prog=g["__prog__"], **{k: v for k, v in g.items() if k[0] != "_"}), need
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -226,8 +225,7 @@ def cmd_quality(argv):
     a, need = settings("quality", argv)
     policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
     need(a.n >= 1, f"--n {a.n}: use 1 or more")
-    setup = baby_setup(a, need, policies, a.T)
-    net, tok, budgets, task_names, targets, folders, scorers = setup
+    net, tok, budgets, task_names, targets, folders, scorers = baby_setup(a, need, policies, a.T)
     t0, rows, counts = time.time(), [], []
     # the same held-out sequences for every policy and target of a task
     for task in task_names:
@@ -260,9 +258,7 @@ def cmd_generate(argv):
     need(a.prompts >= 1, f"--prompts {a.prompts}: use 1 or more")
     need(1 <= a.tokens <= a.T - 2, f"--tokens {a.tokens}: use 1 .. T - 2 (a prompt of 1 token or more)")
     need(a.temperature >= 0, f"--temperature {a.temperature:g}: use 0 (greedy) or more")
-    setup = baby_setup(a, need, policies, a.T - 1)
-    net, tok, budgets, task_names, targets, folders, scorers = setup
-    word = {i: w for w, i in tasks.task_ids(tok)[0].items()}
+    net, tok, budgets, task_names, targets, folders, scorers = baby_setup(a, need, policies, a.T - 1)
     # far: bound at least S back, S the largest budget's (the same answers' bar at every budget)
     far = max(kvpop.budget_size(b, a.T - 1, a.sinks, a.window)[0] for b in budgets)
     t0, rows, samples = time.time(), [], {}
@@ -275,7 +271,7 @@ def cmd_generate(argv):
         learned = [scorers[d] for r in targets for d in folders[task, r]]
         runs = [("full", 1)] + [(p, b) for p in policies + learned if p != "full" for b in budgets]
         cache = (a.sinks, a.window, a.tokens, a.temperature, a.seed)
-        got = tasks.generate_runs(net, word, prompt, tqdm(runs, desc=task, leave=False), far, *cache)
+        got = tasks.generate_runs(net, tok, prompt, tqdm(runs, desc=task, leave=False), far, *cache)
         rows += [dict(task=task) | r for r in got[0]]
         samples |= {(task, *k): v for k, v in got[1].items()}
     head = f"{a.model}: {a.prompts} held-out prompts of {a.T - a.tokens - 1} tokens a task (seed {a.seed}), "

@@ -159,11 +159,12 @@ def continue_prompts(model, prompt, policy, budget, sinks, window, tokens, tempe
     return torch.stack(list(steps), 1)  # (N, tokens)
 
 
-def generate_runs(model, word, prompt, runs, far, sinks, window, tokens, temperature, seed):
-    """Each (policy, budget) of runs, full's first, continues the same prompts (N, P) (continue_prompts); word: token
-    id -> task word. -> rows (answers, accuracy, far accuracy, retained = accuracy / full's with its paired bootstrap
-    interval, the longest run of one word, distinct words a sample), samples {(policy, budget): (prompt, ids)}."""
+def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperature, seed):
+    """Each (policy, budget) of runs, full's first, continues the same prompts (N, P) (continue_prompts) -> rows
+    (answers, accuracy, far accuracy, retained = accuracy / full's with its paired bootstrap interval, the longest run
+    of one word, distinct words a sample), samples {(policy, budget): (prompt, ids)}."""
     rows, samples = [], {}
+    word = {i: w for w, i in task_ids(tok)[0].items()}  # token id -> task word
     for p, b in runs:
         out = continue_prompts(model, prompt, p, b, sinks, window, tokens, temperature, seed)
         name = p if isinstance(p, str) else p.kind
