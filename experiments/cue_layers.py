@@ -1,0 +1,76 @@
+"""Per layer, on held-out cue sequences: each scorer's keep/drop accuracy at the pool's edge and P(a live value's
+priority > a distractor value's), beside the teacher's (LOG.md, 2026-12-05 night).
+
+python experiments/cue_layers.py --scorers baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-mlp
+"""
+
+import os
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flags
+import kvpop
+import qwen3
+import tasks
+import tokenizer
+
+# --- what to measure
+scorers = "baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-mlp,baby/scorers/cue-helpful/kvpop-window"
+target = "helpful"  # the teacher's future attention
+seed = 0  # held-out sequences: bench.py quality's (test-<seed>)
+n = 64  # sequences
+p_cue = 0.17  # the cue task's distractor rate
+budget = 0.125  # the pool whose edge is measured
+sinks = 4  # first tokens never evicted
+window = 32  # recent tokens never evicted
+flags.configure(globals())
+torch.set_num_threads(1)
+net = qwen3.Qwen3.from_pretrained("baby", dtype=torch.float32)
+tok = tokenizer.Tokenizer.from_pretrained("baby")
+idx, tgt, dist = tasks.task_batch(tok, n, 512, random.Random(f"test-{seed}"), p_cue=p_cue)
+T = idx.shape[1]
+pos = torch.arange(T)
+pool = kvpop.budget_size(budget, T, sinks, window)[1]
+queries = [torch.arange(sinks + window + pool, T)]
+# live values: the ones a later query reads; distractor values: the word before `no`
+live = torch.zeros_like(idx, dtype=torch.bool)
+rows, cols = (tgt >= 0).nonzero(as_tuple=True)
+live[rows, cols - dist[rows, cols]] = True
+mark = tasks.task_ids(tok)[0][tasks.MARK]
+distractor = torch.zeros_like(live)
+distractor[:, :-1] = idx[:, 1:] == mark
+# only tokens with a target (they leave the window before the end)
+live[:, T - window :], distractor[:, T - window :] = False, False
+with torch.no_grad():
+    kv, rs = kvpop.dense_targets(net, idx, window, target)
+    learned = {d: kvpop.Scorer.from_pretrained(d) for d in scorers.split(",")}
+
+
+def above(pi):
+    """P(pi[live] > pi[distractor]) over the pairs of one sequence, pooled over the sequences; pi (B, T)."""
+    wins, pairs = 0.0, 0
+    for b in range(len(pi)):
+        a, d = pi[b][live[b]], pi[b][distractor[b]]
+        wins += (a[:, None] > d[None, :]).sum().item()
+        pairs += len(a) * len(d)
+    return wins / pairs
+
+
+print(f"{n} cue sequences (seed {seed}, p_cue {p_cue}), pool {pool}; {int(live.sum())} live values, "
+      f"{int(distractor.sum())} distractor values\n")
+print("| layer | kind | keep/drop accuracy | P(live > distractor) |\n|---|---|---|---|")
+first = next(iter(learned.values()))
+for i, ((k, v), r) in enumerate(zip(kv, rs)):
+    # the teacher with the first scorer's recency term, as its loss sees it
+    teacher = r + first.recency(i, pos)
+    print(f"| {i} | teacher | 1.000 | {above(teacher[:, 0]):.3f} |")
+    for d, s in learned.items():
+        with torch.no_grad():
+            mine = r + s.recency(i, pos)
+            pi = s(i, k, v, pos)
+            right = kvpop.boundary_loss(pi, mine, queries, sinks, window, [pool])[1]
+        name = s.kind + " on arrival" * s.arrival
+        print(f"| {i} | {name} ({d}) | {right:.3f} | {above(pi[:, 0]):.3f} |", flush=True)
