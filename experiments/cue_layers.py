@@ -59,18 +59,51 @@ def above(pi):
     return wins / pairs
 
 
+def next_share(s, i, k, v):
+    """How much of t's read falls on t + 1 (B, T): kvpop, |w_j (k'_j . u_t)| at j = t + 1 over its sum over the
+    memory's tokens j <= q = t + w - 1, w_j = exp(F_q - F_j + log i_j); kvpop-window, the mean over its reads of the
+    softmax at offset 1; kvpop-mlp reads nothing (0)."""
+    x, W = s.features(k, v), s.window
+    B, H, T, _ = x.shape
+    share = torch.zeros(B, T)
+    if s.kind == "kvpop":
+        li = (x * s.wi[i][:, None]).sum(-1) + s.bi[i][:, None]  # (B, H, T)
+        lf = torch.nn.functional.logsigmoid((x * s.wf[i][:, None]).sum(-1) + s.bf[i][:, None])
+        Fc = lf.double().cumsum(-1)  # F_j
+        key, u = x @ s.wk[i] / s.d_mem**0.5, x @ s.wr[i]  # (B, H, T, M)
+        t = torch.arange(T - W + 1)
+        q = t + W - 1
+        j = torch.arange(T)
+        logw = Fc[..., q, None] - Fc[..., None, :] + li[..., None, :]  # (B, H, R, T)
+        logw = logw.masked_fill(j > q[:, None], -torch.inf)
+        w = (logw - logw.amax(-1, keepdim=True)).exp() * (u[..., t, :] @ key.mT)
+        share[:, t] = (w.abs()[..., t, t + 1] / w.abs().sum(-1))[:, 0].float()
+    if s.kind == "kvpop-window":
+        A, d, m = s.reads, s.d_key, s.bo.shape[-1]
+        split = lambda y, wt: (y @ wt[i]).unflatten(-1, (A, d)).transpose(2, 3)  # (B, H, A, T, d)
+        qa, ka = split(x, s.wq), split(x, s.wk)
+        t = torch.arange(T - m)
+        offsets = torch.arange(1, m + 1)
+        logits = (qa[..., t, None, :] * ka[..., t[:, None] + offsets, :]).sum(-1) / d**0.5 + s.bo[i][:, :, None, :]
+        share[:, t] = logits.softmax(-1)[..., 0].mean(2)[:, 0]
+    return share
+
+
 print(f"{n} cue sequences (seed {seed}, p_cue {p_cue}), pool {pool}; {int(live.sum())} live values, "
       f"{int(distractor.sum())} distractor values\n")
-print("| layer | kind | keep/drop accuracy | P(live > distractor) |\n|---|---|---|---|")
+head = "| layer | kind | keep/drop accuracy | P(live > distractor) | read on t + 1: live | distractor |"
+print(head + "\n|---|---|---|---|---|---|")
 first = next(iter(learned.values()))
 for i, ((k, v), r) in enumerate(zip(kv, rs)):
     # the teacher with the first scorer's recency term, as its loss sees it
     teacher = r + first.recency(i, pos)
-    print(f"| {i} | teacher | 1.000 | {above(teacher[:, 0]):.3f} |")
+    print(f"| {i} | teacher | 1.000 | {above(teacher[:, 0]):.3f} | - | - |")
     for d, s in learned.items():
         with torch.no_grad():
             mine = r + s.recency(i, pos)
             pi = s(i, k, v, pos)
             right = kvpop.boundary_loss(pi, mine, queries, sinks, window, [pool])[1]
+            share = next_share(s, i, k, v)
         name = s.kind + " on arrival" * s.arrival
-        print(f"| {i} | {name} ({d}) | {right:.3f} | {above(pi[:, 0]):.3f} |", flush=True)
+        reads = f"{share[live].mean():.3f} | {share[distractor].mean():.3f}"
+        print(f"| {i} | {name} ({d}) | {right:.3f} | {above(pi[:, 0]):.3f} | {reads} |", flush=True)
