@@ -3664,7 +3664,8 @@ def test_retained_interval_by_hand():
 def test_p_cue_range_is_drawn_per_sequence(baby, monkeypatch):
     """train.py --task cue's batch (README, The baby): each sequence's distractor rate drawn uniformly from
     [--p_cue_min, --p_cue_max] (default 0.05, 0.35) by the step's own stream, just before the sequence: equal to
-    tasks.task replayed by hand, and the distractor share of the would-be fillers spans the range."""
+    tasks.task replayed by hand, and the distractor share of the would-be fillers spans the range; min = max = 0.17
+    draws nothing: the task's own batch."""
     import train
 
     tok = baby[1]
@@ -3681,6 +3682,11 @@ def test_p_cue_range_is_drawn_per_sequence(baby, monkeypatch):
         marks = words.count(tasks.MARK)
         shares.append(marks / (marks + sum(w in tasks.FILLERS for w in words)))
     assert min(shares) < 0.1 and max(shares) > 0.28
+    # one rate (min = max): the task's stream as before the range
+    monkeypatch.setattr(train, "p_cue_min", 0.17)
+    monkeypatch.setattr(train, "p_cue_max", 0.17)
+    fixed = tasks.task_batch(tok, 48, 512, random.Random("scorer-train-0-3"), keys=8, **tasks.TASKS["cue"])[0]
+    assert torch.equal(train.batch(tok, None, 3), fixed)
 
 
 def test_flags_take_hyphens_and_equals():

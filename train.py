@@ -57,7 +57,7 @@ data = "baby"  # baby: a baby task (tasks.py); else .txt/.jsonl files (folder, g
 task = "recall"  # --data baby: recall, or cue (distractors only the next word marks)
 keys = 8  # --data baby: keys per sequence
 p_cue_min = 0.05  # --task cue: each sequence's distractor rate drawn uniformly from
-p_cue_max = 0.35  # [p_cue_min, p_cue_max] (both 0.17: the task's own rate alone)
+p_cue_max = 0.35  # [p_cue_min, p_cue_max] (both 0.17: the task's own rate alone, as before the range)
 seq_len = 512  # tokens per sequence
 queries = 0  # the loss's query positions per sequence and pool, at random (0: all)
 edges = 3  # the loss at the edges of this many pools: the budget's, then each half the last
@@ -188,8 +188,9 @@ def batch(tok, texts, it):
     The baby task's are drawn fresh; of --data's texts[0] (N), the j-th is the (j % N)-th in epoch j // N's order."""
     if data == "baby":
         rng = random.Random(f"scorer-train-{seed}-{it}")
-        # cue: a range of distractor rates, a rate per sequence
-        rates = dict(p_cue=(p_cue_min, p_cue_max)) if task == "cue" else {}
+        # cue: a range of distractor rates, a rate per sequence (one rate: the stream of the code before the range)
+        rate = (p_cue_min, p_cue_max) if p_cue_min < p_cue_max else p_cue_min
+        rates = dict(p_cue=rate) if task == "cue" else {}
         return task_batch(tok, batch_size, seq_len, rng, keys=keys, **TASKS[task] | rates)[0]
     seqs, rows = texts[0], []
     N = len(seqs)
