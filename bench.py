@@ -24,13 +24,13 @@ import tokenizer
 import tasks
 
 # --- shared (each command reads those it names)
-model = ""  # checkpoint folder; empty: the baby (quality), a random model of --shape (speed)
-policies = ""  # comma-separated; empty: all (quality), streaming + learned kinds (speed)
+model = ""  # checkpoint folder; empty: the baby (quality, generate), a random model of --shape (speed)
+policies = ""  # comma-separated; empty: all (quality; generate: but the oracle), streaming + learned (speed)
 budgets = "0.25,0.125"  # comma-separated fractions of the tokens kept per head (or integers S)
 sinks = 4  # first tokens never evicted
-window = 0  # recent tokens never evicted; 0: 32 (quality: the baby's) or 256 (speed: the paper's)
+window = 0  # recent tokens never evicted; 0: 32 (quality, generate: the baby's) or 256 (speed: the paper's)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N (speed, kernels)
-json = ""  # also write the rows to this file (quality, speed)
+json = ""  # also write the rows to this file (quality, generate, speed)
 # --- quality: every policy on held-out sequences of the baby's tasks (teacher-forced)
 task = "recall"  # comma-separated tasks: recall, cue
 target = "helpful"  # comma-separated targets of the oracle and the scorers: helpful, max, mean
@@ -254,9 +254,9 @@ def cmd_generate(argv):
     scoreboard -> (rows per task, policy and budget; samples {(task, policy, budget): (prompts, continuations)})."""
     a, need = settings("generate", argv)
     policies = (a.policies or "full,streaming,knorm,random,h2o,tova").split(",")
-    need("oracle" not in policies, "--policies oracle: it reads the future, teacher-forced only (bench.py quality)")
+    need("oracle" not in policies, "--policies oracle: teacher-forced only (bench.py quality)")
     need(a.prompts >= 1, f"--prompts {a.prompts}: use 1 or more")
-    need(1 <= a.tokens <= a.T - 2, f"--tokens {a.tokens}: use 1 .. T - 2 (a prompt of 1 token or more)")
+    need(1 <= a.tokens <= a.T - 2, f"--tokens {a.tokens}: use 1 .. T - 2 (a prompt of 1 or more)")
     need(a.temperature >= 0, f"--temperature {a.temperature:g}: use 0 (greedy) or more")
     net, tok, budgets, task_names, targets, folders, scorers = baby_setup(a, need, policies, a.T - 1)
     # far: bound at least S back, S the largest budget's (the same answers' bar at every budget)
@@ -274,8 +274,8 @@ def cmd_generate(argv):
         got = tasks.generate_runs(net, tok, prompt, tqdm(runs, desc=task, leave=False), far, *cache)
         rows += [dict(task=task) | r for r in got[0]]
         samples |= {(task, *k): v for k, v in got[1].items()}
-    head = f"{a.model}: {a.prompts} held-out prompts of {a.T - a.tokens - 1} tokens a task (seed {a.seed}), "
-    print(head + f"{a.tokens} written each at temperature {a.temperature:g}; far: bound >= {far} back\n")
+    head = f"{a.model}: {a.prompts} held-out prompts a task (seed {a.seed}) of {a.T - a.tokens - 1} tokens"
+    print(f"{head}, {a.tokens} written each at temperature {a.temperature:g}; far: >= {far} back\n")
     print(f"{tasks.generate_table(rows)}\n\n{time.time() - t0:.0f}s")
     if a.json:
         checkpoint.write_json(rows, a.json)
