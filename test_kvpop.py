@@ -451,7 +451,7 @@ def test_pretrain_into_a_checkpoint_folder_keeps_its_other_files(tmp_path):
     assert qwen3.Qwen3.from_pretrained(str(d)).config.num_hidden_layers == 2
 
 
-@pytest.mark.parametrize("command", ["kernels", "quality", "speed"])
+@pytest.mark.parametrize("command", ["kernels", "quality", "generate", "speed"])
 def test_bench_help_lists_the_commands_defaults(command):
     """bench.py COMMAND --help lists the defaults that command reads (bench.COMMAND_FLAGS), in file
     order, under non-empty headings; every default before the first function is read by some
