@@ -1,5 +1,5 @@
-"""Benchmarks: `python bench.py {quality,generate,speed,kernels} [--key value ...]`, one cmd_ function per command, each
-reading the defaults under its heading below and the shared ones (`--help` after the command lists them)."""
+"""Benchmarks: `python bench.py {quality,generate,speed,kernels} [--key value ...]`, one cmd_ function per command,
+each reading the defaults under its heading below and the shared ones (`--help` after the command lists them)."""
 
 import os
 import random
@@ -82,8 +82,8 @@ def settings(command, argv):
     folder = os.path.dirname(j) or "."
     ok = not j or not os.path.isdir(j) and os.path.isdir(folder) and os.access(folder, os.W_OK)
     need(ok, f"--json {j}: give a file name in an existing, writable folder")
-    # the flags, and the command's name for messages
-    return types.SimpleNamespace(prog=g["__prog__"], **{k: v for k, v in g.items() if k[0] != "_"}), need
+    given = {k: v for k, v in g.items() if k[0] != "_"}  # and the command's name, for messages
+    return types.SimpleNamespace(prog=g["__prog__"], **given), need
 
 
 # ------------------------------------------------------------------------------------------------ kernels
