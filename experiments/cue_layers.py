@@ -26,6 +26,7 @@ p_cue = 0.17  # the cue task's distractor rate
 budget = 0.125  # the pool whose edge is measured
 sinks = 4  # first tokens never evicted
 window = 32  # recent tokens never evicted
+shift = False  # kvpop's memory keys from the previous token (run under experiments/mlstm_shift.py)
 flags.configure(globals())
 torch.set_num_threads(1)
 net = qwen3.Qwen3.from_pretrained("baby", dtype=torch.float32)
@@ -70,7 +71,8 @@ def next_share(s, i, k, v):
         li = (x * s.wi[i][:, None]).sum(-1) + s.bi[i][:, None]  # (B, H, T)
         lf = torch.nn.functional.logsigmoid((x * s.wf[i][:, None]).sum(-1) + s.bf[i][:, None])
         Fc = lf.double().cumsum(-1)  # F_j
-        key, u = x @ s.wk[i] / s.d_mem**0.5, x @ s.wr[i]  # (B, H, T, M)
+        written = torch.nn.functional.pad(x, (0, 0, 1, 0))[..., :-1, :] if shift else x
+        key, u = written @ s.wk[i] / s.d_mem**0.5, x @ s.wr[i]  # (B, H, T, M)
         t = torch.arange(T - W + 1)
         q = t + W - 1
         j = torch.arange(T)
