@@ -121,7 +121,8 @@ def retained(hits, counts, full_hits, full_counts, seed=0, draws=1000):
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randint(len(hits), (draws, len(hits)), generator=gen)  # (draws, N)
     acc = lambda h, n: h[pick].sum(1) / n[pick].sum(1)  # (draws,)
-    ratio = acc(hits.double(), counts.double()) / acc(full_hits.double(), full_counts.double())
+    mine = acc(hits.double(), counts.double())
+    ratio = mine / acc(full_hits.double(), full_counts.double())
     low, high = torch.nanquantile(ratio, ratio.new_tensor([0.025, 0.975])).tolist()
     point = hits.sum() / counts.sum() / (full_hits.sum() / full_counts.sum())
     return point.item(), low, high
@@ -169,17 +170,20 @@ def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperat
         out = continue_prompts(model, prompt, p, b, sinks, window, tokens, temperature, seed)
         name = p if isinstance(p, str) else p.kind
         samples[name, b] = prompt, out
-        # each prompt's scoreboard (N, 6)
+        # each prompt's scoreboard
         seqs = torch.cat([prompt, out], 1).tolist()
         board = [scoreboard([word.get(i) for i in x], prompt.shape[1], far) for x in seqs]
-        hits, n, far_hits, far_n, run, distinct = torch.tensor(board, dtype=torch.float64).unbind(1)
+        board = torch.tensor(board, dtype=torch.float64)  # (N, 6)
+        hits, n, far_hits, far_n, run, distinct = board.unbind(1)
         full = (hits, n) if p == "full" else full
         ratio, low, high = retained(hits, n, *full, seed)
         row = dict(policy=name, budget=b, answers=int(n.sum()), accuracy=hits.sum() / n.sum())
         row.update(far_answers=int(far_n.sum()), far_accuracy=far_hits.sum() / far_n.sum())
         row.update(retained=ratio, retained_low=low, retained_high=high)
         row.update(longest_run=int(run.max()), distinct=distinct.mean())
-        rows.append({k: round(float(v), 4) if isinstance(v, float | torch.Tensor) else v for k, v in row.items()})
+        # fractions to 4 decimals
+        rounded = lambda v: round(float(v), 4) if isinstance(v, float | torch.Tensor) else v
+        rows.append({k: rounded(v) for k, v in row.items()})
     return rows, samples
 
 
