@@ -3100,6 +3100,8 @@ def test_train_bad_input(tmp_path, small_model):
         (("--data", str(bad)), ["--data", "tokens"]),
         (("--device", "cuda"), ["cuda"]),
         (("--max_iters", "0"), ["--max_iters"]),
+        (("--task", "cue", "--p_cue_min", "0.4"), ["--p_cue_min 0.4", "min <= max"]),
+        (("--p_cue_max", "0.3"), ["--p_cue_max", "does nothing", "--task recall"]),
         (("--seq_len", "128", "--window", "16", "--budget", "0.375"), ["--final_seqs 128", "final table"]),
     ]
     for args, words in cases:

@@ -67,7 +67,7 @@ sinks = 4  # first tokens never evicted
 window = 32  # recent tokens never evicted; a delayed scorer reads this many tokens late
 # --- optimisation
 batch_size = 8  # sequences per step
-max_iters = 0  # steps; 0: 600, or 1200 for --task cue (its range of rates takes longer)
+max_iters = -1  # steps; -1: 600, or 1200 for --task cue (its range of rates takes longer)
 lr = 3e-3  # the scorer's AdamW peak learning rate
 min_lr = 3e-4  # cosine decay down to this
 warmup = 50  # linear warmup steps
@@ -82,7 +82,7 @@ eval_seqs = 32  # held-out sequences per evaluation
 final_seqs = 128  # held-out sequences of the final quality table (bench.py quality's; 0: none)
 given = flags.configure(globals(), None if __name__ == "__main__" else [])  # tests: the defaults
 model_lr = (1e-5 if model == "baby" else 8e-5) if model_lr == -1 else model_lr
-max_iters = max_iters or (1200 if data == "baby" and task == "cue" else 600)
+max_iters = (1200 if data == "baby" and task == "cue" else 600) if max_iters == -1 else max_iters
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
 log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None  # rank 0 logs
 need = lambda ok, msg: flags.need(ok, msg, "train.py")  # bad input: one line, exit 1
