@@ -1,5 +1,5 @@
-"""Benchmarks: `python bench.py {quality,speed,kernels} [--key value ...]`, one cmd_ function per command, each
-reading the defaults under its heading below and the shared ones (`--help` after the command lists them)."""
+"""Benchmarks: `python bench.py {quality,generate,speed,kernels} [--key value ...]`, one cmd_ function per command,
+each reading the defaults under its heading below and the shared ones (`--help` after the command lists them)."""
 
 import itertools
 import os
@@ -14,6 +14,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm import tqdm
 
 import checkpoint
 import flags
@@ -25,13 +26,13 @@ import tokenizer
 import tasks
 
 # --- shared (each command reads those it names)
-model = ""  # checkpoint folder; empty: the baby (quality), a random model of --shape (speed)
-policies = ""  # comma-separated; empty: all (quality), streaming + learned kinds (speed)
+model = ""  # checkpoint folder; empty: the baby (quality, generate), a random model of --shape (speed)
+policies = ""  # comma-separated; empty: all (quality; generate: but the oracle), streaming + learned (speed)
 budgets = "0.25,0.125"  # comma-separated fractions of the tokens kept per head (or integers S)
 sinks = 4  # first tokens never evicted
-window = 0  # recent tokens never evicted; 0: 32 (quality: the baby's) or 256 (speed: the paper's)
+window = 0  # recent tokens never evicted; 0: 32 (quality, generate: the baby's) or 256 (speed: the paper's)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N (speed, kernels)
-json = ""  # also write the rows to this file (quality, speed, kernels --targets)
+json = ""  # also write the rows to this file (quality, generate, speed, kernels --targets)
 # --- quality: every policy on held-out sequences of the baby's tasks, or of code files (teacher-forced)
 task = "recall"  # comma-separated tasks: recall, cue; or code alone (the code baby's held-out files)
 corpus = "torch"  # code: torch (the installed package's .py/.txt source) or a folder of such files
@@ -42,6 +43,10 @@ p_cue = -1.0  # cue task: the share of would-be fillers that start a distractor 
 n = 128  # sequences (code: held-out files, their first T tokens; at most)
 T = 0  # tokens per sequence; 0: 512 (the tasks) or 1024 (code)
 threads = 1  # CPU threads (tiny ops: a second one mostly waits)
+# --- generate: every policy continues held-out prompts, the text scored by sample.py's scoreboard
+prompts = 256  # held-out prompts per task: a sequence's words 1 .. T - tokens - 1 (bos dropped)
+tokens = 112  # tokens written per prompt (sample.py's 112 after baby/prompt.txt's 399)
+temperature = 1.0  # 0 = greedy; 1: the baby's own distribution, as sample.py samples it
 # --- speed: decoding against the bytes it reads, prefill, a training step
 shape = "0.6B"  # Qwen3 shape of the random model: 0.6B, 4B or 8B
 layers = 0  # layers of the random model (0 = the shape's)
@@ -60,6 +65,8 @@ targets = ""  # comma-separated GPUs, e.g. sm_75,sm_90: compile every kernel for
 COMMAND_FLAGS = {  # what each command reads (another's flag is an unknown option)
     "quality": "model policies budgets sinks window json"
     " task corpus target scorer seed p_cue n T threads",
+    "generate": "model policies budgets sinks window json"
+    " task target scorer seed p_cue T threads prompts tokens temperature",
     "speed": "model policies budgets sinks window device json"
     " shape layers contexts steps prefill train d_mem dtype compile",
     "kernels": "device lengths D group targets json",
@@ -80,7 +87,8 @@ def settings(command, argv):
     folder = os.path.dirname(j) or "."
     ok = not j or not os.path.isdir(j) and os.path.isdir(folder) and os.access(folder, os.W_OK)
     need(ok, f"--json {j}: give a file name in an existing, writable folder")
-    return types.SimpleNamespace(**{k: v for k, v in g.items() if k[0] != "_"}), need
+    given = {k: v for k, v in g.items() if k[0] != "_"}  # and the command's name, for messages
+    return types.SimpleNamespace(prog=g["__prog__"], **given), need
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -214,16 +222,15 @@ def scorer_folders(scorer, model, task, target):
     return [d for d in folders if os.path.isfile(os.path.join(d, "scorer.json"))]
 
 
-def cmd_quality(argv):
-    """Teacher-forced quality on held-out task sequences: every policy, then each target's oracle and scorers."""
-    a, need = settings("quality", argv)
+def baby_setup(a, need, policies, spare=0):
+    """quality, generate: names and numbers checked (a budget of T - spare tokens), then the model -> net, tok,
+    budgets, tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}, code's held-out files."""
     task_names, targets = a.task.split(","), a.target.split(",")
     # code: its own model and length (tasks.py), so alone
     code = task_names == ["code"]
     need(code or "code" not in task_names, f"--task {a.task}: code runs alone (its own model, code/)")
     a.model = a.model or ("code" if code else "baby")
     a.window, a.T = a.window or 32, a.T or (1024 if code else 512)
-    policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
     # every name known, or exit naming the first that is not
     for flag, what, names, known in [
         ("policies", "policy", policies, kvpop.POLICIES),
@@ -232,10 +239,10 @@ def cmd_quality(argv):
     ]:
         bad = [x for x in names if x not in known]
         need(not bad, f"--{flag}: unknown {what} {(bad or [''])[0]!r}; choose from {','.join(known)}")
-    for name, least in dict(n=1, T=64, sinks=0, window=1, threads=1).items():
+    for name, least in dict(T=64, sinks=0, window=1, threads=1).items():
         need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
     need(a.p_cue < 1, f"--p_cue {a.p_cue}: use a rate below 1 (-1: the cue task's own)")
-    budgets = [flags.parse_value("bench.py quality", "budgets", b, float) for b in a.budgets.split(",")]
+    budgets = [flags.parse_value(a.prog, "budgets", b, float) for b in a.budgets.split(",")]
     try:
         folder = checkpoint.checkpoint_dir(a.model)
         config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
@@ -246,7 +253,7 @@ def cmd_quality(argv):
             s.check(config, a.window)
         for s in [None, *scorers.values()]:
             for b in budgets:
-                kvpop.budget_size(b, a.T, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
+                kvpop.budget_size(b, a.T - spare, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
         most = config.max_position_embeddings  # checked before the weights load
         need(a.T <= most, f"--T {a.T}: the model has {most} positions; lower --T")
         tok = tokenizer.Tokenizer.from_pretrained(folder)
@@ -255,6 +262,17 @@ def cmd_quality(argv):
         net = qwen3.Qwen3.from_pretrained(a.model, dtype=torch.float32)
     except (OSError, ValueError) as e:
         need(False, str(e))
+    return net, tok, budgets, task_names, targets, folders, scorers, files
+
+
+def cmd_quality(argv):
+    """Teacher-forced quality on held-out task sequences (or code files): every policy, then each target's oracle
+    and scorers."""
+    a, need = settings("quality", argv)
+    policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
+    need(a.n >= 1, f"--n {a.n}: use 1 or more")
+    net, tok, budgets, task_names, targets, folders, scorers, files = baby_setup(a, need, policies)
+    code = files is not None
     t0, rows, counts = time.time(), [], []
     # the same held-out sequences for every policy and target of a task
     for task in task_names:
@@ -272,13 +290,48 @@ def cmd_quality(argv):
             runs = measure(*batch, learned, *cache, target=target)[0]
             rows += [dict(task=task, target=target, **r) for r in runs[1:]]  # full is above
         counts.append(f"{task}: {n} {'next tokens' if code else 'queries'} ({far:.0%} far)")
-    files = f"{len(files)} held-out files, the first" if code else f"{a.n} held-out sequences of"
-    head = f"{a.model}: {files} {a.T} tokens (seed {a.seed}), {'; '.join(counts)}"
+    held = f"{len(files)} held-out files, the first" if code else f"{a.n} held-out sequences of"
+    head = f"{a.model}: {held} {a.T} tokens (seed {a.seed}), {'; '.join(counts)}"
     print(f"{head}; sinks {a.sinks}, window {a.window}\n")
     table = tasks.code_table if code else tasks.quality_table
     print(f"{table(rows)}\n\n{time.time() - t0:.0f}s")
     if a.json:
         checkpoint.write_json(rows, a.json)
+
+
+# --------------------------------------------------------------------------------------------------- generate
+def cmd_generate(argv):
+    """Every policy continues the same held-out prompts of each task; the written text is scored by sample.py's
+    scoreboard -> (rows per task, policy and budget; samples {(task, policy, budget): (prompts, continuations)})."""
+    a, need = settings("generate", argv)
+    policies = (a.policies or "full,streaming,knorm,random,h2o,tova").split(",")
+    need("oracle" not in policies, "--policies oracle: teacher-forced only (bench.py quality)")
+    need(a.prompts >= 1, f"--prompts {a.prompts}: use 1 or more")
+    need(1 <= a.tokens <= a.T - 2, f"--tokens {a.tokens}: use 1 .. T - 2 (a prompt of 1 or more)")
+    need(a.temperature >= 0, f"--temperature {a.temperature:g}: use 0 (greedy) or more")
+    need("code" not in a.task.split(","), "--task code: generate scores the baby's tasks; code: bench.py quality")
+    net, tok, budgets, task_names, targets, folders, scorers, _ = baby_setup(a, need, policies, spare=1)
+    # far: bound at least S back, S the largest budget's (the same answers' bar at every budget)
+    far = max(kvpop.budget_size(b, a.T - 1, a.sinks, a.window)[0] for b in budgets)
+    t0, rows, samples = time.time(), [], {}
+    for task in task_names:
+        # held-out prompts: bench.py quality's sequences (test-<seed>), their bos dropped as in baby/prompt.txt
+        rate = dict(p_cue=a.p_cue) if task == "cue" and a.p_cue >= 0 else {}
+        rng = random.Random(f"test-{a.seed}")
+        idx = tasks.task_batch(tok, a.prompts, a.T, rng, **tasks.TASKS[task] | rate)[0]
+        prompt = idx[:, 1 : a.T - a.tokens]  # (N, P)
+        learned = [scorers[d] for r in targets for d in folders[task, r]]
+        runs = [("full", 1)] + [(p, b) for p in policies + learned if p != "full" for b in budgets]
+        cache = (a.sinks, a.window, a.tokens, a.temperature, a.seed)
+        got = tasks.generate_runs(net, tok, prompt, tqdm(runs, desc=task, leave=False), far, *cache)
+        rows += [dict(task=task) | r for r in got[0]]
+        samples |= {(task, *k): v for k, v in got[1].items()}
+    head = f"{a.model}: {a.prompts} held-out prompts a task (seed {a.seed}) of {a.T - a.tokens - 1} tokens"
+    print(f"{head}, {a.tokens} written each at temperature {a.temperature:g}; far: >= {far} back\n")
+    print(f"{tasks.generate_table(rows)}\n\n{time.time() - t0:.0f}s")
+    if a.json:
+        checkpoint.write_json(rows, a.json)
+    return rows, samples
 
 
 # ---------------------- speed: a step reads every weight and every kept key and value once: its cost follows bytes
@@ -490,7 +543,7 @@ def cmd_speed(argv):
 
 
 if __name__ == "__main__":
-    commands = {"kernels": cmd_kernels, "quality": cmd_quality, "speed": cmd_speed}
+    commands = {"kernels": cmd_kernels, "quality": cmd_quality, "generate": cmd_generate, "speed": cmd_speed}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         usage = f"usage: python bench.py {{{','.join(commands)}}} [options]"
         raise SystemExit(f"{usage}  (-h after a command for help)")

@@ -1,4 +1,5 @@
-"""The baby's tasks and the teacher-forced evaluation of eviction on them (quality tables, held-out checks).
+"""The baby's tasks, the teacher-forced evaluation of eviction on them (quality tables, held-out checks) and the
+scoring of what a model writes under eviction (sample.py's scoreboard, bench.py generate).
 
 recall: multi-query associative recall in single-token Qwen3 words (README, The baby). cue: the same, plus distractor
 bindings that only the next word marks as useless (README, The baby). code: real text nobody here wrote, the installed
@@ -13,6 +14,7 @@ import torch
 
 import kvpop
 from cache import KVCache
+from qwen3 import generate
 
 # ----------------------------------------------------------------------------------------------------------
 # the words. A binding is the bigram `key value`; a later `key value'` reassigns (the old value is useless from then
@@ -75,39 +77,132 @@ def task(rng, T, keys=8, p_mention=0.06, p_reassign=0.1, p_oldest=0.7, p_cue=0.0
     return words, ans
 
 
-def task_batch(tok, n, T, rng, **kw):
-    """n sequences of task(rng, T, **kw) -> idx (n, T) token ids, tgt (n, T) answer ids (-1 elsewhere), dist (n, T)
-    how far back the answer was last written (0 elsewhere)."""
+def task_batch(tok, n, T, rng, p_cue=0.0, **kw):
+    """n sequences of task(rng, T, p_cue, **kw) -> idx (n, T) token ids, tgt (n, T) answer ids (-1 elsewhere), dist
+    (n, T) how far back the answer was last written (0 elsewhere). p_cue a pair (low, high): each sequence's rate
+    is drawn uniformly from it, by rng, just before the sequence."""
     ids, bos = task_ids(tok)
     idx, tgt, dist = (torch.full((n, T), f, dtype=torch.long) for f in (bos, -1, 0))
     for b in range(n):
-        words, ans = task(rng, T, **kw)
+        # one rate, or this sequence's from the range
+        rate = rng.uniform(*p_cue) if isinstance(p_cue, tuple) else p_cue
+        words, ans = task(rng, T, p_cue=rate, **kw)
         idx[b, 1:] = torch.tensor([ids[w] for w in words[1:]])
         for q, v, d in ans:
             tgt[b, q], dist[b, q] = ids[v], d
     return idx, tgt, dist
 
 
-def recall_marks(words, start):
-    """The recall scoreboard of a sample: words (the prompt's, then the sample's from index start) -> {j + 1: hit} for
-    each j >= start where the sample writes a bound key and a word after it, hit when that word is the key's current
-    value. Bindings come from the prompt and from the sample itself: `key value` binds or reassigns; a distractor
-    `key value no` (the cue task) neither binds nor counts."""
-    val, marks = {}, {}
+def recall_answers(words, start):
+    """The recall scoreboard of a sample: words (the prompt's, then the sample's from index start) -> {j + 1: (hit, d)}
+    for each j >= start where the sample writes a bound key and a word after it: hit when that word is the key's
+    current value; d how far back it was bound, j less the position of the value last written after the key.
+    Bindings come from the prompt and from the sample itself: `key value` binds or reassigns; a distractor `key value
+    no` (the cue task) neither binds nor counts."""
+    val, at, marks = {}, {}, {}
     for j in range(len(words) - 1):
         a, b = words[j], words[j + 1]
         if j + 2 < len(words) and words[j + 2] == MARK:
             continue
         if j >= start and a in val:
-            marks[j + 1] = b == val[a]
+            marks[j + 1] = (b == val[a], j - at[a])
         if a in KEYS and b in VALUES:
-            val[a] = b
+            val[a], at[a] = b, j + 1
     return marks
+
+
+def recall_marks(words, start):  # {j + 1: hit} of recall_answers
+    return {j: hit for j, (hit, _) in recall_answers(words, start).items()}
 
 
 def recall_score(words, start):  # (R, N): the hits and the count of recall_marks
     marks = recall_marks(words, start)
     return sum(marks.values()), len(marks)
+
+
+def retained(hits, counts, full_hits, full_counts, seed=0, draws=1000):
+    """A policy's accuracy over full's on the same prompts (per prompt hits and answers, (N,) each, pooled) -> (the
+    ratio, its 95% interval): the 2.5th and 97.5th percentiles of the ratio over `draws` resamples of the prompts with
+    replacement, a resample drawing the same prompts for both (paired), seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randint(len(hits), (draws, len(hits)), generator=gen)  # (draws, N)
+    acc = lambda h, n: h[pick].sum(1) / n[pick].sum(1)  # (draws,)
+    mine = acc(hits.double(), counts.double())
+    ratio = mine / acc(full_hits.double(), full_counts.double())
+    low, high = torch.nanquantile(ratio, ratio.new_tensor([0.025, 0.975])).tolist()
+    point = hits.sum() / counts.sum() / (full_hits.sum() / full_counts.sum())
+    return point.item(), low, high
+
+
+# a sample's longest run of one word
+def longest_run(words):
+    runs = [1]
+    for j in range(1, len(words)):
+        runs.append(runs[-1] + 1 if words[j] == words[j - 1] else 1)
+    return max(runs)
+
+
+def scoreboard(words, start, far):
+    """A sample's words (its prompt's first) on the scoreboard -> hits, answers, far hits, far answers (far: bound at
+    least `far` tokens back), the longest run of one word and the distinct words it writes."""
+    marks = recall_answers(words, start).values()
+    hits = [hit for hit, _ in marks]
+    far_hits = [hit for hit, d in marks if d >= far]
+    text = words[start:]
+    return sum(hits), len(hits), sum(far_hits), len(far_hits), longest_run(text), len(set(text))
+
+
+@torch.no_grad()
+def continue_prompts(model, prompt, policy, budget, sinks, window, tokens, temperature, seed):
+    """Every prompt (N, P) continued for `tokens` tokens, the rows of one batch through an evicting cache, sampled as
+    sample.py samples (seeded, at temperature, no top-k, no nucleus, no stop) -> (N, tokens) ids."""
+    total = prompt.shape[1] + tokens
+    charge = kvpop.state_charge(policy, next(model.parameters()).dtype)
+    size = kvpop.budget_size(budget, total, sinks, window, charge)[0]
+    slots = kvpop.entries(size, charge, total)
+    cache = KVCache(model, len(prompt), slots, policy, sinks, window)
+    torch.manual_seed(seed)
+    steps = generate(model, prompt, tokens, temperature, cache=cache)
+    return torch.stack(list(steps), 1)  # (N, tokens)
+
+
+def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperature, seed):
+    """Each (policy, budget) of runs, full's first, continues the same prompts (N, P) (continue_prompts) -> rows
+    (answers, accuracy, far accuracy, retained = accuracy / full's with its paired bootstrap interval, the longest run
+    of one word, distinct words a sample), samples {(policy, budget): (prompt, ids)}."""
+    rows, samples = [], {}
+    word = {i: w for w, i in task_ids(tok)[0].items()}  # token id -> task word
+    for p, b in runs:
+        out = continue_prompts(model, prompt, p, b, sinks, window, tokens, temperature, seed)
+        name = p if isinstance(p, str) else p.kind
+        samples[name, b] = prompt, out
+        # each prompt's scoreboard
+        seqs = torch.cat([prompt, out], 1).tolist()
+        board = [scoreboard([word.get(i) for i in x], prompt.shape[1], far) for x in seqs]
+        board = torch.tensor(board, dtype=torch.float64)  # (N, 6)
+        hits, n, far_hits, far_n, run, distinct = board.unbind(1)
+        full = (hits, n) if p == "full" else full
+        ratio, low, high = retained(hits, n, *full, seed)
+        row = dict(policy=name, budget=b, answers=int(n.sum()), accuracy=hits.sum() / n.sum())
+        row.update(far_answers=int(far_n.sum()), far_accuracy=far_hits.sum() / far_n.sum())
+        row.update(retained=ratio, retained_low=low, retained_high=high)
+        row.update(longest_run=int(run.max()), distinct=distinct.mean())
+        # fractions to 4 decimals
+        rounded = lambda v: round(float(v), 4) if isinstance(v, float | torch.Tensor) else v
+        rows.append({k: rounded(v) for k, v in row.items()})
+    return rows, samples
+
+
+def generate_table(rows):  # a markdown table of bench.py generate's rows
+    head = "task policy budget answers accuracy far_accuracy_(answers) retained_[95%] longest_run distinct"
+    lines = ["| " + " | ".join(head.split()).replace("_", " ") + " |", "|---" * 9 + "|"]
+    for r in rows:
+        cells = [r["task"], r["policy"], f"{r['budget']:g}", r["answers"], f"{r['accuracy']:.1%}"]
+        cells += [f"{r['far_accuracy']:.1%} ({r['far_answers']})"]
+        cells += [f"{r['retained']:.3f} [{r['retained_low']:.3f}, {r['retained_high']:.3f}]"]
+        cells += [r["longest_run"], f"{r['distinct']:.1f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
 
 
 @torch.no_grad()

@@ -456,7 +456,7 @@ def test_pretrain_into_a_checkpoint_folder_keeps_its_other_files(tmp_path):
     assert qwen3.Qwen3.from_pretrained(str(d)).config.num_hidden_layers == 2
 
 
-@pytest.mark.parametrize("command", ["kernels", "quality", "speed"])
+@pytest.mark.parametrize("command", ["kernels", "quality", "generate", "speed"])
 def test_bench_help_lists_the_commands_defaults(command):
     """bench.py COMMAND --help lists the defaults that command reads (bench.COMMAND_FLAGS), in file
     order, under non-empty headings; every default before the first function is read by some
@@ -3216,7 +3216,9 @@ def test_train_first_step_loss_is_the_definitions(tmp_path, baby, task, target):
     printed = float(re.search(r"step 1: loss (\d+\.\d+)", r.stdout).group(1))
     torch.manual_seed(0)
     s = kvpop.SCORERS["kvpop-window"](net.config, 16, d_hidden=64)
-    idx = tasks.task_batch(tok, 2, 128, random.Random("scorer-train-0-0"), **tasks.TASKS[task])[0]
+    # cue: train.py draws each sequence's distractor rate from its default range, 0.05-0.35
+    rates = dict(p_cue=(0.05, 0.35)) if task == "cue" else {}
+    idx = tasks.task_batch(tok, 2, 128, random.Random("scorer-train-0-0"), **tasks.TASKS[task] | rates)[0]
     kv, rs = kvpop.dense_targets(net, idx, 16, target)
     pool = kvpop.budget_size(0.375, 128, 4, 16)[1]
     with torch.no_grad():
@@ -3298,6 +3300,8 @@ def test_train_bad_input(tmp_path, small_model):
         (("--data", str(bad)), ["--data", "tokens"]),
         (("--device", "cuda"), ["cuda"]),
         (("--max_iters", "0"), ["--max_iters"]),
+        (("--task", "cue", "--p_cue_min", "0.4"), ["--p_cue_min 0.4", "min <= max"]),
+        (("--p_cue_max", "0.3"), ["--p_cue_max", "does nothing", "--task recall"]),
         (("--seq_len", "128", "--window", "16", "--budget", "0.375"), ["--final_seqs 128", "final table"]),
     ]
     for args, words in cases:
@@ -3796,6 +3800,104 @@ def test_sample_prints_the_recall_scoreboard():
     assert board["full"][1] >= 8
     for t in texts:
         assert not any(len(set(t[j : j + 6])) == 1 for j in range(len(prompt), len(t) - 5)), t
+
+
+def _ref_far(words, start, far):
+    """[(hit, is_far)] of each answer of _ref_marks: far when the key's value was last written (the last `key value`
+    not followed by `no`) at least `far` positions before the key."""
+    out, live = [], lambda i: i + 2 >= len(words) or words[i + 2] != "no"
+    for j1, v in _ref_marks(words, start):
+        j = j1 - 1
+        bound = max(i + 1 for i in range(j) if words[i] == words[j] and words[i + 1] in tasks.VALUES and live(i))
+        out.append((words[j1] == v, j - bound >= far))
+    return out
+
+
+def test_generate_counts_are_a_recount(baby, tmp_path, capsys):
+    """bench.py generate, small (6 prompts, 48 tokens): its prompts are bench.py quality's held-out sequences without
+    bos, and full's greedy text (--temperature 0) is the model's own argmax on them; sampled, every row's answers,
+    accuracy, far accuracy, retained, longest run and distinct words equal a recount of the returned samples written
+    from the scoreboard's definition (_ref_marks); the JSON file holds the rows; a bad flag is one line, no file."""
+    net, tok = baby
+    base = "--task cue --T 256 --tokens 48 --prompts 6"
+    _, samples = bench.cmd_generate(f"{base} --budgets 48 --temperature 0 --policies full --scorer".split() + [""])
+    idx = tasks.task_batch(tok, 6, 256, random.Random("test-0"), **tasks.TASKS["cue"])[0]
+    prompt, full = samples["cue", "full", 1]
+    assert torch.equal(prompt, idx[:, 1:208])
+    with torch.no_grad():
+        greedy = net(torch.cat([prompt, full], 1)).argmax(-1)[:, 206:-1]
+    assert torch.equal(greedy, full)
+    out = tmp_path / "gen.json"
+    args = f"{base} --budgets 48,40 --policies full,h2o --scorer baby/scorers/cue-helpful/kvpop-window --json {out}"
+    rows, samples = bench.cmd_generate(args.split())
+    assert json.loads(out.read_text()) == rows and "| cue | h2o | 40 |" in capsys.readouterr().out
+    word = {i: w for w, i in tasks.task_ids(tok)[0].items()}
+    acc = {}
+    for r in rows:
+        prompt, ids = samples["cue", r["policy"], r["budget"]]
+        texts = [[word.get(i) for i in x] for x in torch.cat([prompt, ids], 1).tolist()]
+        # far: bound at least S back, the larger budget's S = 48
+        marks = [m for t in texts for m in _ref_far(t, 207, 48)]
+        hits, far = [h for h, _ in marks], [h for h, f in marks if f]
+        acc[r["policy"], r["budget"]] = sum(hits) / len(hits)
+        retained = acc[r["policy"], r["budget"]] / acc["full", 1]
+        runs = max(len(list(g)) for t in texts for _, g in itertools.groupby(t[207:]))
+        distinct = sum(len(set(t[207:])) for t in texts) / len(texts)
+        assert (r["answers"], r["far_answers"], r["longest_run"]) == (len(hits), len(far), runs), r
+        want = (sum(hits) / len(hits), sum(far) / len(far), retained, distinct)
+        got = (r["accuracy"], r["far_accuracy"], r["retained"], r["distinct"])
+        assert all(abs(x - y) <= 5e-5 for x, y in zip(got, want)), (r, want)
+        assert r["retained_low"] <= r["retained"] <= r["retained_high"]
+    assert [(r["policy"], r["budget"]) for r in rows][:3] == [("full", 1), ("h2o", 48), ("h2o", 40)]
+    # a check with teeth: answers far and near, hits and misses
+    assert min(r["far_answers"] for r in rows) >= 3 and min(r["accuracy"] for r in rows) < 1
+    # bad input: one line, nothing written
+    bad = run("bench.py", "generate", "--policies", "oracle", "--json", str(tmp_path / "bad.json"))
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and not (tmp_path / "bad.json").exists()
+
+
+def test_retained_interval_by_hand():
+    """tasks.retained: accuracy over full's, pooled over prompts, and the 2.5th / 97.5th percentiles of the ratio
+    over paired resamples of the prompts. Four prompts, one missed: the ratio is #kept picks / 4, P(0) = 1/256 and
+    P(0.25) = 12/256, so the 2.5th percentile is 0.25, the 97.5th 1 (P(1) = 81/256); a policy equal to full is
+    exactly 1 in every paired resample, whatever its per-prompt accuracies; the draw is seeded."""
+    one = torch.ones(4)
+    assert tasks.retained(torch.tensor([1.0, 1, 1, 0]), one, one, one) == (0.75, 0.25, 1.0)
+    hits, counts = torch.tensor([3.0, 0, 5, 1]), torch.tensor([4.0, 2, 5, 6])
+    assert tasks.retained(hits, counts, hits, counts) == (1.0, 1.0, 1.0)
+    # two prompts, the policy right on one: 0, 0.5 or 1 by the picks
+    assert tasks.retained(torch.tensor([1.0, 0]), one[:2], one[:2], one[:2], seed=3) == (0.5, 0.0, 1.0)
+    full = torch.tensor([4.0, 2, 5, 5])
+    a, b = (tasks.retained(hits, counts, full, counts, seed=5) for _ in range(2))
+    assert a == b and a[1] < a[0] < a[2]
+
+
+def test_p_cue_range_is_drawn_per_sequence(baby, monkeypatch):
+    """train.py --task cue's batch (README, The baby): each sequence's distractor rate drawn uniformly from
+    [--p_cue_min, --p_cue_max] (default 0.05, 0.35) by the step's own stream, just before the sequence: equal to
+    tasks.task replayed by hand, and the distractor share of the would-be fillers spans the range; min = max = 0.17
+    draws nothing: the task's own batch."""
+    import train
+
+    tok = baby[1]
+    monkeypatch.setattr(train, "task", "cue")
+    monkeypatch.setattr(train, "batch_size", 48)
+    assert (train.p_cue_min, train.p_cue_max) == (0.05, 0.35)
+    idx = train.batch(tok, None, 3)
+    ids, bos = tasks.task_ids(tok)
+    rng, shares = random.Random("scorer-train-0-3"), []
+    for b in range(48):
+        rate = rng.uniform(0.05, 0.35)
+        words = tasks.task(rng, 512, keys=8, p_cue=rate)[0]
+        assert idx[b].tolist() == [bos] + [ids[w] for w in words[1:]]
+        marks = words.count(tasks.MARK)
+        shares.append(marks / (marks + sum(w in tasks.FILLERS for w in words)))
+    assert min(shares) < 0.1 and max(shares) > 0.28
+    # one rate (min = max): the task's stream as before the range
+    monkeypatch.setattr(train, "p_cue_min", 0.17)
+    monkeypatch.setattr(train, "p_cue_max", 0.17)
+    fixed = tasks.task_batch(tok, 48, 512, random.Random("scorer-train-0-3"), keys=8, **tasks.TASKS["cue"])[0]
+    assert torch.equal(train.batch(tok, None, 3), fixed)
 
 
 def test_flags_take_hyphens_and_equals():

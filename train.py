@@ -58,6 +58,8 @@ data = "baby"  # baby: a baby task (tasks.py); else .txt/.jsonl files (folder, g
 task = "recall"  # --data baby: recall, cue (distractors only the next word marks), or code (the code baby's corpus)
 corpus = "torch"  # --task code: torch (the installed package's .py/.txt source) or a folder of such files
 keys = 8  # --data baby: keys per sequence
+p_cue_min = 0.05  # --task cue: each sequence's distractor rate drawn uniformly from
+p_cue_max = 0.35  # [p_cue_min, p_cue_max] (both 0.17: the task's own rate alone, as before the range)
 seq_len = 512  # tokens per sequence
 queries = 0  # the loss's query positions per sequence and pool, at random (0: all)
 edges = 3  # the loss at the edges of this many pools: the budget's, then each half the last
@@ -67,7 +69,7 @@ sinks = 4  # first tokens never evicted
 window = 32  # recent tokens never evicted; a delayed scorer reads this many tokens late
 # --- optimisation
 batch_size = 8  # sequences per step
-max_iters = 600  # steps
+max_iters = -1  # steps; -1: 600, or 1200 for --task cue (its range of rates takes longer)
 lr = 3e-3  # the scorer's AdamW peak learning rate
 min_lr = 3e-4  # cosine decay down to this
 warmup = 50  # linear warmup steps
@@ -85,6 +87,7 @@ model_lr = (1e-5 if model == "baby" else 8e-5) if model_lr == -1 else model_lr
 # --task code: the code baby (pretrain.py --data) at its length, unless given
 model = "code" if task == "code" and "model" not in given else model
 seq_len = 1024 if task == "code" and "seq_len" not in given else seq_len
+max_iters = (1200 if data == "baby" and task == "cue" else 600) if max_iters == -1 else max_iters
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
 log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None  # rank 0 logs
 need = lambda ok, msg: flags.need(ok, msg, "train.py")  # bad input: one line, exit 1
@@ -115,6 +118,8 @@ def check_flags():
     need(0 <= min_lr <= lr, f"--min_lr {min_lr}: must be in [0, --lr]")
     need(0 <= weight_decay < 1 and grad_clip > 0, "--weight_decay must be in [0, 1) and --grad_clip positive")
     need(1 <= keys <= 16 and seq_len >= 64, "--keys must be 1..16 and --seq_len at least 64")
+    rates = f"--p_cue_min {p_cue_min}, --p_cue_max {p_cue_max}"
+    need(0 <= p_cue_min <= p_cue_max < 1, f"{rates}: use 0 <= min <= max < 1")
     flags.check_seed(seed, "train.py")
     need(out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name")
     # the training budget (load() charges the scorer's state too)
@@ -132,6 +137,7 @@ def check_flags():
         (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
         ("--task code (no baby's task)", task == "code", "keys final_seqs"),
         (f"--task {task}", task != "code", "corpus"),
+        (f"--task {task}", task != "cue", "p_cue_min p_cue_max"),
     ]
     for why, on, names in unread:
         for name in names.split():
@@ -190,7 +196,10 @@ def batch(tok, texts, it):
     The baby task's are drawn fresh; of --data's texts[0] (N), the j-th is the (j % N)-th in epoch j // N's order."""
     if data == "baby" and task != "code":
         rng = random.Random(f"scorer-train-{seed}-{it}")
-        return task_batch(tok, batch_size, seq_len, rng, keys=keys, **TASKS[task])[0]
+        # cue: a range of distractor rates, a rate per sequence (one rate: the stream of the code before the range)
+        rate = (p_cue_min, p_cue_max) if p_cue_min < p_cue_max else p_cue_min
+        rates = dict(p_cue=rate) if task == "cue" else {}
+        return task_batch(tok, batch_size, seq_len, rng, keys=keys, **TASKS[task] | rates)[0]
     seqs, rows = texts[0], []
     N = len(seqs)
     for j in range(it * batch_size, (it + 1) * batch_size):
@@ -293,6 +302,7 @@ def save(it, folder, scorer, scorer_opt, student, model_opt):
     if scorer is not None:
         # what the scorer was trained for, in scorer.json
         names = "model budget sinks window data task" + " corpus" * (task == "code") + " target edges"
+        names += " p_cue_min p_cue_max" * (task == "cue")
         scorer.meta = {k: globals()[k] for k in names.split()}
         scorer.meta.update(iters=it, finetune=finetune)
         scorer.save_pretrained(out_dir)
