@@ -16,14 +16,14 @@ here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, here)
 import kvpop
 
-# Scorer.parallel with its memory keys made from the previous token's features
-chunks = "        xs = x.split(c, -2)  # the chunks of x\n"
-shifted = "        xp = F.pad(x, (0, 0, 1, 0))[..., :-1, :]  # x[j - 1], zeros before token 0\n"
-src = textwrap.dedent(inspect.getsource(kvpop.Scorer.parallel).replace(chunks, chunks + shifted))
-src = src.replace("kc = xc @ self.wk[i]", "kc = xp[..., c0:c1, :] @ self.wk[i]")
-assert "xp[..., c0:c1, :]" in src and "xp = F.pad" in src
+# MemoryScorer.chunked with its memory keys made from the previous token's features
+chunks = "        chunks = x.split(self.chunk, -2)\n"
+shifted = "        previous = pad(x, (0, 0, 1, 0))[..., :-1, :]  # x[j - 1], zeros before token 0\n"
+src = textwrap.dedent(inspect.getsource(kvpop.MemoryScorer.chunked).replace(chunks, chunks + shifted))
+src = src.replace("k = part @ self.wk[layer]", "k = previous[..., start:end, :] @ self.wk[layer]")
+assert "previous[..., start:end, :]" in src and "previous = pad" in src
 space = {}
 exec(src, vars(kvpop), space)
-kvpop.Scorer.parallel = space["parallel"]
+kvpop.MemoryScorer.chunked = space["chunked"]
 sys.argv = sys.argv[1:]
 runpy.run_path(os.path.join(here, sys.argv[0]), run_name="__main__")
