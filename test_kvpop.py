@@ -3631,6 +3631,8 @@ README_QWEN = {
     ],
 }
 README_NOT_RUN = {  # the commands no test runs, and why
+    "python bench.py generate --task recall,cue --json gen.json": "15 minutes; test_generate_counts_are_a_recount runs"
+    " it small",
     "python pretrain.py --data torch --out_dir code --final_steps 700 --tokens 8192": "13 minutes; "
     "test_code_commands_run_on_a_tiny_corpus runs it on a tiny corpus",
     "python train.py --task code --batch_size 4 --max_iters 200 --out_dir code/scorers/code-helpful/kvpop-window": "the"
