@@ -383,7 +383,7 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
     weights) and a model-sized matrix-vector product (the limit); a context's rows stepped in turn: the same minutes."""
     c, dev, rows = net.config, a.device, []
     mode = "reduce-overhead" if dev.startswith("cuda") else None
-    step = torch.compile(net, fullgraph=True, mode=mode) if a.compile else net
+    step = torch.compile(net, fullgraph=True, dynamic=False, mode=mode) if a.compile else net
     E, heads = c.hidden_size, c.num_hidden_layers * c.num_key_value_heads
     per_tok = 2 * heads * c.head_dim * dt.itemsize  # KV bytes of a token
     med = lambda t: sorted(t[1:])[len(t) // 2 - 1]  # after the warm-up round

@@ -128,7 +128,7 @@ small = sum(p.numel() for p in net.parameters()) < 1e8
 torch.set_num_threads(threads or (1 if small else torch.get_num_threads()))
 # --compile: one graph a decoding step; on a GPU replayed as a CUDA graph
 mode = "reduce-overhead" if device.startswith("cuda") else None
-compiled = torch.compile(net, fullgraph=True, mode=mode) if compile else None
+compiled = torch.compile(net, fullgraph=True, dynamic=False, mode=mode) if compile else None
 # the policy the cache runs (full: the budget keeps every token), and the baby's token id -> task word
 name = policy if S < total else "full"
 word = {i: w for w, i in task_ids(tok)[0].items()} if baby else {}
