@@ -582,6 +582,10 @@ class MemoryScorer(Scorer):
         entry = 2 * self.shape["head_dim"] * dtype.itemsize
         return math.ceil(numbers * self.theta.element_size() / entry)
 
+    # the features each token's memory key is made of: its own (the paper's)
+    def written_under(self, x):
+        return x
+
     def gates(self, layer, x):
         """log i (the exponential input gate) and log f (the sigmoid forget gate) (B, H, T) of features x."""
         wi, bi = self.wi[layer][:, None], self.bi[layer][:, None]
@@ -599,7 +603,7 @@ class MemoryScorer(Scorer):
         """r (B, H, T) of features x (B, H, T, X), one token at a time, stabilised as in xLSTM by a log-scale s:
         s_q = max(log f_q + s_{q-1}, log i_q), and C, n stored as exp(-s_q) times their values."""
         T, size = x.shape[2], self.d_mem
-        k = x @ self.wk[layer] / math.sqrt(size)  # k' (B, H, T, M)
+        k = self.written_under(x) @ self.wk[layer] / math.sqrt(size)  # k' (B, H, T, M)
         v = x @ self.wv[layer]  # v'
         u = x @ self.wr[layer]  # the read vectors
         log_input, log_forget = self.gates(layer, x)
@@ -639,6 +643,7 @@ class MemoryScorer(Scorer):
         T = x.shape[2]
         size, delay = self.d_mem, self.delay
         chunks = x.split(self.chunk, -2)
+        keyed = self.written_under(x)  # what the keys are made of
         gates = [self.gates(layer, part) for part in chunks]
         log_inputs, log_forgets = zip(*gates)
         log_input = torch.cat(log_inputs, -1)  # (B, H, T)
@@ -657,7 +662,7 @@ class MemoryScorer(Scorer):
         for start, first, last, part in spans:
             end = start + part.shape[2]  # the chunk's tokens: start .. end - 1
             # the chunk's memory keys k' and values [v'; 1]
-            k = part @ self.wk[layer] / math.sqrt(size)  # (B, H, c, M)
+            k = keyed[..., start:end, :] @ self.wk[layer] / math.sqrt(size)  # (B, H, c, M)
             v = part @ self.wv[layer]
             v = pad(v, (0, 1), value=1.0)  # (B, H, c, M + 1)
             # the tokens read in it and their read vectors u
@@ -721,17 +726,21 @@ class MemoryScorer(Scorer):
         weight = (weight * math.sqrt(self.width)).contiguous()
         return weight[:, None], bias[:, None, :, None]
 
-    def remember(self, memory, scale, k, v, fold, take=True):
-        """Every layer's memory takes one more token (k, v (L, B, H, 1, D)), in place:
-        [C; n] = f [C; n] + g [v'; 1] k'^T, stabilised by its log-scale s (L, B, H) as in xLSTM:
-        s' = max(log f + s, log i), g = exp(log i - s'), f = exp(log f + s - s'). take (a bool tensor) False: the
-        memory stays as it is (g = 0, f = 1), without a branch."""
+    def project(self, k, v, fold):
+        """[k'; v'; 1; log i; the forget gate's pre-activation] (L, B, H, 1, 2M + 3) of tokens with keys and values
+        k, v (L, B, H, 1, D), every layer's at once: x^T W rsqrt(|x|^2 + 2D eps) + b of their x = [k; v]."""
         weight, bias = fold
-        size = self.d_mem
         x = torch.cat([k, v], -1).to(weight.dtype)  # (L, B, H, 1, 2D)
         square = (x * x).sum(-1, keepdim=True)
         inverse = torch.rsqrt(square + x.shape[-1] * EPS)
-        z = torch.addcmul(bias, x @ weight, inverse)
+        return torch.addcmul(bias, x @ weight, inverse)
+
+    def remember(self, memory, scale, z, key, take=True):
+        """Every layer's memory takes one more token, its value and gates z (project's), under `key` k' (L, B, H,
+        1, M), in place: [C; n] = f [C; n] + g [v'; 1] k'^T, stabilised by its log-scale s (L, B, H) as in xLSTM:
+        s' = max(log f + s, log i), g = exp(log i - s'), f = exp(log f + s - s'). take (a bool tensor) False: the
+        memory stays as it is (g = 0, f = 1), without a branch."""
+        size = self.d_mem
         log_input = z[..., 0, -2]  # (L, B, H)
         log_forget = scale - softplus(-z[..., 0, -1])  # log f + s
         new_scale = torch.maximum(log_input, log_forget)
@@ -743,7 +752,7 @@ class MemoryScorer(Scorer):
         # in place, one pass for the product: memory (L, B, H, M + 1, M) as a batch of matrices
         value = z[..., size : 2 * size + 1]
         value = value.reshape(-1, size + 1, 1)  # [v'; 1]
-        key = write * z[..., :size]
+        key = write * key
         key = key.view(-1, 1, size)  # g k'
         matrices = memory.mul_(forget).view(-1, size + 1, size)
         matrices.baddbmm_(value, key)
@@ -813,10 +822,8 @@ class MemoryDecoder(Decoder):
         """The memories take token p - 1 (unless the prompt gave it), then t = p - w reads them (t < 0: a number
         the cache drops). The reads of t .. t + c - 1 are prepared at once as t passes the block (all cached: c <=
         w)."""
-        k, v = self.cache.held(p - 1)
         take = p > self.start
-        memory = (self.memory, self.scale)
-        self.scorer.remember(*memory, k, v, self.fold, take)
+        self.write(p, take)
         t = p - self.cache.window
         last = self.first + self.block - 1
         stale = (t < self.first) | (t > last)
@@ -827,6 +834,12 @@ class MemoryDecoder(Decoder):
         u = u.index_select(-2, j)
         wx = wx.index_select(-2, j)
         return self.scorer.read(self.memory, self.scale, u, wx, t)
+
+    # the memories take token p - 1 under its own key
+    def write(self, p, take):
+        z = self.scorer.project(*self.cache.held(p - 1), self.fold)
+        key = z[..., : self.scorer.d_mem]
+        self.scorer.remember(self.memory, self.scale, z, key, take)
 
     # the reads of t .. t + c - 1, and t
     def prepare(self, t, first, u, wx):
@@ -839,6 +852,39 @@ class MemoryDecoder(Decoder):
         return first.clone(), u.clone(), wx.clone()
 
 
+class ShiftedMemoryScorer(MemoryScorer):
+    """kvpop-shifted (ours, the paper's mLSTM with one change): each token is written under its predecessor's key,
+    k'_j = W_k x[j - 1] / sqrt(d_m) (zeros for token 0), its value and gates still its own. Token t + 1 is then
+    written under t's own features, so what came right after t (cue's `no`) is a match of t's read with itself
+    (README, Method: scorers)."""
+
+    kind = "kvpop-shifted"
+
+    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
+        super().__init__(config, window, d_mem, d_hidden, gamma, arrival)
+        if window < 2:
+            raise ValueError("kvpop-shifted decodes with the token before the newest in the window: use window >= 2")
+
+    # x[j - 1] for each token j of features x (B, H, T, X); zeros before token 0
+    def written_under(self, x):
+        return pad(x, (0, 0, 1, 0))[..., :-1, :]
+
+    def decoder(self, cache):
+        return ShiftedMemoryDecoder(self, cache)
+
+
+class ShiftedMemoryDecoder(MemoryDecoder):
+    """kvpop-shifted's decoding state, kvpop's: the memories take token p - 1 under token p - 2's key, both still in
+    the window (w >= 2)."""
+
+    def write(self, p, take):
+        z = self.scorer.project(*self.cache.held(p - 1), self.fold)
+        before = self.scorer.project(*self.cache.held(p - 2), self.fold)
+        key = before[..., : self.scorer.d_mem]
+        key = torch.where(p >= 2, key, 0.0)  # token 0's predecessor: none
+        self.scorer.remember(self.memory, self.scale, z, key, take)
+
+
 def when(condition, then, otherwise, args):
     """then(*args) if the bool tensor condition holds, else otherwise(*args): a Python branch when run eagerly,
     torch.cond inside a compiled graph (both branches in it, one runs), so a decoding step stays one graph."""
@@ -849,6 +895,7 @@ def when(condition, then, otherwise, args):
 
 # the learned kinds by name, the default first: a fourth kind is a class here (README, Add a scorer)
 SCORERS = {"kvpop-window": WindowScorer, "kvpop": MemoryScorer, "kvpop-mlp": MLPScorer}
+SCORERS["kvpop-shifted"] = ShiftedMemoryScorer
 
 
 # ------------------------------------------------------------------------------------------------

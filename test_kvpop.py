@@ -1951,11 +1951,12 @@ def test_bench_quality_json_is_valid_and_deterministic(tmp_path):
         ("kvpop-window", 0.25),
         ("kvpop", 0.25),
         ("kvpop-mlp", 0.25),
+        ("kvpop-shifted", 0.25),
     ]
     assert all(
         set(r) == {"task", "target", "policy", "budget", "accuracy", "far_accuracy", "relative", "kl"} for r in rows
     )
-    assert [(r["task"], r["target"]) for r in rows] == [("recall", "-")] * 3 + [("recall", "helpful")] * 3
+    assert [(r["task"], r["target"]) for r in rows] == [("recall", "-")] * 3 + [("recall", "helpful")] * 4
     assert rows[0]["relative"] == 1.0 and rows[0]["kl"] == 0.0 and 0 <= rows[1]["accuracy"] <= 1
     far = {r["policy"]: r["far_accuracy"] for r in rows}
     assert min(far[k] for k in kvpop.SCORERS) >= far["streaming"] + 0.5  # training bought something
@@ -2317,12 +2318,13 @@ def test_generate_stops_each_sequence(monkeypatch, stop):
 # prefill equals token-by-token decoding, for every policy
 
 
-def _scorers(config, window):  # every kind (kvpop-window reads the w - 1 tokens after t: w >= 2)
+def _scorers(config, window):  # every kind (kvpop-window and kvpop-shifted read t + 1: w >= 2)
     torch.manual_seed(0)
+    two = [kvpop.SCORERS["kvpop-window"](config, window, d_hidden=16), kvpop.SCORERS["kvpop-shifted"](config, window, d_mem=8)]
     return [
         kvpop.SCORERS["kvpop"](config, window, d_mem=8),
         kvpop.SCORERS["kvpop-mlp"](config, window, d_hidden=16),
-    ] + ([kvpop.SCORERS["kvpop-window"](config, window, d_hidden=16)] if window >= 2 else [])
+    ] + (two if window >= 2 else [])
 
 
 def _held(cache):  # positions held per (layer, row, head), sorted, and the scores in that order
@@ -2366,12 +2368,13 @@ def test_prefill_equals_token_by_token(small_model, T):
 
 # one chunk; several, each carrying the state; chunks < the window; in fp64 the two forms meet to rounding
 @pytest.mark.parametrize("chunk, dtype, tol", [(128, torch.float32, 1e-5), (16, torch.float32, 1e-5), (5, torch.float32, 1e-5), (16, torch.float64, 1e-10)])
-def test_scorer_parallel_equals_recurrent(chunk, dtype, tol):
-    """kvpop's chunked form against its decoding form (remember, prepare, read: every layer at once, RMS folded
-    into the update)."""
+@pytest.mark.parametrize("kind", ["kvpop", "kvpop-shifted"])
+def test_scorer_parallel_equals_recurrent(chunk, dtype, tol, kind):
+    """kvpop's chunked form against its decoding form (project, remember, prepare, read: every layer at once, RMS
+    folded into the update); kvpop-shifted writes token q under token q - 1's key (zeros for token 0)."""
     c = qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=3, head_dim=16)
     torch.manual_seed(1)
-    s = kvpop.SCORERS["kvpop"](c, window=7, d_mem=12).to(dtype)
+    s = kvpop.SCORERS[kind](c, window=7, d_mem=12).to(dtype)
     s.chunk = chunk  # the parallel form's chunk of read positions (T = 50)
     with torch.no_grad():  # gates that matter: input gates over e^-6..e^6, forget gates far from 1
         s.wi.mul_(2), s.bf.fill_(1.0)
@@ -2383,7 +2386,11 @@ def test_scorer_parallel_equals_recurrent(chunk, dtype, tol):
     S, m, rec, fold = torch.zeros(2, B, H, 13, 12, dtype=dtype), torch.full((2, B, H), -math.inf, dtype=dtype), [], s.folded()
     each = lambda y, q: y[:, :, q : q + 1].expand(2, -1, -1, -1, -1)  # (L, B, H, 1, D): each layer reads the same
     for q in range(T):  # recurrent form: token q - w + 1 is read from the memory that took tokens up to q
-        s.remember(S, m, each(k, q), each(v, q), fold)
+        z = s.project(each(k, q), each(v, q), fold)
+        key = z[..., :12]
+        if kind == "kvpop-shifted":
+            key = s.project(each(k, q - 1), each(v, q - 1), fold)[..., :12] if q else torch.zeros_like(key)
+        s.remember(S, m, z, key)
         if q >= w - 1:
             rec.append(s.read(S, m, *s.prepare(s.features(each(k, q - w + 1), each(v, q - w + 1))), q - w + 1))
     rec = torch.cat(rec, -1)  # (L, B, H, T - w + 1)
@@ -2394,12 +2401,13 @@ def test_scorer_parallel_equals_recurrent(chunk, dtype, tol):
 
 # one chunk; several; chunks shorter than the window; read on arrival
 @pytest.mark.parametrize("chunk, arrival", [(128, False), (16, False), (5, False), (16, True)])
-def test_mlstm_chunked_form_is_its_plain_recurrence(chunk, arrival):
+@pytest.mark.parametrize("kind", ["kvpop", "kvpop-shifted"])
+def test_mlstm_chunked_form_is_its_plain_recurrence(chunk, arrival, kind):
     """kvpop's plain recurrence (MemoryScorer.recurrent) against the README's equations (the unstabilised reference
     below), and its chunked form (training, prefill) against the plain one, in fp64 to rounding."""
     c = qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=3, head_dim=16)
     torch.manual_seed(1)
-    s = kvpop.MemoryScorer(c, window=7, d_mem=12, arrival=arrival).double()
+    s = kvpop.SCORERS[kind](c, window=7, d_mem=12, arrival=arrival).double()
     s.chunk = chunk
     with torch.no_grad():  # gates that matter: input gates over e^-6..e^6, forget gates far from 1
         s.wi.mul_(2), s.bf.fill_(1.0)
@@ -2432,7 +2440,8 @@ def _ref_mlp_scores(s, i, k, v):
 
 def _ref_mlstm_scores(s, i, k, v):
     """kvpop from the README's equations, token by token in fp64, unstabilised: x = rms([k; v]); the
-    memory reads every token q, C = f C + i v' k'^T, n = f n + i k' (k' = W_k x / sqrt(M), v' = W_v
+    memory reads every token q, C = f C + i v' k'^T, n = f n + i k' (k' = W_k x / sqrt(M), kvpop-shifted's of
+    the token before q, v' = W_v
     x, i = exp(w_i . x + b_i), f = sigmoid(w_f . x + b_f)); token t is read at q = min(t + w - 1, T - 1), the
     last query before it leaves the window (on arrival: q = t), with u = W_r x_t: h = C u / max(|n . u|, 1), r =
     head(x_t, rms(h)) + softplus(theta) t. -> (B, H, T)."""
@@ -2447,6 +2456,8 @@ def _ref_mlstm_scores(s, i, k, v):
             for q in range(T):
                 xq = x[b, h, q]
                 kq, vq = xq @ P["wk"][h] / math.sqrt(M), xq @ P["wv"][h]
+                if s.kind == "kvpop-shifted":  # k'_q = W_k x[q - 1] / sqrt(M), zeros for q = 0
+                    kq = x[b, h, q - 1] @ P["wk"][h] / math.sqrt(M) if q else torch.zeros(M, dtype=torch.float64)
                 ig = torch.exp(xq @ P["wi"][h] + P["bi"][h])
                 fg = torch.sigmoid(xq @ P["wf"][h] + P["bf"][h])
                 C, n = fg * C + ig * torch.outer(vq, kq), fg * n + ig * kq
@@ -2599,7 +2610,7 @@ def test_static_policy_of_any_real_dtype(small_model, dtype):
 
 
 # every policy crosses the fill -> evict boundary while decoding; kvpop's 600 steps cross its prepared blocks many times
-@pytest.mark.parametrize("policy, steps", [(p, 48) for p in ("full", "streaming", "knorm", "random", "h2o", "tova", "kvpop-window", "kvpop-mlp")] + [("kvpop", 600)])
+@pytest.mark.parametrize("policy, steps", [(p, 48) for p in ("full", "streaming", "knorm", "random", "h2o", "tova", "kvpop-window", "kvpop-mlp", "kvpop-shifted")] + [("kvpop", 600)])
 def test_decoding_step_is_one_graph(baby, policy, steps):
     """[21/23]: a decoding step traced whole by torch.compile (fullgraph: a graph break raises; a recompilation
     raises too) from the first step to the last, and the compiled run the eager one: the same positions held
@@ -2707,7 +2718,7 @@ def test_every_scorer_online_equals_masked_on_every_shape(model_fp64, kind):
     idx = torch.randint(0, 300, (2, 230), generator=torch.Generator().manual_seed(11))
     evicted = 0
     for n, (w, sinks, b, T, gamma) in enumerate(_sweep()):
-        if kind == "kvpop-window" and w < 2:  # it reads the w - 1 tokens after t
+        if kind in ("kvpop-window", "kvpop-shifted") and w < 2:  # they read t + 1 (the token before the newest)
             continue
         torch.manual_seed(7 + n)
         s = kvpop.SCORERS[kind](model_fp64.config, w, d_mem=16, d_hidden=32, gamma=gamma)
@@ -2793,7 +2804,8 @@ def test_state_charge_comes_off_the_pool(small_model):
     # an entry is a key and a value of 32: 256 bytes in fp32 -> 2 entries; 128 in bf16 -> 3
     assert s.charge(torch.float32) == math.ceil((8 * 9 + 1) * 4 / (2 * 32 * 4)) == 2
     assert s.charge(torch.bfloat16) == math.ceil((8 * 9 + 1) * 4 / (2 * 32 * 2)) == 3
-    assert all(t.charge(torch.bfloat16) == 0 for t in _scorers(small_model.config, 16)[1:])
+    kinds = _scorers(small_model.config, 16)  # kvpop, kvpop-mlp, kvpop-window, kvpop-shifted
+    assert [t.charge(torch.bfloat16) for t in kinds] == [3, 0, 0, 3]  # the memory's, or none
     assert kvpop.budget_size(50, 200, 4, 16, s.charge(torch.float32)) == (50, 28)
     cache = KVCache(small_model, 1, 48, s, 4, 16)
     kv = 2 * cache.k.numel() * cache.k.element_size()
@@ -3721,9 +3733,9 @@ def test_readme_command_runs(cmd, tmp_path, baby):
             runs = [(p, p, "-") for p in ("streaming", "h2o")]
             for target in flag("target", "helpful").split(","):
                 runs += [("oracle", "oracle", target)]
-                for kind in kvpop.SCORERS:  # the shipped scorer of this task and target
+                for kind in kvpop.SCORERS:  # the shipped scorers of this task and target (bench.py: those there)
                     d = os.path.join(HERE, "baby", "scorers", f"{task}-{target}", kind)
-                    runs += [(kind, kvpop.Scorer.from_pretrained(d), target)]
+                    runs += [(kind, kvpop.Scorer.from_pretrained(d), target)] if os.path.isdir(d) else []
             _check_quality_table(r.stdout, _ref_quality(net, seqs, runs, [0.25, 0.125]), task)
     if cmd.startswith("python sample.py"):  # B = ceil(0.25 (399 + 112)) entries, no state
         assert re.search(

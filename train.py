@@ -46,11 +46,11 @@ dtype = "auto"  # the frozen model's: auto = the checkpoint's on cuda, float32 o
 threads = 1  # CPU threads; 2 give the same bits, faster when idle, far slower when busy
 # --- scorer (README, Method: scorers)
 model = "baby"  # the frozen model: checkpoint folder or Hugging Face repo id
-kind = "kvpop-window"  # delayed: kvpop-window (reads the min(w - 1, 32) tokens after t), kvpop (mLSTM); kvpop-mlp
-d_mem = 16  # kvpop: memory d_mem x d_mem; sets the state charge (3 entries on the baby)
+kind = "kvpop-window"  # delayed: kvpop-window (the 32 tokens after t), kvpop (mLSTM), kvpop-shifted; kvpop-mlp
+d_mem = 16  # kvpop, kvpop-shifted: memory d_mem x d_mem; sets the state charge (3 entries on the baby)
 d_hidden = 64  # the read-out's hidden width (every kind)
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
-arrival = False  # kvpop: read tokens on arrival, not on leaving the window (delay ablation)
+arrival = False  # kvpop, kvpop-shifted: read tokens on arrival, not on leaving the window (delay ablation)
 init_from = ""  # a trained scorer's folder to start from (its sizes), e.g. a frozen run's
 target = "helpful"  # the teacher's future attention: helpful, max (ours) or mean (the paper's)
 # --- data
@@ -132,7 +132,7 @@ def check_flags():
     unread = [
         ("no --finetune", not finetune, "policy model_lr top_logits"),
         ("--policy streaming", policy == "streaming", "kind d_mem d_hidden gamma queries target edges init_from"),
-        (f"--kind {kind}", kind != "kvpop", "d_mem arrival"),
+        (f"--kind {kind} (no memory)", not issubclass(kvpop.SCORERS[kind], kvpop.MemoryScorer), "d_mem arrival"),
         ("--init_from (the folder's sizes)", bool(init_from), "d_mem d_hidden gamma arrival"),
         (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
         ("--task code (no baby's task)", task == "code", "keys final_seqs"),

@@ -18,7 +18,8 @@ import tasks
 import tokenizer
 
 # --- what to measure
-scorers = "baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-mlp,baby/scorers/cue-helpful/kvpop-window"
+scorers = "baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-shifted,"  # comma-separated folders
+scorers += "baby/scorers/cue-helpful/kvpop-mlp,baby/scorers/cue-helpful/kvpop-window"
 target = "helpful"  # the teacher's future attention
 seed = 0  # held-out sequences: bench.py quality's (test-<seed>)
 n = 64  # sequences
@@ -26,7 +27,6 @@ p_cue = 0.17  # the cue task's distractor rate
 budget = 0.125  # the pool whose edge is measured
 sinks = 4  # first tokens never evicted
 window = 32  # recent tokens never evicted
-shift = False  # kvpop's memory keys from the previous token (run under experiments/mlstm_shift.py)
 flags.configure(globals())
 torch.set_num_threads(1)
 net = qwen3.Qwen3.from_pretrained("baby", dtype=torch.float32)
@@ -62,16 +62,16 @@ def above(pi):
 
 def next_share(s, i, k, v):
     """How much of t's read falls on t + 1 (B, T): kvpop, |w_j (k'_j . u_t)| at j = t + 1 over its sum over the
-    memory's tokens j <= q = t + w - 1, w_j = exp(F_q - F_j + log i_j); kvpop-window, the mean over its reads of the
-    softmax at offset 1; kvpop-mlp reads nothing (0)."""
+    memory's tokens j <= q = t + w - 1 (kvpop-shifted: k'_j of x[j - 1]), w_j = exp(F_q - F_j + log i_j);
+    kvpop-window, the mean over its reads of the softmax at offset 1; kvpop-mlp reads nothing (0)."""
     x, W = s.features(k, v), s.window
     B, H, T, _ = x.shape
     share = torch.zeros(B, T)
-    if s.kind == "kvpop":
+    if isinstance(s, kvpop.MemoryScorer):  # kvpop, kvpop-shifted
         li = (x * s.wi[i][:, None]).sum(-1) + s.bi[i][:, None]  # (B, H, T)
         lf = torch.nn.functional.logsigmoid((x * s.wf[i][:, None]).sum(-1) + s.bf[i][:, None])
         Fc = lf.double().cumsum(-1)  # F_j
-        written = torch.nn.functional.pad(x, (0, 0, 1, 0))[..., :-1, :] if shift else x
+        written = s.written_under(x)  # what the keys are made of
         key, u = written @ s.wk[i] / s.d_mem**0.5, x @ s.wr[i]  # (B, H, T, M)
         t = torch.arange(T - W + 1)
         q = t + W - 1
