@@ -1,9 +1,7 @@
 """Benchmarks: `python bench.py {quality,generate,speed,kernels} [--key value ...]`, one cmd_ function per command,
 each reading the defaults under its heading below and the shared ones (`--help` after the command lists them)."""
 
-import itertools
 import os
-import random
 import sys
 import time
 import types
@@ -18,11 +16,11 @@ from tqdm import tqdm
 
 import checkpoint
 import flags
+import gpus
 import kernels
 import kvpop
 from cache import KVCache
 import qwen3
-import tokenizer
 import tasks
 
 # --- shared (each command reads those it names)
@@ -92,14 +90,22 @@ def settings(command, argv):
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-class LiveBytes(TorchDispatchMode):
-    """CPU peak meter: bytes of the storages ops create while active, dropped from the count when freed."""
+class Meter(TorchDispatchMode):
+    """The ops dispatched while active: how many (calls), and the peak of the bytes held by the storages they create
+    (peak, on a CPU; a storage leaves the count when freed). A compiled graph runs under it untraced: its calls are the
+    ops the graph leaves to torch (inductor's C++ and Triton kernels dispatch none)."""
 
     def __init__(self):
         super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0  # live: data pointer -> bytes
+        self.live, self.now, self.peak, self.calls = {}, 0, 0, 0  # live: data pointer -> bytes
+
+    # a compiled graph runs under the meter (else dynamo leaves the frame to eager torch, or fullgraph raises)
+    @classmethod
+    def ignore_compile_internals(cls):
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
         out = func(*args, **(kwargs or {}))
         storages = lambda xs: [x.untyped_storage() for x in xs if isinstance(x, torch.Tensor)]
         ins = {s.data_ptr() for s in storages(args)}  # outputs on one: views, in-place
@@ -129,11 +135,18 @@ def clock(fn, dev):
 # (seconds, peak bytes allocated above what was live before) of one run of fn
 def peak(fn, dev):
     if dev == "cpu":
-        with LiveBytes() as meter:
+        with Meter() as meter:
             return clock(fn, dev), meter.peak
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     return clock(fn, dev), torch.cuda.max_memory_allocated() - base
+
+
+# the torch ops one run of fn dispatches (a compiled fn: those its graph leaves to torch)
+def calls(fn):
+    with Meter() as meter:
+        fn()
+    return meter.calls
 
 
 # a markdown table's head from its comma-separated column names, then the rule under it
@@ -141,35 +154,17 @@ def table(cols):
     return "| " + cols.replace(",", " | ") + " |\n" + "|---" * (cols.count(",") + 1) + "|"
 
 
-# the shared memory a block may opt in to, KiB (CUDA C++ Programming Guide, technical specifications per capability)
-SHARED_KIB = {"sm_75": 64, "sm_80": 163, "sm_86": 99, "sm_89": 99, "sm_90": 227, "sm_120": 99}
-
-
 def compile_targets(a, need):
-    """--targets: every kernel compiled for each GPU, in the launch configuration kernels.py chooses there."""
-    need(set(a.targets.split(",")) <= set(SHARED_KIB), f"--targets {a.targets}: use GPUs among {','.join(SHARED_KIB)}")
-    ptxas = os.path.join(os.path.dirname(kernels.triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    need(os.path.isfile(ptxas), f"--targets: no {ptxas}; reinstall triton (its wheel ships ptxas)")
+    """--targets: every kernel compiled for each GPU (gpus.py), a row printed as it comes."""
+    known = ",".join(gpus.SHARED_KIB)
+    need(set(a.targets.split(",")) <= set(gpus.SHARED_KIB), f"--targets {a.targets}: use GPUs among {known}")
+    need(os.path.isfile(gpus.ptxas()), f"--targets: no {gpus.ptxas()}; reinstall triton (its wheel ships ptxas)")
     print(table("kernel,target,dtype,head_dim,tiles,stages,warps,shared,limit,registers,spills,ok"))
     rows = []
-    for target in a.targets.split(","):
-        limit = SHARED_KIB[target] * 1024
-        # eviction_times' kernel reads fp64 priorities, whatever the model's dtype and head_dim
-        launches = [("eviction_times", kernels._evict_kernel, {}, "float64", None, kernels.EVICT_CONFIG)]
-        for dtype, head_dim in itertools.product(("float32", "bfloat16", "float16"), (64, 128, 256)):
-            try:
-                config = kernels.launch_config(int(target[3:]), limit, getattr(torch, dtype), head_dim)
-                launches += [(*launch, dtype, head_dim, config) for launch in kernels.LAUNCHES]
-            except ValueError as refused:  # one line, before any launch
-                rows.append(dict(kernel="all", target=target, dtype=dtype, head_dim=head_dim, refused=str(refused)))
-                print(f"| all | {target} | {dtype} | {head_dim} | refused: {refused} |", flush=True)
-        for name, fn, constexprs, dtype, head_dim, config in launches:
-            shared, registers, spills = kernels.compile_for_gpu(target, fn, dtype, config, **constexprs)
-            tiles = "x".join(str(v) for k, v in config.items() if k.startswith("BLOCK") and k != "BLOCK_D")
-            row = dict(kernel=name, target=target, dtype=dtype, head_dim=head_dim, tiles=tiles)
-            row.update(stages=config["num_stages"], warps=config["num_warps"], shared=shared, limit=limit)
-            rows.append(dict(row, registers=registers, spills=spills, ok=shared <= limit))
-            print("| " + " | ".join(str(v) for v in rows[-1].values()) + " |", flush=True)
+    for row in gpus.compile_targets(a.targets.split(",")):
+        rows.append(row)
+        cells = [f"refused: {v}" if k == "refused" else str(v) for k, v in row.items()]
+        print("| " + " | ".join(cells) + " |", flush=True)
     if a.json:
         checkpoint.write_json([dict(row, ok=row.get("ok", False)) for row in rows], a.json)
 
@@ -199,12 +194,9 @@ def cmd_kernels(argv):
         lse = kernels.attention(q, k, v)[1]
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         # each op, ours and its naive plain_ version, on the same inputs
-        for name, x in [
-            ("attention", (q, k, v)),
-            ("attention+evict", (q, k, v, e, sinks)),
-            ("future_attention", (q, k, lse, window)),
-            ("eviction_times", (pri, sinks, window, T // 4)),
-        ]:
+        ops = [("attention", (q, k, v)), ("attention+evict", (q, k, v, e, sinks))]
+        ops += [("future_attention", (q, k, lse, window)), ("eviction_times", (pri, sinks, window, T // 4))]
+        for name, x in ops:
             op = name.split("+")[0]
             ours, naive = getattr(kernels, op), getattr(kernels, "plain_" + op)
             ours_ms, ours_mib = measure(lambda: ours(*x))
@@ -214,72 +206,20 @@ def cmd_kernels(argv):
             print(speed + f"{ours_mib:.1f} | {naive_mib:.1f} | {naive_mib / max(ours_mib, 1e-3):.0f} |", flush=True)
 
 
-# the scorer folders --scorer names; shipped: those python train.py wrote for the model (baby, code), every kind
-def scorer_folders(scorer, model, task, target):
-    if scorer != "shipped":
-        return [d for d in scorer.split(",") if d]
-    folders = [f"{model}/scorers/{task}-{target}/{k}" for k in kvpop.SCORERS]
-    return [d for d in folders if os.path.isfile(os.path.join(d, "scorer.json"))]
-
-
-def baby_setup(a, need, policies, spare=0):
-    """quality, generate: names and numbers checked (a budget of T - spare tokens), then the model -> net, tok,
-    budgets, tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}, code's held-out files."""
-    task_names, targets = a.task.split(","), a.target.split(",")
-    # code: its own model and length (tasks.py), so alone
-    code = task_names == ["code"]
-    need(code or "code" not in task_names, f"--task {a.task}: code runs alone (its own model, code/)")
-    a.model = a.model or ("code" if code else "baby")
-    a.window, a.T = a.window or 32, a.T or (1024 if code else 512)
-    # every name known, or exit naming the first that is not
-    for flag, what, names, known in [
-        ("policies", "policy", policies, kvpop.POLICIES),
-        ("task", "task", task_names, (*tasks.TASKS, "code")),
-        ("target", "target", targets, kvpop.TARGETS),
-    ]:
-        bad = [x for x in names if x not in known]
-        need(not bad, f"--{flag}: unknown {what} {(bad or [''])[0]!r}; choose from {','.join(known)}")
-    for name, least in dict(T=64, sinks=0, window=1, threads=1).items():
-        need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
-    need(a.p_cue < 1, f"--p_cue {a.p_cue}: use a rate below 1 (-1: the cue task's own)")
-    budgets = [flags.parse_value(a.prog, "budgets", b, float) for b in a.budgets.split(",")]
-    try:
-        folder = checkpoint.checkpoint_dir(a.model)
-        config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
-        folders = {(t, r): scorer_folders(a.scorer, a.model, t, r) for t in task_names for r in targets}
-        scorers = {d: kvpop.Scorer.from_pretrained(d) for ds in folders.values() for d in ds}
-        # a scorer for another model or window, or a budget that leaves no room, raises
-        for s in scorers.values():
-            s.check(config, a.window)
-        for s in [None, *scorers.values()]:
-            for b in budgets:
-                kvpop.budget_size(b, a.T - spare, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
-        most = config.max_position_embeddings  # checked before the weights load
-        need(a.T <= most, f"--T {a.T}: the model has {most} positions; lower --T")
-        tok = tokenizer.Tokenizer.from_pretrained(folder)
-        files = tasks.code_held_out(tok, a.corpus, a.T, a.n) if code else None  # (files, T)
-        torch.set_num_threads(a.threads)
-        net = qwen3.Qwen3.from_pretrained(a.model, dtype=torch.float32)
-    except (OSError, ValueError) as e:
-        need(False, str(e))
-    return net, tok, budgets, task_names, targets, folders, scorers, files
-
-
+# ---------------------------------------------------------------------------------------------------- quality
 def cmd_quality(argv):
     """Teacher-forced quality on held-out task sequences (or code files): every policy, then each target's oracle
     and scorers."""
     a, need = settings("quality", argv)
     policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
     need(a.n >= 1, f"--n {a.n}: use 1 or more")
-    net, tok, budgets, task_names, targets, folders, scorers, files = baby_setup(a, need, policies)
+    net, tok, budgets, task_names, targets, folders, scorers, files = tasks.baby_setup(a, need, policies)
     code = files is not None
     t0, rows, counts = time.time(), [], []
     # the same held-out sequences for every policy and target of a task
     for task in task_names:
-        rate = dict(p_cue=a.p_cue) if task == "cue" and a.p_cue >= 0 else {}
-        rng = random.Random(f"test-{a.seed}")
-        seqs = lambda: tasks.task_batch(tok, a.n, a.T, rng, **tasks.TASKS[task] | rate)  # idx, tgt, dist
-        # code: the held-out files, its metrics per file (tasks.code_runs)
+        # the task's held-out sequences (idx, tgt, dist); code: the held-out files, its metrics per file (code_runs)
+        seqs = lambda: tasks.held_out_batch(tok, task, a.n, a.T, a.seed, a.p_cue)
         measure, batch = (tasks.code_runs, (net, files)) if code else (tasks.quality_runs, (net, *seqs()))
         cache = (budgets, a.sinks, a.window)
         plain = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
@@ -310,15 +250,13 @@ def cmd_generate(argv):
     need(1 <= a.tokens <= a.T - 2, f"--tokens {a.tokens}: use 1 .. T - 2 (a prompt of 1 or more)")
     need(a.temperature >= 0, f"--temperature {a.temperature:g}: use 0 (greedy) or more")
     need("code" not in a.task.split(","), "--task code: generate scores the baby's tasks; code: bench.py quality")
-    net, tok, budgets, task_names, targets, folders, scorers, _ = baby_setup(a, need, policies, spare=1)
+    net, tok, budgets, task_names, targets, folders, scorers, _ = tasks.baby_setup(a, need, policies, spare=1)
     # far: bound at least S back, S the largest budget's (the same answers' bar at every budget)
     far = max(kvpop.budget_size(b, a.T - 1, a.sinks, a.window)[0] for b in budgets)
     t0, rows, samples = time.time(), [], {}
     for task in task_names:
         # held-out prompts: bench.py quality's sequences (test-<seed>), their bos dropped as in baby/prompt.txt
-        rate = dict(p_cue=a.p_cue) if task == "cue" and a.p_cue >= 0 else {}
-        rng = random.Random(f"test-{a.seed}")
-        idx = tasks.task_batch(tok, a.prompts, a.T, rng, **tasks.TASKS[task] | rate)[0]
+        idx = tasks.held_out_batch(tok, task, a.prompts, a.T, a.seed, a.p_cue)[0]
         prompt = idx[:, 1 : a.T - a.tokens]  # (N, P)
         learned = [scorers[d] for r in targets for d in folders[task, r]]
         runs = [("full", 1)] + [(p, b) for p in policies + learned if p != "full" for b in budgets]
@@ -387,8 +325,8 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
     E, heads = c.hidden_size, c.num_hidden_layers * c.num_key_value_heads
     per_tok = 2 * heads * c.head_dim * dt.itemsize  # KV bytes of a token
     med = lambda t: sorted(t[1:])[len(t) // 2 - 1]  # after the warm-up round
-    cols = "policy,budget,context,tokens/s,speedup,ideal,of ideal,KV+state MiB"
-    print(table(cols + ",GB/s,limit GB/s,of limit,scorer share"))
+    cols = "policy,budget,context,tokens/s,speedup,ideal,of ideal,KV+state MiB,GB/s,limit GB/s,of limit,scorer share"
+    print(table(cols + ",calls a step eager" + " / compiled" * a.compile))
     for C in contexts:
         M = torch.randn(W // (E * dt.itemsize), E, device=dev).to(dt)  # model-sized
         x = torch.randn(E, device=dev, dtype=dt)
@@ -416,10 +354,15 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
             # the scorer's share of a step: 1 - streaming's step / the scorer's, same round
             if p in kvpop.SCORERS and ("streaming", b) in runs:
                 r["scorer_share"] = 1 - med([x / y for x, y in zip(runs["streaming", b][2], times)])
+            # the torch calls of a step, eager and compiled (those its graph leaves to torch): one more step each
+            r["calls"] = dict(eager=calls(lambda: net(tok, cache=cache)))
+            if a.compile:
+                r["calls"]["compiled"] = calls(lambda: step(tok, cache=cache))
             share = f"{r['scorer_share']:.1%}" if "scorer_share" in r else "-"
             speed = f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {speedup:.2f}x | {ideal:.2f}x | "
             speed += f"{speedup / ideal:.0%} | {kv / 2**20:.0f} | {gbps:.1f} | {limit:.1f} | "
-            print(speed + f"{gbps / limit:.0%} | {share} |", flush=True)
+            counted = " / ".join(map(str, r["calls"].values()))
+            print(speed + f"{gbps / limit:.0%} | {share} | {counted} |", flush=True)
             rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
         del runs, M
     return rows
@@ -471,9 +414,7 @@ def speed_train(net, scorers, a, dt, b, policies):
     # the teacher's eviction times, as kvpop.boundary_loss makes them
     pos = torch.arange(T, device=dev)
     teacher = lambda i, r: r + scorer.recency(i, pos).detach()
-    evict = lambda: [
-        kernels.eviction_times(teacher(i, r), a.sinks, a.window, pool) for i, r in enumerate(rs)
-    ]
+    evict = lambda: [kernels.eviction_times(teacher(i, r), a.sinks, a.window, pool) for i, r in enumerate(rs)]
     parts["eviction times"] = clock(evict, dev)
     q = torch.arange(a.sinks + a.window + pool, T)  # the queries where the pool is over-full
     kv = [(k, v) for _, k, v, _ in seen]

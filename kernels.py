@@ -10,12 +10,9 @@ chosen per GPU (`launch_config`) so that a block's shared memory fits; what cann
 # kernel annotations like `tl.constexpr` stay strings without triton
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import math
 import os
-import re
 
 import torch
 
@@ -28,8 +25,7 @@ except ImportError:  # the torch paths need no triton
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INTERPRET_AS = (90, 227 * 1024)  # the interpreter runs CPU tensors as this GPU would (an H100; the tests set others)
 BLOCK = 128  # torch-path tile: extra memory is O(T * BLOCK) per head
-# finite start for running maxima, so a fully masked tile gives exp(-inf - NEG) = 0, not nan (the kernels spell it out:
-# jit code reads no globals)
+# finite start for running maxima: a fully masked tile gives exp(-inf - NEG) = 0, not nan (jit kernels spell it out)
 NEG = -1e30
 
 
@@ -37,10 +33,7 @@ def wide(x):  # fp32, or fp64 for an fp64 input: every sum of the attention and 
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-# ----------------------------------------------------------------------------------------------
-# the definitions, plain O(T^2): what the fast forms below compute, and what bench.py kernels times them against
-
-
+# -------------------------- the definitions, plain O(T^2): what the fast forms below compute and bench.py kernels times
 def plain_attention(q, k, v, evict_at=None, sinks=0):
     """Query i sees key t iff t <= i and (t < sinks or i < evict_at[t]): softmax over the visible keys -> (out, lse)."""
     T, group = q.shape[2], q.shape[1] // k.shape[1]
@@ -88,10 +81,7 @@ def plain_eviction_times(priority, sinks, window, pool):
     return e.masked_fill(u < sinks, T)
 
 
-# ----------------------------------------------------------------------------------------------
-# the fast forms: one public function each, a Triton kernel or tiled torch
-
-
+# --------------------------------------------- the fast forms: one public function each, a Triton kernel or tiled torch
 _jit = triton.jit if triton is not None else lambda fn: fn  # the kernels below, defined without triton too
 
 
@@ -114,10 +104,7 @@ def _check_heads(x, name, shape, device):
         raise ValueError(f"{name} must have shape {shape} on {device}, got {tuple(x.shape)} on {x.device}")
 
 
-# ----------------------------------------------------------------------------------------------
-# launch configurations: tiles that fit a GPU's shared memory
-
-
+# ---------------------------------------------------------- launch configurations: tiles that fit a GPU's shared memory
 def launch_config(capability, shared_limit, dtype, head_dim):
     """The attention and future-attention kernels' launch on a GPU of this compute capability (e.g. 89) whose blocks
     may use shared_limit bytes: tiles BLOCK_M x BLOCK_N, BLOCK_D, num_stages, num_warps. What cannot run is refused."""
@@ -156,10 +143,7 @@ def _config(x, head_dim):
     return launch_config(capability, limit, x.dtype, head_dim)
 
 
-# ----------------------------------------------------------------------------------------------
-# attention
-
-
+# ------------------------------------------------------------------------------------------------------------ attention
 def attention(q, k, v, evict_at=None, sinks=0, scale=None):
     """Causal attention where key t is visible to query i iff t <= i and (t < sinks or i < evict_at[b, h, t]).
 
@@ -216,10 +200,8 @@ def _attention_torch(q, k, v, evict_at, sinks, scale):
             m = m_new
         # a row that sees nothing is 0
         seen = row_sum > 0
-        denominator = torch.where(seen, row_sum, 1)[..., None]
-        out[:, :, :, i : i + BLOCK] = acc / denominator
-        log_sum = torch.where(seen, m + torch.log(row_sum), -math.inf)
-        lse[:, :, :, i : i + BLOCK] = log_sum
+        out[:, :, :, i : i + BLOCK] = acc / torch.where(seen, row_sum, 1)[..., None]
+        lse[:, :, :, i : i + BLOCK] = torch.where(seen, m + torch.log(row_sum), -math.inf)
     return out.view(B, heads, T, D).to(dtype), lse.view(B, heads, T)
 
 
@@ -281,13 +263,12 @@ def _attention_triton(q, k, v, evict_at, sinks, scale):
     return out, lse
 
 
-# FlexAttention, compiled once (eager it builds the T x T scores; on CPU it has no backward)
-_flex = None
+# torch.compile, once per function (FlexAttention eager builds the T x T scores; on CPU it has no backward)
+_compile_once = functools.cache(torch.compile)
 
 
 def _attention_flex(q, k, v, evict_at, sinks, scale):
     """Training on CUDA: PyTorch's FlexAttention, block-sparse from the same visibility rule, with its backward."""
-    global _flex
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
     (B, heads, T, D), kv_heads = q.shape, k.shape[1]
@@ -299,34 +280,24 @@ def _attention_flex(q, k, v, evict_at, sinks, scale):
         return (t <= i) & ((t < sinks) | (i < evict_at[b, h // group, t]))
 
     mask = create_block_mask(visible, B, heads, T, T, device=q.device)
-    if q.is_cuda and _flex is None:
-        _flex = torch.compile(flex_attention)
-    flex = _flex if q.is_cuda else flex_attention
+    flex = _compile_once(flex_attention) if q.is_cuda else flex_attention
     lse_request = AuxRequest(lse=True)
     out, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=group > 1, return_aux=lse_request)
     return out, aux.lse.float()
 
 
-# ----------------------------------------------------------------------------------------------
-# future attention
-
-
-def future_attention(q, k, lse, window, eps=1e-6, scale=None, reduce="mean"):
-    """Target r[b, h, t] = max over h's query heads of log(eps + reduce_{t+window <= d < T} p[d, t]), reduce the mean
-    (the paper's) or the max over those queries.
-
-    p[d, t] = exp(q_d . k_t * scale - lse[d]); q (B, Hq, T, D), k (B, Hkv, T, D), lse (B, Hq, T) from the forward pass.
-    Returns (B, Hkv, T) fp32, -inf where t + window >= T (no query outside the window). Computed as a transposed
-    attention in which keys play queries; memory O(B * H * T). README, Method: future attention.
-    """
+# ----------------------------------------------------------------------------------------------------- future attention
+def future_attention(q, k, lse, window, eps=1e-6, reduce="mean"):
+    """plain_future_attention's target r (B, Hkv, T) fp32, reduce the mean (the paper's) or the max over the queries
+    d >= t + window; -inf where t + window >= T. q (B, Hq, T, D), k (B, Hkv, T, D), lse (B, Hq, T) from the forward
+    pass. A transposed attention in which keys play queries; memory O(B * H * T). README, Method: future attention."""
     _check_qk(q, k)
     _check_heads(lse, "lse", tuple(q.shape[:3]), q.device)
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
     if reduce not in ("mean", "max"):
         raise ValueError(f"reduce must be mean or max, got {reduce!r}")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    args = (q, k, lse, window, eps, scale, reduce)
+    args = (q, k, lse, window, eps, q.shape[-1] ** -0.5, reduce)
     return _future_triton(*args) if _use_triton(q) else _future_torch(*args)
 
 
@@ -411,23 +382,15 @@ def _future_triton(q, k, lse, window, eps, scale, reduce):
     config = _config(q, D)  # refuses, before anything runs, a GPU without room for the tiles
     r = torch.empty(B, kv_heads, T, device=q.device)
     grid = (triton.cdiv(T, config["BLOCK_M"]), B * kv_heads)
-    tensors = (q.contiguous(), k.contiguous(), lse.contiguous(), r)
-    args = (*tensors, T, D, heads // kv_heads, window, eps, scale)
+    args = (q.contiguous(), k.contiguous(), lse.contiguous(), r, T, D, heads // kv_heads, window, eps, scale)
     _future_kernel[grid](*args, MAX=reduce == "max", **config)
     return r
 
 
-# ----------------------------------------------------------------------------------------------
-# eviction times
-
-
+# ------------------------------------------------------------------------------------------------------- eviction times
 def eviction_times(priority, sinks, window, pool):
-    """e[b, h, t]: the first query that no longer sees token t (README, Method: eviction times), T meaning never.
-
-    With u_pool(t) the pool-th smallest position u >= sinks whose (priority[u], u) beats (priority[t], t): e[t] = min(T,
-    max(t + window, window + u_pool(t))), T when fewer than pool such u exist or t < sinks. priority (B, Hkv, T) static
-    per token; returns (B, Hkv, T) int64.
-    """
+    """plain_eviction_times' e[b, h, t], the first query that no longer sees token t (README, Method: eviction times),
+    T meaning never: priority (B, Hkv, T) static per token -> (B, Hkv, T) int64."""
     if priority.dim() != 3:
         raise ValueError(f"priority must be (B, Hkv, T), got shape {tuple(priority.shape)}")
     if window < 1 or sinks < 0 or pool < 0:
@@ -534,40 +497,3 @@ def _evict_triton(priority, sinks, window, pool):
     grid = (triton.cdiv(T, EVICT_CONFIG["BLOCK_T"]), B * H)
     _evict_kernel[grid](priority, e, T, sinks, window, pool, **EVICT_CONFIG)
     return e
-
-
-# ----------------------------------------------------------------------------------------------
-# compiled for a GPU without one: how bench.py kernels --targets and the tests check launch_config
-
-# the kernels' arguments but the pointers to q, k, v and out (Q, K, V, Out), which have the inputs' dtype
-ARGUMENT_TYPES = {"E": "*i64", "LSE": "*fp32", "R": "*fp32", "PRIORITY": "*fp64", "scale": "fp32", "eps": "fp32"}
-ARGUMENT_TYPES |= dict.fromkeys(("T", "D", "group", "sinks", "window", "pool"), "i32")
-# the attention and future kernels as they launch: a name, the kernel, its flag
-LAUNCHES = [("attention" + "+evict" * evict, _attention_kernel, {"HAS_E": evict}) for evict in (False, True)]
-LAUNCHES += [(f"future {reduce}", _future_kernel, {"MAX": reduce == "max"}) for reduce in ("mean", "max")]
-
-
-def compile_for_gpu(target, kernel, dtype, config, **flags):
-    """The kernel compiled for a GPU (target "sm_89") as it launches on dtype tensors, by the ptxas inside the triton
-    wheel, no GPU needed -> (shared memory a block asks, registers a thread, bytes spilled)."""
-    tiles = {name: value for name, value in config.items() if name.startswith("BLOCK")}
-    constants = flags | tiles
-    element = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, "fp64")
-    pointer = "*" + element
-    types = {name: ARGUMENT_TYPES.get(name, pointer) for name in kernel.arg_names if name not in constants}
-    # pointers 16-byte aligned and D a multiple of 16, as torch's tensors and head_dims 64-256 are at launch
-    aligned = [name for name in types if types[name][0] == "*" or name == "D"]
-    hints = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = triton.compiler.ASTSource(kernel, types, constants, hints)
-    gpu = triton.backends.compiler.GPUTarget("cuda", int(target[3:]), 32)
-    options = {name: value for name, value in config.items() if name.startswith("num")}
-    # compiled afresh (not read from triton's cache), printing ptxas -v's log: the registers and spills
-    knobs = triton.knobs
-    with knobs.nvidia.scope(), knobs.compilation.scope():
-        knobs.nvidia.dump_ptxas_log = knobs.compilation.always_compile = True
-        with contextlib.redirect_stdout(io.StringIO()) as printed:
-            compiled = triton.compile(source, target=gpu, options=options)
-    log = printed.getvalue()
-    registers = re.search(r"Used (\d+) registers", log)[1]
-    spilled = re.search(r"(\d+) bytes spill stores", log)[1]
-    return compiled.metadata.shared, int(registers), int(spilled)

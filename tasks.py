@@ -1,5 +1,6 @@
 """The baby's tasks, the teacher-forced evaluation of eviction on them (quality tables, held-out checks) and the
-scoring of what a model writes under eviction (sample.py's scoreboard, bench.py generate).
+scoring of what a model writes under eviction (sample.py's scoreboard, bench.py generate); what bench.py quality and
+generate run on (`baby_setup`).
 
 recall: multi-query associative recall in single-token Qwen3 words (README, The baby). cue: the same, plus distractor
 bindings that only the next word marks as useless (README, The baby). code: real text nobody here wrote, the installed
@@ -9,10 +10,15 @@ torch package's own source, and the metrics of eviction on it.
 import hashlib
 import math
 import os
+import random
 
 import torch
 
+import checkpoint
+import flags
 import kvpop
+import qwen3
+import tokenizer
 from cache import KVCache
 from qwen3 import generate
 
@@ -91,6 +97,13 @@ def task_batch(tok, n, T, rng, p_cue=0.0, **kw):
         for q, v, d in ans:
             tgt[b, q], dist[b, q] = ids[v], d
     return idx, tgt, dist
+
+
+def held_out_batch(tok, task, n, T, seed=0, p_cue=-1.0):
+    """bench.py's n held-out sequences of a task (task_batch), from the stream test-<seed> that training never draws;
+    p_cue >= 0 replaces the cue task's rate."""
+    rate = dict(p_cue=p_cue) if task == "cue" and p_cue >= 0 else {}
+    return task_batch(tok, n, T, random.Random(f"test-{seed}"), **TASKS[task] | rate)
 
 
 def recall_answers(words, start):
@@ -424,3 +437,58 @@ def code_table(rows):  # a markdown table of code_runs' rows, each mean with its
         cells.append(far)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bench.py quality and generate: their flags checked, the model, its scorers and the held-out code files loaded
+
+
+# the scorer folders --scorer names; shipped: those python train.py wrote for the model (baby, code), every kind
+def scorer_folders(scorer, model, task, target):
+    if scorer != "shipped":
+        return [d for d in scorer.split(",") if d]
+    folders = [f"{model}/scorers/{task}-{target}/{k}" for k in kvpop.SCORERS]
+    return [d for d in folders if os.path.isfile(os.path.join(d, "scorer.json"))]
+
+
+def baby_setup(a, need, policies, spare=0):
+    """bench.py quality, generate: names and numbers checked (a budget of T - spare tokens), then the model -> net, tok,
+    budgets, tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}, code's held-out files."""
+    task_names, targets = a.task.split(","), a.target.split(",")
+    # code: its own model (code/) and length, so alone
+    code = task_names == ["code"]
+    need(code or "code" not in task_names, f"--task {a.task}: code runs alone (its own model, code/)")
+    a.model = a.model or ("code" if code else "baby")
+    a.window, a.T = a.window or 32, a.T or (1024 if code else 512)
+    # every name known, or exit naming the first that is not
+    for flag, what, names, known in [
+        ("policies", "policy", policies, kvpop.POLICIES),
+        ("task", "task", task_names, (*TASKS, "code")),
+        ("target", "target", targets, kvpop.TARGETS),
+    ]:
+        bad = [x for x in names if x not in known]
+        need(not bad, f"--{flag}: unknown {what} {(bad or [''])[0]!r}; choose from {','.join(known)}")
+    for name, least in dict(T=64, sinks=0, window=1, threads=1).items():
+        need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
+    need(a.p_cue < 1, f"--p_cue {a.p_cue}: use a rate below 1 (-1: the cue task's own)")
+    budgets = [flags.parse_value(a.prog, "budgets", b, float) for b in a.budgets.split(",")]
+    try:
+        folder = checkpoint.checkpoint_dir(a.model)
+        config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
+        folders = {(t, r): scorer_folders(a.scorer, a.model, t, r) for t in task_names for r in targets}
+        scorers = {d: kvpop.Scorer.from_pretrained(d) for ds in folders.values() for d in ds}
+        # a scorer for another model or window, or a budget that leaves no room, raises
+        for s in scorers.values():
+            s.check(config, a.window)
+        for s in [None, *scorers.values()]:
+            for b in budgets:
+                kvpop.budget_size(b, a.T - spare, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
+        most = config.max_position_embeddings  # checked before the weights load
+        need(a.T <= most, f"--T {a.T}: the model has {most} positions; lower --T")
+        tok = tokenizer.Tokenizer.from_pretrained(folder)
+        files = code_held_out(tok, a.corpus, a.T, a.n) if code else None  # (files, T)
+        torch.set_num_threads(a.threads)
+        net = qwen3.Qwen3.from_pretrained(a.model, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        need(False, str(e))
+    return net, tok, budgets, task_names, targets, folders, scorers, files

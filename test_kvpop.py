@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 import unicodedata
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -31,6 +32,7 @@ from checkpoint import ST_DTYPES, checkpoint_dir, load_safetensors, read_safeten
 from tokenizer import Tokenizer, QWEN3_ADDED
 import checkpoint
 import flags
+import gpus
 import kernels
 import kvpop
 from cache import KVCache
@@ -882,7 +884,7 @@ def test_decoding_step_copies_no_cache(small_model, policy, dtype):
         cache = KVCache(net, 1, n, pol, 4, 8)
         bench.fill(cache, n - 1 if policy == "full" else 4 * n)
         bufs = [x.data_ptr() for x in (cache.k, cache.v, cache.pos, cache.score)]
-        with torch.no_grad(), bench.LiveBytes() as meter:
+        with torch.no_grad(), bench.Meter() as meter:
             for _ in range(2):
                 net(torch.tensor([[5]]), cache=cache)
         assert bufs == [x.data_ptr() for x in (cache.k, cache.v, cache.pos, cache.score)]
@@ -1139,7 +1141,7 @@ def test_kernels_dispatch():
 
 def _k_peak_bytes(fn):
     # counts live tensor storages (CPU has no max_memory_allocated)
-    with bench.LiveBytes() as meter:
+    with bench.Meter() as meter:
         fn()
     return meter.peak
 
@@ -1183,7 +1185,7 @@ def _k_ptxas():
     """triton's own ptxas (the wheel ships it), or why there is none."""
     if kernels.triton is None:
         return None, "triton is not installed"
-    path = os.path.join(os.path.dirname(kernels.triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    path = gpus.ptxas()
     return (path, "") if os.path.isfile(path) else (None, f"triton's ptxas is absent ({path})")
 
 
@@ -1201,13 +1203,13 @@ def test_kernels_compile_for_gpus():
         for dtype in ("float32", "bfloat16"):
             config = kernels.launch_config(capability, limit, getattr(torch, dtype), 128)
             assert config["BLOCK_D"] == 128
-            launches += [(name, kernel, flags, dtype, config) for name, kernel, flags in kernels.LAUNCHES]
+            launches += [(name, kernel, flags, dtype, config) for name, kernel, flags in gpus.LAUNCHES]
         for name, kernel, flags, dtype, config in launches:
-            shared, registers, _ = kernels.compile_for_gpu(target, kernel, dtype, config, **flags)
+            shared, registers, _ = gpus.compile_for_gpu(target, kernel, dtype, config, **flags)
             print(f"{target} {dtype} {name}: {shared} bytes of {limit}, {registers} registers")
             assert 0 < shared <= limit and 0 < registers <= 255, (target, dtype, name, shared)
     before = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, num_stages=2, num_warps=4)
-    shared = kernels.compile_for_gpu("sm_89", kernels._attention_kernel, "float32", before, HAS_E=True)[0]
+    shared = gpus.compile_for_gpu("sm_89", kernels._attention_kernel, "float32", before, HAS_E=True)[0]
     assert shared > _K_GPUS["sm_89"][1], shared
 
 
@@ -2062,6 +2064,40 @@ def test_bench_speed_rows_count_the_bytes_a_step_reads(tmp_path, monkeypatch, ca
     assert parts == ["frozen forward", "future-attention targets", "eviction times", "scorer forward + backward"]
 
 
+def test_bench_speed_counts_the_calls_a_step_makes(tmp_path, monkeypatch, capsys):
+    """bench.py speed's calls a step: the torch ops a decoding step dispatches, counted by bench.Meter. A hand-listed
+    run counts each op once (not the ops inside one: a cast is one _to_copy); a step of a small checkpoint counts as
+    many as make_fx's trace of the same step holds (a node an op, but none for torch.promote_types, which returns a
+    dtype); `speed --compile` reports that count eager, and fewer compiled (inductor's C++ runs the rest)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with bench.Meter() as meter:
+        c = a @ b
+        c.add_(1)
+        c.to(torch.float64).softmax(-1)
+    assert meter.calls == 4
+    hf_checkpoint(tmp_path / "m", layers=2)
+    args = ["--model", str(tmp_path / "m"), "--contexts", "64", "--budgets", "0.5", "--window", "16", "--d_mem", "8"]
+    bench.cmd_speed([*args, "--policies", "streaming", "--steps", "1", "--compile", "--json", str(tmp_path / "s.json")])
+    assert "| calls a step eager / compiled |" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "s.json").read_text())
+    assert [r["policy"] for r in rows] == ["full", "streaming"]
+    # the same step traced by make_fx, on a cache built and filled as bench.py speed builds its own
+    net = qwen3.Qwen3.from_pretrained(str(tmp_path / "m")).requires_grad_(False)
+    real, promoted = torch.promote_types, []
+    monkeypatch.setattr(torch, "promote_types", lambda *x: promoted.append(x) or real(*x))
+    opts = types.SimpleNamespace(sinks=4, window=16)
+    for r in rows:
+        cache = bench.empty_cache(net, r["policy"], r["budget"], 64, 66, opts, torch.float32)
+        bench.fill(cache, 64)
+        promoted.clear()
+        graph = make_fx(lambda x: net(x, cache=cache), tracing_mode="real")(torch.tensor([[13]])).graph
+        traced = sum(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes) + len(promoted)
+        assert r["calls"]["eager"] == traced and promoted, (r, traced)
+        assert 0 <= r["calls"]["compiled"] < r["calls"]["eager"] / 4, r
+
+
 @pytest.mark.parametrize(
     "args, msg",
     [
@@ -2574,7 +2610,7 @@ def test_scorer_parallel_memory_is_linear():
     # M = 2D: each full-length projection is one x more
     s, T = kvpop.SCORERS["kvpop"](c, window=256, d_mem=128), 4096
     k, v = torch.randn(1, 2, T, 64), torch.randn(1, 2, T, 64)
-    with torch.no_grad(), bench.LiveBytes() as meter:
+    with torch.no_grad(), bench.Meter() as meter:
         s(0, k, v, torch.arange(T))
     # 2 x the features (4 MiB each) + 1 MiB, whatever T is
     assert meter.peak <= 2 * (2 * k.numel() * 4) + 2**20
