@@ -132,7 +132,7 @@ def check_flags():
     unread = [
         ("no --finetune", not finetune, "policy model_lr top_logits"),
         ("--policy streaming", policy == "streaming", "kind d_mem d_hidden gamma queries target edges init_from"),
-        (f"--kind {kind} (no memory)", not issubclass(kvpop.SCORERS[kind], kvpop.MemoryScorer), "d_mem arrival"),
+        (f"--kind {kind}", not issubclass(kvpop.SCORERS[kind], kvpop.MemoryScorer), "d_mem arrival"),
         ("--init_from (the folder's sizes)", bool(init_from), "d_mem d_hidden gamma arrival"),
         (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
         ("--task code (no baby's task)", task == "code", "keys final_seqs"),
