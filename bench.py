@@ -439,7 +439,7 @@ def cmd_speed(argv):
     flags.check_dtype(a.dtype, ("float32", "bfloat16"), "bench.py speed")
     dev = a.device
     dt = getattr(torch, flags.auto_dtype(a.dtype, dev) or "bfloat16")  # auto on a GPU: bf16
-    policies = [p for p in (a.policies or "streaming,kvpop-window,kvpop,kvpop-mlp").split(",") if p]
+    policies = [p for p in (a.policies or ",".join(["streaming", *kvpop.SCORERS])).split(",") if p]
     online = (*kvpop.STATIC, *kvpop.DYNAMIC, *kvpop.SCORERS)  # all but full and the oracle
     ok = all(x.isdecimal() and int(x) >= 1 for x in a.contexts.split(",") if a.contexts)
     need(ok, f"--contexts {a.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768")

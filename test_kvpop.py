@@ -2044,11 +2044,13 @@ def test_bench_speed_rows_count_the_bytes_a_step_reads(tmp_path, monkeypatch, ca
         "kvpop-mlp": X * Dh + 2 * Dh + 2,
         "kvpop-window": 3 * X * A * d + A * (w - 1) + (X + A * d) * Dh + 2 * Dh + 2,
     }
+    sw["kvpop-shifted"] = sw["kvpop"]  # the same parameters, keyed by the token before
     dec = {(r["policy"], r["budget"]): r for r in rows if "context" in r}
     assert list(dec) == [("full", 1)] + [(p, b) for b in (0.5, 0.25) for p in ("streaming", *kvpop.SCORERS)]
     for (p, b), r in dec.items():
         B = math.ceil(b * C) if p != "full" else C
-        kv = (B - math.ceil((M * M + M + 1) / (2 * D))) * tok + state if p == "kvpop" else B * tok
+        memory = p in ("kvpop", "kvpop-shifted")  # the two kinds with a state
+        kv = (B - math.ceil((M * M + M + 1) / (2 * D))) * tok + state if memory else B * tok
         # the state is inside the budget
         assert r["kv_mib"] == pytest.approx(kv / 2**20, abs=1e-4) and kv <= B * tok
         w = W + 4 * L * H * sw.get(p, 0)
@@ -2057,7 +2059,7 @@ def test_bench_speed_rows_count_the_bytes_a_step_reads(tmp_path, monkeypatch, ca
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / dec["full", 1]["tokens_per_s"], rel=1e-2)
         assert ("scorer_share" in r) == (p in kvpop.SCORERS)
     pre = [r for r in rows if "prefill" in r]
-    assert [r["policy"] for r in pre] == ["full", "streaming", "kvpop-window", "kvpop", "kvpop-mlp"]
+    assert [r["policy"] for r in pre] == ["full", "streaming", "kvpop-window", "kvpop", "kvpop-mlp", "kvpop-shifted"]
     assert pre[1]["cache_mib"] == pytest.approx(128 * tok / 2**20, abs=0.1)
     assert pre[1]["peak_mib"] >= pre[1]["cache_mib"]
     parts = [r["part"] for r in rows if "train" in r]
@@ -2356,11 +2358,11 @@ def test_generate_stops_each_sequence(monkeypatch, stop):
 
 def _scorers(config, window):  # every kind (kvpop-window and kvpop-shifted read t + 1: w >= 2)
     torch.manual_seed(0)
-    two = [kvpop.SCORERS["kvpop-window"](config, window, d_hidden=16), kvpop.SCORERS["kvpop-shifted"](config, window, d_mem=8)]
-    return [
-        kvpop.SCORERS["kvpop"](config, window, d_mem=8),
-        kvpop.SCORERS["kvpop-mlp"](config, window, d_hidden=16),
-    ] + (two if window >= 2 else [])
+    kinds = [kvpop.SCORERS["kvpop"](config, window, d_mem=8), kvpop.SCORERS["kvpop-mlp"](config, window, d_hidden=16)]
+    if window >= 2:
+        kinds.append(kvpop.SCORERS["kvpop-window"](config, window, d_hidden=16))
+        kinds.append(kvpop.SCORERS["kvpop-shifted"](config, window, d_mem=8))
+    return kinds
 
 
 def _held(cache):  # positions held per (layer, row, head), sorted, and the scores in that order
