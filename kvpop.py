@@ -785,8 +785,8 @@ class MemoryScorer(Scorer):
 
 class MemoryDecoder(Decoder):
     """kvpop's decoding state: every layer and head's memory [C; n] (M + 1, M) and its log-scale, charged to the
-    budget, which take each token once it is cached; and the reads of the next c = min(w, 32) leaving tokens,
-    prepared together (the weights read once for c)."""
+    budget, which take each token once it is cached; and, eagerly, the reads of the next c = min(w, 32) leaving
+    tokens, prepared together (the weights read once for c)."""
 
     def __init__(self, scorer, cache):
         super().__init__(scorer, cache)
@@ -820,19 +820,17 @@ class MemoryDecoder(Decoder):
 
     def leaving(self, p):
         """The memories take token p - 1 (unless the prompt gave it), then t = p - w reads them (t < 0: a number
-        the cache drops). The reads of t .. t + c - 1 are prepared at once as t passes the block (all cached: c <=
-        w)."""
+        the cache drops). Eagerly, the reads of t .. t + c - 1 are prepared at once as t passes the block (all
+        cached: c <= w); in a compiled graph, t's own read each step: no branch and no host read, the step one
+        graph (the weights W_r, W_1 read every step)."""
         take = p > self.start
         self.write(p, take)
         t = p - self.cache.window
-        last = self.first + self.block - 1
-        stale = (t < self.first) | (t > last)
-        state = (t, self.first, *self.prepared)
-        self.first, u, wx = when(stale, self.prepare, self.kept, state)
-        self.prepared = (u, wx)
-        j = (t - self.first).view(1)
-        u = u.index_select(-2, j)
-        wx = wx.index_select(-2, j)
+        if torch.compiler.is_compiling():
+            x = self.scorer.features(*self.cache.held(t))
+            u, wx = self.scorer.prepare(x)
+        else:
+            u, wx = self.prepared_read(t)
         return self.scorer.read(self.memory, self.scale, u, wx, t)
 
     # the memories take token p - 1 under its own key
@@ -841,15 +839,16 @@ class MemoryDecoder(Decoder):
         key = z[..., : self.scorer.d_mem]
         self.scorer.remember(self.memory, self.scale, z, key, take)
 
-    # the reads of t .. t + c - 1, and t
-    def prepare(self, t, first, u, wx):
-        block = torch.arange(self.block, device=t.device) + t
-        x = self.scorer.features(*self.cache.held(block))
-        return (t.clone(), *self.scorer.prepare(x))
-
-    # the prepared reads as they are (copies: a graph's branch returns new tensors)
-    def kept(self, t, first, u, wx):
-        return first.clone(), u.clone(), wx.clone()
+    # t's prepared read u, W_1 x (L, B, H, 1, ...): the block of t .. t + c - 1 made anew once t is past it
+    def prepared_read(self, t):
+        if not self.first <= t < self.first + self.block:
+            block = torch.arange(self.block, device=t.device) + t
+            x = self.scorer.features(*self.cache.held(block))
+            self.prepared = self.scorer.prepare(x)
+            self.first = t.clone()
+        j = (t - self.first).view(1)
+        u, wx = self.prepared
+        return u.index_select(-2, j), wx.index_select(-2, j)
 
 
 class ShiftedMemoryScorer(MemoryScorer):
@@ -883,14 +882,6 @@ class ShiftedMemoryDecoder(MemoryDecoder):
         key = before[..., : self.scorer.d_mem]
         key = torch.where(p >= 2, key, 0.0)  # token 0's predecessor: none
         self.scorer.remember(self.memory, self.scale, z, key, take)
-
-
-def when(condition, then, otherwise, args):
-    """then(*args) if the bool tensor condition holds, else otherwise(*args): a Python branch when run eagerly,
-    torch.cond inside a compiled graph (both branches in it, one runs), so a decoding step stays one graph."""
-    if torch.compiler.is_compiling():
-        return torch.cond(condition, then, otherwise, args)
-    return then(*args) if condition else otherwise(*args)
 
 
 # the learned kinds by name, the default first: a fourth kind is a class here (README, Add a scorer)
