@@ -884,7 +884,7 @@ class ShiftedMemoryDecoder(MemoryDecoder):
         self.scorer.remember(self.memory, self.scale, z, key, take)
 
 
-# the learned kinds by name, the default first: a fourth kind is a class here (README, Add a scorer)
+# the learned kinds by name, the default first: a new kind is a class here (README, Add a scorer)
 SCORERS = {"kvpop-window": WindowScorer, "kvpop": MemoryScorer, "kvpop-mlp": MLPScorer}
 SCORERS["kvpop-shifted"] = ShiftedMemoryScorer
 
