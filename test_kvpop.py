@@ -3906,6 +3906,11 @@ def test_generate_counts_are_a_recount(baby, tmp_path, capsys):
     # bad input: one line, nothing written
     bad = run("bench.py", "generate", "--policies", "oracle", "--json", str(tmp_path / "bad.json"))
     assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and not (tmp_path / "bad.json").exists()
+    # the README's command, at its default length (T 512), small; and a length it cannot write
+    rows, _ = bench.cmd_generate("--task recall --prompts 1 --tokens 4 --policies full --scorer".split() + [""])
+    assert [(r["policy"], r["budget"]) for r in rows] == [("full", 1)]
+    bad = run("bench.py", "generate", "--tokens", "511")
+    assert bad.returncode != 0 and "--tokens 511: use 1 .. T - 2" in bad.stderr and bad.stderr.count("\n") == 1
 
 
 def test_retained_interval_by_hand():
