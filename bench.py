@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
-import checkpoint
-import flags
-import gpus
+from support import checkpoint
+from support import flags
+from support import gpus
 import kernels
 import kvpop
 from cache import KVCache

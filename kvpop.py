@@ -14,7 +14,7 @@ from torch.nn import Module, Parameter
 from torch.nn.functional import logsigmoid, pad, silu, softplus
 
 import kernels
-from checkpoint import read_json, read_safetensors, save_safetensors, write_json
+from support.checkpoint import read_json, read_safetensors, save_safetensors, write_json
 from qwen3 import Qwen3Config
 
 

@@ -6,7 +6,7 @@ override any with --name value (--help lists them).
   # a tiny one, in seconds
   python pretrain.py --out_dir tiny --seq_len 64 --tokens 256 --phase_steps 2 --final_steps 2
   # the shipped code baby, bit for bit: the installed torch package's own source (REAL_TEXT.md; about 13 minutes)
-  python pretrain.py --data torch --out_dir code --final_steps 700 --tokens 8192
+  python pretrain.py --data torch --out_dir codebaby --final_steps 700 --tokens 8192
 
 The same Qwen3 class as any checkpoint, 2 layers: layer 0 a hand-built previous-token head, frozen; the rest learns
 every position's next token plus --answer_weight x the task's answers, at lengths 64, 128, 256, then --seq_len; with
@@ -23,9 +23,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-import flags
+from support import flags
 import qwen3
-import tokenizer
+from support import tokenizer
 from tasks import TASK_RANKS, TASKS, code_files, code_held_out, code_sequences, evaluate, last_seen, task_batch
 
 # --- run

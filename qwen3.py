@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from checkpoint import checkpoint_dir, load_safetensors, read_config, save_safetensors, write_json
+from support.checkpoint import checkpoint_dir, load_safetensors, read_config, save_safetensors, write_json
 
 
 @dataclass

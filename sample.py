@@ -14,12 +14,12 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 
 from tasks import recall_marks, recall_score, task_ids
-from checkpoint import DTYPES, checkpoint_dir, read_json
-from flags import auto_dtype, check_budget, check_device, check_dtype, check_seed, configure, fail, need
+from support.checkpoint import DTYPES, checkpoint_dir, read_json
+from support.flags import auto_dtype, check_budget, check_device, check_dtype, check_seed, configure, fail, need
 from cache import KVCache
 from kvpop import SCORERS, Scorer, budget_size, entries, resolve, state_charge
 from qwen3 import Qwen3, Qwen3Config, generate
-from tokenizer import Tokenizer
+from support.tokenizer import Tokenizer
 
 # --- model
 model = "baby"  # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby: the demo

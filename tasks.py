@@ -14,11 +14,11 @@ import random
 
 import torch
 
-import checkpoint
-import flags
+from support import checkpoint
+from support import flags
 import kvpop
 import qwen3
-import tokenizer
+from support import tokenizer
 from cache import KVCache
 from qwen3 import generate
 
@@ -455,10 +455,10 @@ def baby_setup(a, need, policies, spare=0):
     """bench.py quality, generate: names and numbers checked (a budget of T - spare tokens), then the model -> net, tok,
     budgets, tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}, code's held-out files."""
     task_names, targets = a.task.split(","), a.target.split(",")
-    # code: its own model (code/) and length, so alone
+    # code: its own model (codebaby/) and length, so alone
     code = task_names == ["code"]
-    need(code or "code" not in task_names, f"--task {a.task}: code runs alone (its own model, code/)")
-    a.model = a.model or ("code" if code else "baby")
+    need(code or "code" not in task_names, f"--task {a.task}: code runs alone (its own model, codebaby/)")
+    a.model = a.model or ("codebaby" if code else "baby")
     a.window, a.T = a.window or 32, a.T or (1024 if code else 512)
     # every name known, or exit naming the first that is not
     for flag, what, names, known in [

@@ -28,16 +28,16 @@ import pytest
 import safetensors.torch
 import torch
 
-from checkpoint import ST_DTYPES, checkpoint_dir, load_safetensors, read_safetensors, save_safetensors
-from tokenizer import Tokenizer, QWEN3_ADDED
-import checkpoint
-import flags
-import gpus
+from support.checkpoint import ST_DTYPES, checkpoint_dir, load_safetensors, read_safetensors, save_safetensors
+from support.tokenizer import Tokenizer, QWEN3_ADDED
+from support import checkpoint
+from support import flags
+from support import gpus
 import kernels
 import kvpop
 from cache import KVCache
 import qwen3
-import tokenizer
+from support import tokenizer
 
 
 # =========================================================================================================
@@ -3683,9 +3683,9 @@ README_QWEN = {
 README_NOT_RUN = {  # the commands no test runs, and why
     "python bench.py generate --task recall,cue --json gen.json": "15 minutes; test_generate_counts_are_a_recount runs"
     " it small",
-    "python pretrain.py --data torch --out_dir code --final_steps 700 --tokens 8192": "13 minutes; "
+    "python pretrain.py --data torch --out_dir codebaby --final_steps 700 --tokens 8192": "13 minutes; "
     "test_code_commands_run_on_a_tiny_corpus runs it on a tiny corpus",
-    "python train.py --task code --batch_size 4 --max_iters 200 --out_dir code/scorers/code-helpful/kvpop-window": "the"
+    "python train.py --task code --batch_size 4 --max_iters 200 --out_dir codebaby/scorers/code-helpful/kvpop-window": "the"
     " same test runs it on a tiny corpus",
     "python bench.py quality --task code --n 64": "the same test runs it on a tiny corpus",
     "python bench.py kernels --targets sm_75,sm_80,sm_86,sm_89,sm_90,sm_120 --json kernels.json": "222 compiles, minutes;"

@@ -2,7 +2,7 @@
 
   python train.py                                     # the default delayed scorer (kvpop-window) on the frozen baby
   python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25  # a real Qwen3
-  python train.py --task code --batch_size 4 --max_iters 200 --out_dir code/scorers/code-helpful/kvpop-window  # code
+  python train.py --task code --batch_size 4 --max_iters 200 --out_dir codebaby/scorers/code-helpful/kvpop-window  # code
   python train.py --finetune --out_dir out-ft         # the paper's recipe: the model trains too, under eviction
   python train.py --finetune --policy streaming       # its control, StreamingLLM+ (recency eviction, no scorer)
   torchrun --nproc_per_node=2 train.py ...            # several processes: DDP (scorer), FSDP2 (--finetune)
@@ -27,12 +27,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import checkpoint
-import flags
+from support import checkpoint
+from support import flags
 import kernels
 import kvpop
 import qwen3
-import tokenizer
+from support import tokenizer
 from tasks import TASKS, code_held_out, code_sequences, quality_runs, quality_table, task_batch
 
 # --- what to run
@@ -85,7 +85,7 @@ final_seqs = 128  # held-out sequences of the final quality table (bench.py qual
 given = flags.configure(globals(), None if __name__ == "__main__" else [])  # tests: the defaults
 model_lr = (1e-5 if model == "baby" else 8e-5) if model_lr == -1 else model_lr
 # --task code: the code baby (pretrain.py --data) at its length, unless given
-model = "code" if task == "code" and "model" not in given else model
+model = "codebaby" if task == "code" and "model" not in given else model
 seq_len = 1024 if task == "code" and "seq_len" not in given else seq_len
 max_iters = (1200 if data == "baby" and task == "cue" else 600) if max_iters == -1 else max_iters
 rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's

@@ -12,12 +12,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import flags
+from support import flags
 import kernels
 import kvpop
 import qwen3
 import tasks
-import tokenizer
+from support import tokenizer
 
 # --- what to measure
 scorer = "baby/scorers/cue-helpful/kvpop-window"  # a cue scorer's folder

@@ -11,11 +11,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import flags
+from support import flags
 import kvpop
 import qwen3
 import tasks
-import tokenizer
+from support import tokenizer
 
 # --- what to measure
 scorers = "baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-shifted,"  # comma-separated folders

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from flags import TYPES
+from support.flags import TYPES
 
 
 # config, shard index and tokenizer files: a bad one is a one-line error naming it

@@ -9,7 +9,7 @@ import unicodedata
 
 import tiktoken
 
-from checkpoint import read_json
+from support.checkpoint import read_json
 
 
 # Qwen3's 26 added tokens, ids 151643..151668 as in its tokenizer.json; pre-tokenizer regex from the same file
