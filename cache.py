@@ -9,7 +9,8 @@ import math
 import torch
 
 import kernels
-from kvpop import attention_received, masked_attention, resolve
+from kvpop import masked_attention, resolve
+from support import fast
 
 
 class KVCache:
@@ -45,7 +46,7 @@ class KVCache:
         self.layer = list(layers)
         # every layer's slot (L, B, H, 1) for this step's newcomer, set at layer 0
         self.new = None
-        self.decoder = policy.decoder(self) if learned else None
+        self.decoder = fast.decoder(policy, self) if learned else None
 
     def nbytes(self):  # keys, values and a learned scorer's state
         state = self.decoder.nbytes() if self.decoder else 0
@@ -80,7 +81,7 @@ class KVCache:
             keep = torch.arange(T, device=k.device)
             keep = keep.expand(k.shape[:3])
             if self.rule == "dynamic":
-                pi = attention_received(self.policy, q, k, lse)
+                pi = fast.attention_received(self.policy, q, k, lse)
         # longer than the budget (static, learned): the eviction-time mask; keep what the last query still sees,
         # exactly `slots` a head: sinks + window + pool, in position order
         else:
@@ -130,8 +131,8 @@ class KVCache:
         if self.decoder:
             r = self.decoder.leaving(p)  # (L, B, H, 1)
             leaving = self.slot_of(p - self.window)
-            held = self.score.gather(-1, leaving)
-            r = torch.where(p >= self.window, r, held)
+            old = self.score.gather(-1, leaving)
+            r = torch.where(p >= self.window, r, old)
             self.score.scatter_(-1, leaving, r)
         # the next free slot while there is one, else the lowest eligible (both made: no branch on p)
         free = p.expand(*self.pos.shape[:3], 1)  # (L, B, H, 1)
@@ -163,7 +164,7 @@ class KVCache:
         return self.recent.index_select(-1, ring)
 
     # every layer's keys and values (L, B, H, n, D) of the window tokens at positions u (a tensor)
-    def held(self, u):
+    def recent_kv(self, u):
         slot = self.slot_of(u)[..., None]  # (L, B, H, n, 1)
         D = self.k.shape[-1]
         rows = slot.expand(-1, -1, -1, -1, D)

@@ -7,15 +7,12 @@ kernels.py the plain and fast forms of the masked attention, the target and the 
 """
 
 import math
-import os
 
 import torch
 from torch.nn import Module, Parameter
 from torch.nn.functional import logsigmoid, pad, silu, softplus
 
 import kernels
-from support.checkpoint import read_json, read_safetensors, save_safetensors, write_json
-from qwen3 import Qwen3Config
 
 
 # ------------------------------------------------------------------------------------------------
@@ -150,29 +147,6 @@ def masked_attention(q, k, v, pi, sinks, window, pool):
     return kernels.attention(q, k, v, e, sinks)[0], e
 
 
-def attention_received(policy, q, k, lse):
-    """(B, H, T): what h2o (every query) or tova (the last query) holds after a prompt fed token by token without
-    eviction: the group-mean attention each key received, from a causal pass's lse (B, Hq, T), 128 queries a time."""
-    batch, heads = k.shape[:2]
-    T, D = k.shape[2:]
-    group = q.shape[1] // heads
-    t = torch.arange(T, device=q.device)
-    received = torch.zeros(batch, heads, T, device=q.device)
-    keys = k.float()[:, :, None].mT  # (B, H, 1, D, T)
-    first = 0 if policy == "h2o" else T - 1
-    for j in range(first, T, 128):
-        queries = q[:, :, j : j + 128].float()
-        queries = queries.view(batch, heads, group, -1, D)
-        norms = lse.view(batch, heads, group, T)
-        norms = norms[..., j : j + 128, None]
-        logits = queries @ keys / math.sqrt(D)
-        probs = (logits - norms).exp()  # (B, H, G, M, T)
-        unseen = t > t[j : j + 128, None]
-        probs = probs.masked_fill(unseen, 0)
-        received += probs.mean(2).sum(-2)
-    return received
-
-
 # ------------------------------------------------------------------------------------------------
 # the targets (README, Method: future attention): the default first, and what each reduces p[q, t] by over q
 
@@ -204,7 +178,7 @@ def dense_targets(model, idx, window, target="mean"):
         seen.append((q, k, v, lse))
         return out
 
-    logits = model(idx, attn=attn, head=target == "helpful")
+    logits = model(idx, attn=attn, logits=target == "helpful")
     # helpful: lse - log P[q]; a read before a wrong prediction counts little
     weight = next_logp(logits, idx) if target == "helpful" else 0.0
     targets = []
@@ -221,12 +195,11 @@ def oracle_policy(model, idx, window, target="mean"):  # pi = r*
 
 
 # ------------------------------------------------------------------------------------------------
-# learned scorers (README, Method: scorers): what every kind shares, then one class a kind with its decoding form
-# beside it, then the registry of kinds
+# learned scorers (README, Method: scorers): what every kind shares, its decoding by definition, then one class a kind
+# holding its definition, then the registry of kinds
 
 
 EPS = 1e-6  # the RMS epsilon of the scorers' features and read-out, in training and decoding
-ALL = slice(None)  # every layer at once (decoding), in place of one layer's index
 
 
 # x / RMS(x) over the last dim (the model's RMSNorm keeps HF's order of casts)
@@ -235,16 +208,11 @@ def rms(x):
     return x * torch.rsqrt(mean + EPS)
 
 
-# a scorer parameter (L, H, ...) of one layer (H, ...), or of ALL layers beside a batch dim (L, 1, H, ...)
-def at(param, layer):
-    return param[layer] if layer != ALL else param[:, None]
-
-
 class Scorer(Module):
     """What every learned kind shares: priorities pi[t] = r[t] + gamma_h t per layer and KV head, from the cached
-    key and value, with r[t] = head(x[t], z[t]) and z[t] what the kind reads (README, Method: scorers). A kind adds
-    its parameters, `parallel` (a whole sequence: training, the masked pass, prefill) and `online` (decoding), read
-    by a `Decoder` from what the cache holds as each token leaves the window."""
+    key and value, with r[t] = readout(x[t], z[t]) and z[t] what the kind reads (README, Method: scorers). A kind adds
+    its parameters and `parallel`, its definition over a whole sequence (training, the masked pass, prefill); it
+    decodes by that definition on the `span` tokens the cache holds as a token leaves the window (Decoder)."""
 
     kind = None  # its name in SCORERS
     delayed = True  # reads the tokens after t: runs with the window it was trained with
@@ -258,7 +226,8 @@ class Scorer(Module):
         if not all(type(size) is int and size >= 1 for size in sizes):
             raise ValueError(f"scorer window, d_mem and d_hidden: integers >= 1, got {sizes}")
         if arrival and not self.on_arrival:
-            raise ValueError(f"arrival: only the kvpop scorer can be read on arrival (the delay ablation), not {self.kind}")
+            can = ", ".join(name for name, cls in SCORERS.items() if cls.on_arrival)
+            raise ValueError(f"arrival: only {can} can be read on arrival (the delay ablation), not {self.kind}")
         self.layers = config.num_hidden_layers
         self.heads = config.num_key_value_heads
         self.shape = dict(num_hidden_layers=self.layers, num_key_value_heads=self.heads)
@@ -280,8 +249,8 @@ class Scorer(Module):
         shape = (self.layers, self.heads, *size)
         return Parameter(torch.full(shape, float(value)))
 
-    def add_head(self, width):
-        """The read-out every kind shares, made last: head(x, z) = w_2 . silu(W_1 [x; z] + b_1) + b_2, z of `width`."""
+    def add_readout(self, width):
+        """The read-out every kind shares, made last: readout(x, z) = w_2 . silu(W_1 [x; z] + b_1) + b_2, z of `width`."""
         self.w1 = self.randn(self.width + width, self.d_hidden)
         self.b1 = self.const(0.0, self.d_hidden)
         self.w2 = self.randn(self.d_hidden)
@@ -311,91 +280,24 @@ class Scorer(Module):
         r = self.parallel(layer, self.features(k, v))
         return r + self.recency(layer, pos.to(r.dtype))
 
-    # gamma_h t = softplus(theta_h) t of one layer (every layer's: ALL)
+    # gamma_h t = softplus(theta_h) t of one layer
     def recency(self, layer, t):
-        gamma = softplus(at(self.theta, layer))
+        gamma = softplus(self.theta[layer])
         return gamma[..., None] * t
 
     # the read-out, r = w_2 . silu(W_1 [x; z] + b_1) + b_2: x (B, H, I, X) and what the kind read z (B, H, I, Z)
-    # -> (B, H, I); every layer's (ALL): a leading dim L
-    def head(self, layer, x, z):
+    # -> (B, H, I)
+    def readout(self, layer, x, z):
         joined = torch.cat([x, z], -1)
-        bias = at(self.b1, layer)[..., None, :]
-        w1 = at(self.w1, layer)
-        return self.out(layer, joined @ w1 + bias)
-
-    # w_2 . silu(a) + b_2 from the read-out's pre-activation a (B, H, I, d_hidden)
-    def out(self, layer, a):
-        w2 = at(self.w2, layer)[..., None, :]
-        b2 = at(self.b2, layer)[..., None]
-        return (silu(a) * w2).sum(-1) + b2
-
-    # its decoding form for a cache
-    def decoder(self, cache):
-        return Decoder(self, cache)
-
-    def save_pretrained(self, folder):
-        """scorer.safetensors + scorer.json (every setting needed to rebuild it, and what it was trained for)."""
-        os.makedirs(folder, exist_ok=True)
-        save_safetensors(self.state_dict(), os.path.join(folder, "scorer.safetensors"))
-        settings = dict(kind=self.kind, window=self.window)
-        settings |= dict(d_mem=self.d_mem, d_hidden=self.d_hidden)
-        settings |= dict(arrival=self.arrival) | self.shape
-        settings["trained"] = self.meta
-        write_json(settings, os.path.join(folder, "scorer.json"))
-
-    @staticmethod
-    def from_pretrained(folder):
-        """A saved scorer, of the class its kind names in SCORERS."""
-        path = os.path.join(folder, "scorer.json")
-        if not os.path.isfile(path):
-            hint = "pass the --out_dir of a train.py run"
-            raise FileNotFoundError(f"{folder} is not a scorer folder (no scorer.json); {hint}")
-        saved = read_json(path)
-        tensors = read_safetensors(os.path.join(folder, "scorer.safetensors"))
-        try:
-            shape = {name: saved[name] for name in ("num_hidden_layers", "num_key_value_heads", "head_dim")}
-            sizes = (saved["window"], saved["d_mem"], saved["d_hidden"])
-            kind = SCORERS[saved["kind"]]
-            scorer = kind(Qwen3Config(**shape), *sizes, arrival=saved["arrival"])
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"{path}: missing or bad field ({e})") from None
-        state = scorer.state_dict()
-        want = {name: x.shape for name, x in state.items()}
-        got = {name: x.shape for name, x in tensors.items()}
-        if got != want:
-            raise ValueError(f"{folder}: scorer.safetensors does not hold the tensors scorer.json describes")
-        tensors = {name: x.float() for name, x in tensors.items()}
-        scorer.load_state_dict(tensors)
-        scorer.meta = saved.get("trained", {})
-        return scorer.eval().requires_grad_(False)
-
-
-class MLPScorer(Scorer):
-    """kvpop-mlp (the paper's insertion-time baseline): reads nothing, z[t] is empty. The cache scores it as t leaves
-    the window like the others, but from t alone: any window."""
-
-    kind = "kvpop-mlp"
-    delayed = False
-
-    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
-        super().__init__(config, window, d_mem, d_hidden, gamma, arrival)
-        self.add_head(0)
-
-    # a whole sequence's features x (B, H, T, X) -> r (B, H, T)
-    def parallel(self, layer, x):
-        return self.head(layer, x, x[..., :0])
-
-    # decoding: every layer's priority (L, B, H, 1) of token t from its features x (L, B, H, 1, X)
-    def online(self, x, t):
-        r = self.head(ALL, x, x[..., :0])
-        return r + self.recency(ALL, t)
+        a = joined @ self.w1[layer] + self.b1[layer][..., None, :]
+        w2 = self.w2[layer][..., None, :]
+        return (silu(a) * w2).sum(-1) + self.b2[layer][..., None]
 
 
 class Decoder:
-    """A learned scorer's decoding form. As token t leaves the window at step p = t + w, the cache asks for its
-    priority, every layer's at once; this one reads t .. t + span - 1 from the cache (kvpop-mlp: t alone). Kinds
-    with a state of their own (kvpop-window's, kvpop's) subclass it."""
+    """A learned kind's decoding form, by its definition: as token t leaves the window at step p = t + w, the cache
+    asks for its priority; each layer's scorer runs on what the cache then holds, t .. t + span - 1, and t's score is
+    kept. A kind with a state of its own subclasses it (MemoryDecoder)."""
 
     state = ()  # the tensors charged to the budget
 
@@ -410,20 +312,37 @@ class Decoder:
         """Every layer's priority (L, B, H, 1) of token t = p - w, leaving the window at step p (p a tensor; before
         any token leaves, t < 0: a number the cache drops)."""
         t = p - self.cache.window
-        span = torch.arange(self.scorer.span, device=self.cache.pos.device)
-        k, v = self.cache.held(t + span)  # (L, B, H, span, D)
-        x = self.scorer.features(k, v)
-        return self.scorer.online(x, t)
+        span = t + torch.arange(self.scorer.span, device=t.device)
+        k, v = self.cache.recent_kv(span)  # (L, B, H, span, D)
+        scores = [self.scorer(layer, k[layer], v[layer], span)[..., :1] for layer in range(len(k))]
+        return torch.stack(scores)
 
     def nbytes(self):  # the state charged to the budget
         return sum(x.numel() * x.element_size() for x in self.state)
+
+
+class MLPScorer(Scorer):
+    """kvpop-mlp (the paper's insertion-time baseline): reads nothing, z[t] is empty. The cache scores it as t leaves
+    the window like the others, but from t alone: any window."""
+
+    kind = "kvpop-mlp"
+    delayed = False
+
+    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
+        super().__init__(config, window, d_mem, d_hidden, gamma, arrival)
+        self.add_readout(0)
+
+    # a whole sequence's features x (B, H, T, X) -> r (B, H, T)
+    def parallel(self, layer, x):
+        return self.readout(layer, x, x[..., :0])
 
 
 class WindowScorer(Scorer):
     """kvpop-window (delayed, ours, the default): as t leaves the window it reads the n = min(w - 1, 32) cached
     tokens after it, with two reads a = 0, 1, each by content and by offset o = 1..n (README, Method: scorers):
     alpha_a[o] = softmax_o((W_q x[t])_a . (W_k x[t + o])_a / sqrt(d) + bo_a[o]),  z_a = sum_o alpha_a[o] (W_v x[t + o])_a.
-    bo_0[o] starts at -(o - 1) (read 0 starts on the next token), bo_1 flat (read 1 evenly)."""
+    bo_0[o] starts at -(o - 1) (read 0 starts on the next token), bo_1 flat (read 1 evenly). It keeps no state:
+    what it reads is in the cache (support/fast.py's decoding keeps a ring of their features, uncharged: a copy)."""
 
     kind = "kvpop-window"
     reads = 2  # A
@@ -446,7 +365,7 @@ class WindowScorer(Scorer):
         bias = -slope * torch.arange(n)  # (A, n)
         bias = bias.expand(self.layers, self.heads, -1, -1)
         self.bo = Parameter(bias.clone())
-        self.add_head(width)
+        self.add_readout(width)
 
     # a projection (..., A d) as its reads (..., A, I, d)
     def split(self, y):
@@ -469,7 +388,7 @@ class WindowScorer(Scorer):
         alpha = logits.softmax(-1).nan_to_num(0.0)  # (B, H, A, I, J)
         z = (alpha @ v).transpose(2, 3)
         z = z.flatten(-2)  # (B, H, I, A d)
-        return self.head(layer, x, z)
+        return self.readout(layer, x, z)
 
     def parallel(self, layer, x):
         """A whole sequence's features x (B, H, T, X) -> r (B, H, T): chunks of tokens, each reading the n after it."""
@@ -487,75 +406,14 @@ class WindowScorer(Scorer):
             out.append(self.look(layer, tokens, following, offsets))
         return torch.cat(out, -1)
 
-    def online(self, x, t):
-        """Decoding: every layer's priority (L, B, H, 1) of token t from the features x (L, B, H, 1 + n, X) of t and
-        the n tokens after it, in position order. W_k and W_v are folded into the read, u_a = W_k,a (W_q x)_a /
-        sqrt(d) and z_a = W_v,a^T (sum_o alpha_a[o] x[t + o]): the n tokens are never projected."""
-        xt = x[..., :1, :]  # (L, B, H, 1, X)
-        after = x[..., 1:, :]  # (L, B, H, n, X)
-        reads = (self.reads, self.d_key)
-        q = xt @ at(self.wq, ALL)
-        q = q[..., 0, :]
-        q = q.unflatten(-1, reads)  # (L, B, H, A, d)
-        wk = at(self.wk, ALL).unflatten(-1, reads)
-        wv = at(self.wv, ALL).unflatten(-1, reads)
-        u = torch.einsum("...ad,...xad->...ax", q, wk)
-        u = u / math.sqrt(self.d_key)  # (L, B, H, A, X)
-        logits = u @ after.mT + at(self.bo, ALL)
-        alpha = logits.softmax(-1)  # (L, B, H, A, n): offsets 1..n
-        z = torch.einsum("...ax,...xad->...ad", alpha @ after, wv)  # (L, B, H, A, d)
-        z = z.flatten(-2)[..., None, :]
-        return self.head(ALL, xt, z) + self.recency(ALL, t)
-
-    def decoder(self, cache):
-        return WindowDecoder(self, cache)
-
-
-class WindowDecoder(Decoder):
-    """kvpop-window's decoding state: the features of t .. t + n, the tokens the next read sees, each made once, as
-    it becomes t + n, in a ring of n + 1 (token u at u % (n + 1)). Reading them from the cache every step instead
-    (the Decoder's way) gives the same priorities and costs a gather of n + 1 tokens a layer (LOG.md)."""
-
-    def __init__(self, scorer, cache):
-        super().__init__(scorer, cache)
-        grid = cache.pos.shape[:3]  # (L, B, H)
-        shape = (*grid, scorer.span, scorer.width)
-        self.near = cache.pos.new_zeros(shape, dtype=scorer.theta.dtype)
-
-    def keep(self, layer, u, x):  # the features x (..., len(u), X) of tokens u (a tensor) into the ring
-        ring = u.view(-1) % self.scorer.span
-        self.near[layer][..., ring, :] = x
-
-    def prefill(self, layer, k, v, pos):
-        """The prompt's priorities, and the ring: its tokens t .. t + n - 1 for the first t to leave, T - w."""
-        first = k.shape[2] - self.cache.window
-        last = first + self.scorer.span - 1
-        u = torch.arange(max(first, 0), max(last, 0), device=k.device)
-        keys, values = k[..., u, :], v[..., u, :]
-        x = self.scorer.features(keys, values)
-        self.keep(layer, u, x)
-        return self.scorer(layer, k, v, pos)
-
-    def leaving(self, p):
-        """Token t + n joins the ring, then t = p - w reads it. Before t + n >= 0 what joins is never read: token u
-        is written at step u - n + w, after them."""
-        t = p - self.cache.window
-        n = self.scorer.span - 1
-        x = self.scorer.features(*self.cache.held(t + n))
-        self.keep(ALL, t + n, x)
-        order = torch.arange(n + 1, device=self.near.device)
-        order = t + order
-        x = self.near[..., order % (n + 1), :]
-        return self.scorer.online(x, t)
-
 
 class MemoryScorer(Scorer):
     """kvpop (delayed, the paper's): an mLSTM matrix memory [C; n] that takes every token q (README, Method: scorers),
     C_q = f_q C_{q-1} + i_q v'_q k'_q^T,   n_q = f_q n_{q-1} + i_q k'_q,   k' = W_k x / sqrt(d_m),   v' = W_v x,
     with an exponential input gate i and a sigmoid forget gate f. Token t is read at q = t + w - 1, what the cache
     holds as t leaves the window (on arrival, the delay ablation: q = t), with u = W_r x[t]:
-    z[t] = rms(C_q u / max(|n_q . u|, 1)). Three forms, tested one against another: the plain recurrence, the
-    chunked form training runs, and decoding's, every layer at once."""
+    z[t] = rms(C_q u / max(|n_q . u|, 1)). Two forms, tested one against the other: the plain recurrence (the
+    definition, and decoding's) and the chunked form training runs."""
 
     kind = "kvpop"
     on_arrival = True
@@ -573,7 +431,7 @@ class MemoryScorer(Scorer):
         self.bi = self.const()
         self.wf = self.randn(self.width)
         self.bf = self.const(math.log(window))
-        self.add_head(d_mem)
+        self.add_readout(d_mem)
 
     def charge(self, dtype):
         """m: the cache entries (a key and a value of head_dim in `dtype`) whose bytes the memory takes: C, n and its
@@ -629,7 +487,7 @@ class MemoryScorer(Scorer):
             read = u[..., now, :]
             divisor = torch.maximum((read @ norm).abs(), floor)
             z[..., now, :] = rms(read @ memory.mT / divisor)
-        return self.head(layer, x, z)
+        return self.readout(layer, x, z)
 
     # the chunked form (training, the masked pass, prefill)
 
@@ -688,205 +546,29 @@ class MemoryScorer(Scorer):
             row_max = log_weight.amax(-1, keepdim=True)
             row_max = torch.maximum(row_max, log_carried)
             weight = (log_weight - row_max).exp()
-            keep = (log_carried - row_max).exp()
+            carry = (log_carried - row_max).exp()
             # the reads [C u; n . u]: the chunk's tokens, decay-masked (B, H, R, M + 1)
             y = u @ k.mT
             y = weight[..., :-1, :] * y
             y = y @ v
             # plus the carried state (none before chunk 0)
             if start:
-                y = y + keep[..., :-1, :] * (u @ memory.mT)
-            # h = C u / max(|n . u|, 1), stabilised; r = head(x, rms(h))
+                y = y + carry[..., :-1, :] * (u @ memory.mT)
+            # h = C u / max(|n . u|, 1), stabilised; r = readout(x, rms(h))
             floor = (-row_max[..., :-1, :]).exp()
             divisor = torch.maximum(y[..., size:].abs(), floor)
             h = y[..., :size] / divisor
-            out.append(self.head(layer, xr, rms(h)))
+            out.append(self.readout(layer, xr, rms(h)))
             # the state moves to the chunk's last token
             written = v * weight[..., -1, :, None]
             written = written.mT @ k
-            memory = keep[..., -1:, :] * memory + written
+            memory = carry[..., -1:, :] * memory + written
             scale = row_max[..., -1, 0]
         return torch.cat(out, -1), (memory, scale)
 
-    # the decoding form, every layer at once (MemoryDecoder runs it)
 
-    @torch.no_grad()
-    def folded(self):
-        """The update's weights, made once per cache, with the RMS scale of the raw x = [k; v] folded in (rms(x) =
-        sqrt(2D) x rsqrt(|x|^2 + 2D eps)): z = W x rsqrt(|x|^2 + 2D eps) + b is [k'; v'; 1; log i; the forget gate's
-        pre-activation] in one product, x^T W: W (L, 1, H, 2D, 2M + 3) (a row vector times a matrix stored row by row,
-        the faster product on a CPU, LOG.md), b (L, 1, H, 1, 2M + 3)."""
-        one = torch.zeros_like(self.wi[..., None])  # its bias makes the 1 of [v'; 1]
-        gates = [self.wi[..., None], self.wf[..., None]]
-        key = self.wk / math.sqrt(self.d_mem)
-        weight = torch.cat([key, self.wv, one, *gates], -1)
-        biases = [torch.ones_like(self.bi), self.bi, self.bf]
-        bias = torch.stack(biases, -1)
-        bias = pad(bias, (2 * self.d_mem, 0))  # no bias on k', v'
-        weight = (weight * math.sqrt(self.width)).contiguous()
-        return weight[:, None], bias[:, None, :, None]
-
-    def project(self, k, v, fold):
-        """[k'; v'; 1; log i; the forget gate's pre-activation] (L, B, H, 1, 2M + 3) of tokens with keys and values
-        k, v (L, B, H, 1, D), every layer's at once: x^T W rsqrt(|x|^2 + 2D eps) + b of their x = [k; v]."""
-        weight, bias = fold
-        x = torch.cat([k, v], -1).to(weight.dtype)  # (L, B, H, 1, 2D)
-        square = (x * x).sum(-1, keepdim=True)
-        inverse = torch.rsqrt(square + x.shape[-1] * EPS)
-        return torch.addcmul(bias, x @ weight, inverse)
-
-    def remember(self, memory, scale, z, key, take=True):
-        """Every layer's memory takes one more token, its value and gates z (project's), under `key` k' (L, B, H,
-        1, M), in place: [C; n] = f [C; n] + g [v'; 1] k'^T, stabilised by its log-scale s (L, B, H) as in xLSTM:
-        s' = max(log f + s, log i), g = exp(log i - s'), f = exp(log f + s - s'). take (a bool tensor) False: the
-        memory stays as it is (g = 0, f = 1), without a branch."""
-        size = self.d_mem
-        log_input = z[..., 0, -2]  # (L, B, H)
-        log_forget = scale - softplus(-z[..., 0, -1])  # log f + s
-        new_scale = torch.maximum(log_input, log_forget)
-        take = torch.as_tensor(take, device=memory.device)
-        write = torch.where(take, (log_input - new_scale).exp(), 0.0)
-        forget = torch.where(take, (log_forget - new_scale).exp(), 1.0)
-        write = write[..., None, None]
-        forget = forget[..., None, None]
-        # in place, one pass for the product: memory (L, B, H, M + 1, M) as a batch of matrices
-        value = z[..., size : 2 * size + 1]
-        value = value.reshape(-1, size + 1, 1)  # [v'; 1]
-        key = write * key
-        key = key.view(-1, 1, size)  # g k'
-        matrices = memory.mul_(forget).view(-1, size + 1, size)
-        matrices.baddbmm_(value, key)
-        scale.copy_(torch.where(take, new_scale, scale))
-
-    def prepare(self, x):
-        """What a read needs of tokens with features x (L, B, H, c, X) alone, every layer's: u = W_r x and W_1's
-        product with x in the read-out (made for c tokens at once, the weights are read once for c)."""
-        u = x @ at(self.wr, ALL)
-        w1 = at(self.w1, ALL)[..., : self.width, :]
-        return u, x @ w1
-
-    def read(self, memory, scale, u, wx, t):
-        """The priority (L, B, H, 1) of the token at t, every layer at once, from the memories as they are and its
-        prepared u, wx (L, B, H, 1, ...): [C u; n . u] = [C; n] u, h = C u / max(|n . u|, exp(-s)),
-        r = head(x, rms(h)) + gamma_h t."""
-        size = self.d_mem
-        y = u @ memory.mT  # (L, B, H, 1, M + 1)
-        floor = (-scale).exp()[..., None, None]
-        divisor = torch.maximum(y[..., size:].abs(), floor)
-        h = y[..., :size] / divisor
-        w1 = at(self.w1, ALL)[..., self.width :, :]
-        b1 = at(self.b1, ALL)[..., None, :]
-        a = wx + rms(h) @ w1 + b1
-        return self.out(ALL, a) + self.recency(ALL, t)
-
-    def decoder(self, cache):
-        return MemoryDecoder(self, cache)
-
-
-class MemoryDecoder(Decoder):
-    """kvpop's decoding state: every layer and head's memory [C; n] (M + 1, M) and its log-scale, charged to the
-    budget, which take each token once it is cached; and, eagerly, the reads of the next c = min(w, 32) leaving
-    tokens, prepared together (the weights read once for c)."""
-
-    def __init__(self, scorer, cache):
-        super().__init__(scorer, cache)
-        if scorer.arrival:
-            raise ValueError("a kvpop scorer read on arrival (the delay ablation) runs in the masked pass only")
-        grid = cache.pos.shape[:3]  # (L, B, H)
-        size = scorer.d_mem
-        shape = (*grid, size + 1, size)
-        self.memory = cache.pos.new_zeros(shape, dtype=scorer.theta.dtype)
-        self.scale = self.memory.new_full(grid, -math.inf)
-        self.state = (self.memory, self.scale)
-        # the update's weights, folded once: the scorer is frozen while decoding
-        self.fold = scorer.folded()
-        self.start = 0  # the tokens a prompt gave the memories
-        # the prepared reads u, W_1 x: `block` of them, from token `first` on (none yet)
-        self.block = min(cache.window, 32)
-        self.first = cache.pos.new_tensor(-cache.window - self.block)
-        reads = (*grid, self.block)
-        u = self.memory.new_zeros(*reads, size)
-        wx = self.memory.new_zeros(*reads, scorer.d_hidden)
-        self.prepared = (u, wx)
-
-    def prefill(self, layer, k, v, pos):
-        """The prompt's priorities, and the memories after reading it."""
-        x = self.scorer.features(k, v)
-        r, (memory, scale) = self.scorer.chunked(layer, x)
-        self.memory[layer] = memory
-        self.scale[layer] = scale
-        self.start = k.shape[2]
-        return r + self.scorer.recency(layer, pos.to(r.dtype))
-
-    def leaving(self, p):
-        """The memories take token p - 1 (unless the prompt gave it), then t = p - w reads them (t < 0: a number
-        the cache drops). Eagerly, the reads of t .. t + c - 1 are prepared at once as t passes the block (all
-        cached: c <= w); in a compiled graph, t's own read each step: no branch and no host read, the step one
-        graph (the weights W_r, W_1 read every step)."""
-        take = p > self.start
-        self.write(p, take)
-        t = p - self.cache.window
-        if torch.compiler.is_compiling():
-            x = self.scorer.features(*self.cache.held(t))
-            u, wx = self.scorer.prepare(x)
-        else:
-            u, wx = self.prepared_read(t)
-        return self.scorer.read(self.memory, self.scale, u, wx, t)
-
-    # the memories take token p - 1 under its own key
-    def write(self, p, take):
-        z = self.scorer.project(*self.cache.held(p - 1), self.fold)
-        key = z[..., : self.scorer.d_mem]
-        self.scorer.remember(self.memory, self.scale, z, key, take)
-
-    # t's prepared read u, W_1 x (L, B, H, 1, ...): the block of t .. t + c - 1 made anew once t is past it
-    def prepared_read(self, t):
-        if not self.first <= t < self.first + self.block:
-            block = torch.arange(self.block, device=t.device) + t
-            x = self.scorer.features(*self.cache.held(block))
-            self.prepared = self.scorer.prepare(x)
-            self.first = t.clone()
-        j = (t - self.first).view(1)
-        u, wx = self.prepared
-        return u.index_select(-2, j), wx.index_select(-2, j)
-
-
-class ShiftedMemoryScorer(MemoryScorer):
-    """kvpop-shifted (ours, the paper's mLSTM with one change): each token is written under its predecessor's key,
-    k'_j = W_k x[j - 1] / sqrt(d_m) (zeros for token 0), its value and gates still its own. Token t + 1 is then
-    written under t's own features, so what came right after t (cue's `no`) is a match of t's read with itself
-    (README, Method: scorers)."""
-
-    kind = "kvpop-shifted"
-
-    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
-        super().__init__(config, window, d_mem, d_hidden, gamma, arrival)
-        if window < 2:
-            raise ValueError("kvpop-shifted decodes with the token before the newest in the window: use window >= 2")
-
-    # x[j - 1] for each token j of features x (B, H, T, X); zeros before token 0
-    def written_under(self, x):
-        return pad(x, (0, 0, 1, 0))[..., :-1, :]
-
-    def decoder(self, cache):
-        return ShiftedMemoryDecoder(self, cache)
-
-
-class ShiftedMemoryDecoder(MemoryDecoder):
-    """kvpop-shifted's decoding state, kvpop's: the memories take token p - 1 under token p - 2's key, both still in
-    the window (w >= 2)."""
-
-    def write(self, p, take):
-        z = self.scorer.project(*self.cache.held(p - 1), self.fold)
-        before = self.scorer.project(*self.cache.held(p - 2), self.fold)
-        key = before[..., : self.scorer.d_mem]
-        key = torch.where(p >= 2, key, 0.0)  # token 0's predecessor: none
-        self.scorer.remember(self.memory, self.scale, z, key, take)
-
-
-# the learned kinds by name, the default first: a new kind is a class here (README, Add a scorer)
+# the learned kinds by name, the default first: a new kind is a class registered here (README, Add a scorer)
 SCORERS = {"kvpop-window": WindowScorer, "kvpop": MemoryScorer, "kvpop-mlp": MLPScorer}
-SCORERS["kvpop-shifted"] = ShiftedMemoryScorer
 
 
 # ------------------------------------------------------------------------------------------------

@@ -108,15 +108,15 @@ class Qwen3(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, idx, cache=None, attn=causal, head=True):
-        """idx (B, T) -> logits (B, T, vocab), or with head=False the last layer's output (B, T, hidden). attn(i, q,
+    def forward(self, idx, cache=None, attn=causal, logits=True):
+        """idx (B, T) -> logits (B, T, vocab), or with logits=False the last layer's output (B, T, hidden). attn(i, q,
         k, v, pos) is layer i's attention; with a cache the tokens continue the cached sequence and only the last
         position is returned (B, 1, ...)."""
         # a prompt the cache cannot take whole goes token by token, each through every layer: exactly the sequence of
         # decoding steps
         if cache is not None and idx.shape[1] > 1 and not cache.whole(idx.shape[1]):
             for t in range(idx.shape[1] - 1):
-                self(idx[:, t : t + 1], cache=cache, head=False)
+                self(idx[:, t : t + 1], cache=cache, logits=False)
             idx = idx[:, -1:]
         t0, attn = (0, attn) if cache is None else (cache.t, cache.attend)
         pos = torch.arange(idx.shape[1], device=idx.device) + t0
@@ -130,7 +130,7 @@ class Qwen3(nn.Module):
         if cache is not None:
             cache.t += len(pos)
             x = x[:, -1:]
-        if not head:  # passes that only need the layers' attention: no (B, T, vocab) logits
+        if not logits:  # passes that only need the layers' attention: no (B, T, vocab) logits
             return x
         return self.lm_head(self.model.norm(x))
 

@@ -17,8 +17,9 @@ from tasks import recall_marks, recall_score, task_ids
 from support.checkpoint import DTYPES, checkpoint_dir, read_json
 from support.flags import auto_dtype, check_budget, check_device, check_dtype, check_seed, configure, fail, need
 from cache import KVCache
-from kvpop import SCORERS, Scorer, budget_size, entries, resolve, state_charge
+from kvpop import SCORERS, budget_size, entries, resolve, state_charge
 from qwen3 import Qwen3, Qwen3Config, generate
+from support import scorer_files
 from support.tokenizer import Tokenizer
 
 # --- model
@@ -91,7 +92,7 @@ try:
         if not scorer:
             out = os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy
             scorer = "out" if out else f"baby/scorers/recall-helpful/{policy}"
-        pol = Scorer.from_pretrained(scorer).to(device)
+        pol = scorer_files.load(scorer).to(device)
         need(pol.kind == policy, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
         need(not pol.arrival, f"--scorer {scorer} reads on arrival (the delay ablation): bench.py quality runs it")
         window = window or pol.window

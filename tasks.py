@@ -18,7 +18,7 @@ from support import checkpoint
 from support import flags
 import kvpop
 import qwen3
-from support import tokenizer
+from support import scorer_files, tokenizer
 from cache import KVCache
 from qwen3 import generate
 
@@ -476,7 +476,7 @@ def baby_setup(a, need, policies, spare=0):
         folder = checkpoint.checkpoint_dir(a.model)
         config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
         folders = {(t, r): scorer_folders(a.scorer, a.model, t, r) for t in task_names for r in targets}
-        scorers = {d: kvpop.Scorer.from_pretrained(d) for ds in folders.values() for d in ds}
+        scorers = {d: scorer_files.load(d) for ds in folders.values() for d in ds}
         # a scorer for another model or window, or a budget that leaves no room, raises
         for s in scorers.values():
             s.check(config, a.window)

@@ -37,7 +37,7 @@ import kernels
 import kvpop
 from cache import KVCache
 import qwen3
-from support import tokenizer
+from support import fast, scorer_files, tokenizer
 
 
 # =========================================================================================================
@@ -2385,7 +2385,7 @@ def test_prefill_equals_token_by_token(small_model, T):
             (pa, sa), (pb, sb), (pc, sc) = _held(a), _held(b), _held(c)
             assert torch.equal(pa, pb) and (t > T or torch.equal(pc, pb)), (policy, t)
             torch.testing.assert_close(sa, sb, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
-            if isinstance(a.decoder, kvpop.MemoryDecoder):  # the memories take token t - 1 at step t; a's read the prompt whole
+            if isinstance(a.decoder, fast.FoldedMemory):  # the memories take token t - 1 at step t; a's read the prompt whole
                 for x, y, z in zip(a.decoder.state, b.decoder.state, c.decoder.state):
                     if t > T:
                         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
@@ -2404,37 +2404,51 @@ def test_prefill_equals_token_by_token(small_model, T):
 # the learned scorers
 
 
-# one chunk; several, each carrying the state; chunks < the window; in fp64 the two forms meet to rounding
-@pytest.mark.parametrize("chunk, dtype, tol", [(128, torch.float32, 1e-5), (16, torch.float32, 1e-5), (5, torch.float32, 1e-5), (16, torch.float64, 1e-10)])
-@pytest.mark.parametrize("kind", ["kvpop", "kvpop-shifted"])
-def test_scorer_parallel_equals_recurrent(chunk, dtype, tol, kind):
-    """kvpop's chunked form against its decoding form (project, remember, prepare, read: every layer at once, RMS
-    folded into the update); kvpop-shifted writes token q under token q - 1's key (zeros for token 0)."""
+class _Held:
+    """What a decoding form reads of a cache, for any position: every layer's keys and values (L, B, H, T, D), the
+    window, a position table for the shapes (KVCache holds the window's tokens only; before token 0, any token: never
+    read)."""
+
+    def __init__(self, k, v, window):
+        self.k, self.v, self.window = k, v, window
+        self.pos = torch.zeros(*k.shape[:3], 1, dtype=torch.long)
+
+    def recent_kv(self, u):
+        u = u.view(-1).clamp(min=0)
+        return self.k[..., u, :], self.v[..., u, :]
+
+
+@pytest.mark.parametrize("prompt", [0, 20])
+@pytest.mark.parametrize("kind", ["kvpop-mlp", "kvpop-window", "kvpop", "kvpop-shifted"])
+def test_decoding_forms_equal_the_definition(kind, prompt):
+    """Each kind's decoding forms, support/fast.py's (every layer at once; kvpop's RMS folded into the update, its
+    reads prepared in blocks; kvpop-window's ring) and the plain one where the kind has it (kvpop.Decoder: the
+    definition on the tokens the cache holds), against the definition in fp64 to 1e-10: the score each token gets
+    as it leaves the window, after a prompt given whole (prefill) or from the first token. The definition: the
+    parallel form (kvpop-mlp, kvpop-window) or the plain recurrence (kvpop, kvpop-shifted, which reads under the
+    key of the token before)."""
     c = qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=3, head_dim=16)
     torch.manual_seed(1)
-    s = kvpop.SCORERS[kind](c, window=7, d_mem=12).to(dtype)
-    s.chunk = chunk  # the parallel form's chunk of read positions (T = 50)
-    with torch.no_grad():  # gates that matter: input gates over e^-6..e^6, forget gates far from 1
-        s.wi.mul_(2), s.bf.fill_(1.0)
-    B, H, T, w = 2, 3, 50, 7
-    k, v, pos = torch.randn(B, H, T, 16, dtype=dtype) * 3, torch.randn(B, H, T, 16, dtype=dtype), torch.arange(T)
-    pi = [s(i, k, v, pos) for i in range(2)]  # parallel form, each layer
-    mem = [s.chunked(i, s.features(k, v))[1] for i in range(2)]  # and its final state
-    # S = [C; n], m of both layers
-    S, m, rec, fold = torch.zeros(2, B, H, 13, 12, dtype=dtype), torch.full((2, B, H), -math.inf, dtype=dtype), [], s.folded()
-    each = lambda y, q: y[:, :, q : q + 1].expand(2, -1, -1, -1, -1)  # (L, B, H, 1, D): each layer reads the same
-    for q in range(T):  # recurrent form: token q - w + 1 is read from the memory that took tokens up to q
-        z = s.project(each(k, q), each(v, q), fold)
-        key = z[..., :12]
-        if kind == "kvpop-shifted":
-            key = s.project(each(k, q - 1), each(v, q - 1), fold)[..., :12] if q else torch.zeros_like(key)
-        s.remember(S, m, z, key)
-        if q >= w - 1:
-            rec.append(s.read(S, m, *s.prepare(s.features(each(k, q - w + 1), each(v, q - w + 1))), q - w + 1))
-    rec = torch.cat(rec, -1)  # (L, B, H, T - w + 1)
-    for i in range(2):
-        assert (rec[i] - pi[i][..., : T - w + 1]).abs().max().item() <= tol
-        assert all((x - y).abs().max().item() <= tol for x, y in zip(mem[i], (S[i], m[i])))
+    w, T = 7, 50
+    s = kvpop.SCORERS[kind](c, window=w, d_mem=12, d_hidden=8).double()
+    memory = isinstance(s, kvpop.MemoryScorer)
+    with torch.no_grad():  # every parameter off its start; memory gates that matter (input e^-6..e^6, forget far from 1)
+        for p in s.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        if memory:
+            s.wi.mul_(2), s.bf.fill_(1.0)
+    k, v = torch.randn(2, 2, 3, T, 16, dtype=torch.float64) * 3, torch.randn(2, 2, 3, T, 16, dtype=torch.float64)
+    pos = torch.arange(T)
+    plain = lambda i: s.recurrent(i, s.features(k[i], v[i])) + s.recency(i, pos.double())
+    want = torch.stack([plain(i) if memory else s(i, k[i], v[i], pos) for i in range(2)])[..., : T - w]
+    for form in [fast.decoder] + [kvpop.Decoder] * (not memory):
+        decoder = form(s, _Held(k, v, w))
+        got = [torch.stack([decoder.prefill(i, k[i, ..., :prompt, :], v[i, ..., :prompt, :], pos[:prompt]) for i in range(2)])] if prompt else []
+        got = [got[0][..., : max(prompt - w, 0)]] if prompt else []
+        # every step from the prompt on, as the cache asks; t = p - w < 0 is no token
+        got += [decoder.leaving(torch.tensor(p)) for p in range(prompt, T)][max(w - prompt, 0) :]
+        got = torch.cat(got, -1)  # (L, B, H, T - w)
+        assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-10, form
 
 
 # one chunk; several; chunks shorter than the window; read on arrival
@@ -2657,7 +2671,7 @@ def test_decoding_step_is_one_graph(baby, policy, steps):
 
     net, tok = baby
     idx = tasks.task_batch(tok, 1, 40, random.Random("one-graph"))[0]
-    pol = kvpop.Scorer.from_pretrained(os.path.join(MODEL_DIR, "scorers", "recall-helpful", policy)) if policy in kvpop.SCORERS else policy
+    pol = scorer_files.load(os.path.join(MODEL_DIR, "scorers", "recall-helpful", policy)) if policy in kvpop.SCORERS else policy
     slots = 40 + steps - 1 if policy == "full" else 40 + steps // 4 + kvpop.state_charge(pol, torch.float32)
     torch._dynamo.reset()
     step = torch.compile(net, fullgraph=True, backend="eager")
@@ -2790,7 +2804,7 @@ def test_delayed_scorer_ties_evict_the_older_token(small_model):
 
 @pytest.mark.parametrize("kind", kvpop.SCORERS)
 def test_trained_scorer_online_equals_masked(baby, kind):
-    s = kvpop.Scorer.from_pretrained(os.path.join(SHIPPED, kind))
+    s = scorer_files.load(os.path.join(SHIPPED, kind))
     net, tok = baby
     idx = tasks.task_batch(tok, 2, 256, random.Random("t"))[0]
     for budget in (0.25, 48):
@@ -2802,12 +2816,12 @@ def test_trained_scorer_online_equals_masked(baby, kind):
 def test_scorer_save_load_and_errors(small_model, tmp_path):
     c = small_model.config
     for s in _scorers(c, 16):
-        s.save_pretrained(tmp_path / s.kind)
-        t = kvpop.Scorer.from_pretrained(tmp_path / s.kind)
+        scorer_files.save(s, tmp_path / s.kind)
+        t = scorer_files.load(tmp_path / s.kind)
         assert t.kind == s.kind and t.charge(torch.bfloat16) == s.charge(torch.bfloat16)
         assert all(torch.equal(x, y) for x, y in zip(s.state_dict().values(), t.state_dict().values()))
     with pytest.raises(FileNotFoundError, match="not a scorer folder"):
-        kvpop.Scorer.from_pretrained(tmp_path)
+        scorer_files.load(tmp_path)
     other = kvpop.WindowScorer(qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16), window=16)
     with pytest.raises(ValueError, match="trained for a model"):
         tasks.evaluate(small_model, torch.zeros(1, 50, dtype=torch.long), other, 0.5, 4, 16)
@@ -2815,7 +2829,7 @@ def test_scorer_save_load_and_errors(small_model, tmp_path):
         KVCache(small_model, 1, 40, _scorers(c, 16)[0], 4, 8)
     (tmp_path / "kvpop" / "scorer.json").write_text('{"kind": "kvpop"}')
     with pytest.raises(ValueError, match="scorer.json"):
-        kvpop.Scorer.from_pretrained(tmp_path / "kvpop")
+        scorer_files.load(tmp_path / "kvpop")
 
 
 def test_scorer_round_trip_keeps_every_setting_of_scorer_json(tmp_path):
@@ -2826,9 +2840,9 @@ def test_scorer_round_trip_keeps_every_setting_of_scorer_json(tmp_path):
     for kind in kvpop.SCORERS:
         s = kvpop.SCORERS[kind](c, window=13, d_mem=5, d_hidden=7, gamma=0.01)
         s.meta = dict(model="m", budget=0.3, sinks=2, window=13, data="d", iters=9, finetune=False)
-        s.save_pretrained(tmp_path / kind)
+        scorer_files.save(s, tmp_path / kind)
         saved = json.loads((tmp_path / kind / "scorer.json").read_text())
-        t = kvpop.Scorer.from_pretrained(tmp_path / kind)
+        t = scorer_files.load(tmp_path / kind)
         # the settings, the model's shape and the training record
         got = dict(vars(t), kind=t.kind, **t.shape, trained=t.meta)  # the kind: its class's
         assert set(saved) <= set(got) and {k: got[k] for k in saved} == saved, kind
@@ -3044,7 +3058,7 @@ def test_finetune_loss_is_the_kl_to_the_teachers_top_k_under_eviction(baby):
     with torch.no_grad():  # a student that differs from its teacher
         for p in student.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
-    scorer = kvpop.Scorer.from_pretrained(os.path.join(SHIPPED, "kvpop")).requires_grad_(True)
+    scorer = scorer_files.load(os.path.join(SHIPPED, "kvpop")).requires_grad_(True)
     budget, sinks, window, K = 0.5, 4, 32, 256
     B, pool = kvpop.budget_size(budget, 128, sinks, window, kvpop.state_charge(scorer, torch.float32))
     kl = train.finetune_loss(
@@ -3169,7 +3183,7 @@ def test_train_killed_then_resumed_reproduces_the_loss_curve(tmp_path):
             break
     p.wait()
     assert p.returncode == -9 and len(_losses("".join(seen))) == 3
-    s = kvpop.Scorer.from_pretrained(tmp_path / "b")  # what the killed run left loads
+    s = scorer_files.load(tmp_path / "b")  # what the killed run left loads
     assert s.meta["iters"] == 3
     res = run(*_train_args(tmp_path / "b", "--resume"))
     assert res.returncode == 0, res.stderr
@@ -3223,12 +3237,12 @@ def test_training_learns_the_teachers_decisions(tmp_path, baby):
     torch.manual_seed(0)
     init = kvpop.SCORERS["kvpop-window"](net.config, 32, d_hidden=64)
     before = _held_out_keep_drop_accuracy(net, tok, init, 0.125, "helpful")[1]
-    after = _held_out_keep_drop_accuracy(net, tok, kvpop.Scorer.from_pretrained(tmp_path), 0.125, "helpful")[1]
+    after = _held_out_keep_drop_accuracy(net, tok, scorer_files.load(tmp_path), 0.125, "helpful")[1]
     assert after >= 0.75 and after >= before + 0.2, (before, after)
     # trained by python train.py at budget 0.125: 0.874, 0.843, 0.856 on the whole-sequence baby,
     # whose layer 1 also predicts every filler (0.914, 0.906, 0.877 on the answers-only one; LOG.md)
     for kind in kvpop.SCORERS:
-        shipped = kvpop.Scorer.from_pretrained(os.path.join(SHIPPED, kind))
+        shipped = scorer_files.load(os.path.join(SHIPPED, kind))
         assert _held_out_keep_drop_accuracy(net, tok, shipped, 0.125, "helpful")[1] >= 0.8, kind
 
 
@@ -3497,7 +3511,7 @@ def test_distributed_finetune_killed_then_resumed(tmp_path):
             _kill_tree(p.pid)
             break
     p.wait()
-    n = kvpop.Scorer.from_pretrained(tmp_path / "b").meta["iters"]
+    n = scorer_files.load(tmp_path / "b").meta["iters"]
     assert 3 <= n < 12 and torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)["iter"] == n
     qwen3.Qwen3.from_pretrained(tmp_path / "b")  # what the killed run left loads
     res = _torchrun(*_ft_args(tmp_path / "b", *args, "--resume"))
@@ -3751,7 +3765,7 @@ def test_readme_command_runs(cmd, tmp_path, baby):
         net, tok = baby
         task, target = flag("task", "recall"), flag("target", "helpful")
         seqs = tasks.task_batch(tok, int(flag("final_seqs", 128)), 512, random.Random("test-0"), **tasks.TASKS[task])
-        scorer = kvpop.Scorer.from_pretrained(flag("out_dir", "out"))
+        scorer = scorer_files.load(flag("out_dir", "out"))
         runs = [(p, p, target) for p in ("oracle", "streaming", "h2o")] + [(scorer.kind, scorer, target)]
         _check_quality_table(r.stdout, _ref_quality(net, seqs, runs, [0.25, 0.125]))
     if cmd.startswith("python bench.py quality"):
@@ -3773,7 +3787,7 @@ def test_readme_command_runs(cmd, tmp_path, baby):
                 runs += [("oracle", "oracle", target)]
                 for kind in kvpop.SCORERS:  # the shipped scorers of this task and target (bench.py: those there)
                     d = os.path.join(HERE, "baby", "scorers", f"{task}-{target}", kind)
-                    runs += [(kind, kvpop.Scorer.from_pretrained(d), target)] if os.path.isdir(d) else []
+                    runs += [(kind, scorer_files.load(d), target)] if os.path.isdir(d) else []
             _check_quality_table(r.stdout, _ref_quality(net, seqs, runs, [0.25, 0.125]), task)
     if cmd.startswith("python sample.py"):  # B = ceil(0.25 (399 + 112)) entries, no state
         assert re.search(
@@ -4405,7 +4419,7 @@ def test_train_on_text_holds_out_the_boundary_loss_of_its_target(tmp_path, baby)
     ids = tok.encode(text) + [tok.special["<|endoftext|>"]]
     n = len(ids) // T
     held = torch.tensor(ids[(n - 1) * T : n * T])[None]  # --eval_seqs 1: the last packed sequence is held out
-    scorer = kvpop.Scorer.from_pretrained(tmp_path / "o")
+    scorer = scorer_files.load(tmp_path / "o")
     d, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
     _, seen = _ref_pass(net, held, lambda i, k, v: (t <= d).expand(len(held), k.shape[1], T, T))
     with torch.no_grad():
@@ -4465,7 +4479,7 @@ def test_sample_scoreboard_streaming_row_keeps_all_s_entries(tmp_path):
     config = qwen3.Qwen3Config.from_json(os.path.join(HERE, "baby", "config.json"))
     s = kvpop.SCORERS["kvpop"](config, 32, d_mem=64, d_hidden=16)
     assert s.charge(torch.float32) == 33
-    s.save_pretrained(tmp_path / "sc")
+    scorer_files.save(s, tmp_path / "sc")
     # the recall prompt's first 70 words (the file starts with a space): its keys bound, little to prefill
     prompt = open(os.path.join(HERE, "baby", "prompt.txt"), encoding="utf-8").read().split(" ")[:71]
     (tmp_path / "p.txt").write_text(" ".join(prompt))

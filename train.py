@@ -32,7 +32,7 @@ from support import flags
 import kernels
 import kvpop
 import qwen3
-from support import tokenizer
+from support import scorer_files, tokenizer
 from tasks import TASKS, code_held_out, code_sequences, quality_runs, quality_table, task_batch
 
 # --- what to run
@@ -251,7 +251,7 @@ def load():
     scorer = kvpop.SCORERS[kind](config, window, d_mem, d_hidden, gamma, arrival).to(device) if learned else None
     train_state = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
     if learned and (resume or init_from):
-        scorer = kvpop.Scorer.from_pretrained(out_dir if resume else init_from)
+        scorer = scorer_files.load(out_dir if resume else init_from)
         scorer.check(config, window)
         scorer = scorer.to(device).requires_grad_(True).train()
         if resume:
@@ -305,7 +305,7 @@ def save(it, folder, scorer, scorer_opt, student, model_opt):
         names += " p_cue_min p_cue_max" * (task == "cue")
         scorer.meta = {k: globals()[k] for k in names.split()}
         scorer.meta.update(iters=it, finetune=finetune)
-        scorer.save_pretrained(out_dir)
+        scorer_files.save(scorer, out_dir)
     scorer_state = dict(scorer=scorer and scorer.state_dict(), opt=scorer_opt and scorer_opt.state_dict())
     train_state = dict(scorer_state, model=weights, model_opt=model_opt_state, iter=it)
     torch.save(train_state, os.path.join(out_dir, "tmp.pt"))

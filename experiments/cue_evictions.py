@@ -17,7 +17,7 @@ import kernels
 import kvpop
 import qwen3
 import tasks
-from support import tokenizer
+from support import scorer_files, tokenizer
 
 # --- what to measure
 scorer = "baby/scorers/cue-helpful/kvpop-window"  # a cue scorer's folder
@@ -31,7 +31,7 @@ flags.configure(globals())
 torch.set_num_threads(1)
 net = qwen3.Qwen3.from_pretrained("baby", dtype=torch.float32)
 tok = tokenizer.Tokenizer.from_pretrained("baby")
-policy = kvpop.Scorer.from_pretrained(scorer)
+policy = scorer_files.load(scorer)
 idx, tgt, dist = tasks.task_batch(tok, n, 512, random.Random(f"test-{seed}"), p_cue=p_cue)
 T = idx.shape[1]
 pos = torch.arange(T)

@@ -15,7 +15,7 @@ from support import flags
 import kvpop
 import qwen3
 import tasks
-from support import tokenizer
+from support import scorer_files, tokenizer
 
 # --- what to measure
 scorers = "baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-shifted,"  # comma-separated folders
@@ -47,7 +47,7 @@ distractor[:, :-1] = idx[:, 1:] == mark
 live[:, T - window :], distractor[:, T - window :] = False, False
 with torch.no_grad():
     kv, rs = kvpop.dense_targets(net, idx, window, target)
-    learned = {d: kvpop.Scorer.from_pretrained(d) for d in scorers.split(",")}
+    learned = {d: scorer_files.load(d) for d in scorers.split(",")}
 
 
 def above(pi):

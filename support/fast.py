@@ -1,0 +1,287 @@
+"""The fast forms: decoding forms that exist only for speed, each tested equal to the definition in kvpop.py it speeds
+up (fp64, to 1e-10: test_kvpop.py) and the cache's default where a decoding step measured faster with it (LOG.md).
+Each works on every layer at once: a scorer parameter (L, H, ...) read as (L, 1, H, ...) beside the batch dim, one
+call a step where kvpop.Decoder makes one a layer. Last, h2o's and tova's prefill: a prompt's scores in one pass.
+"""
+
+import math
+
+import torch
+from torch.nn.functional import pad, silu, softplus
+
+import kvpop
+from kvpop import EPS, rms
+from support import shifted
+
+
+# a scorer parameter (L, H, ...) of every layer beside a batch dim: (L, 1, H, ...)
+def every(param):
+    return param[:, None]
+
+
+# kvpop.Scorer.readout of every layer: x (L, B, H, I, X) and what the kind read z (L, B, H, I, Z) -> (L, B, H, I)
+def readout(scorer, x, z):
+    joined = torch.cat([x, z], -1)
+    bias = every(scorer.b1)[..., None, :]
+    return output(scorer, joined @ every(scorer.w1) + bias)
+
+
+# w_2 . silu(a) + b_2 of every layer, from the read-out's pre-activation a (L, B, H, I, d_hidden)
+def output(scorer, a):
+    w2 = every(scorer.w2)[..., None, :]
+    b2 = every(scorer.b2)[..., None]
+    return (silu(a) * w2).sum(-1) + b2
+
+
+# gamma_h t of every layer (L, 1, H, 1)
+def recency(scorer, t):
+    gamma = softplus(every(scorer.theta))
+    return gamma[..., None] * t
+
+
+class EveryLayer(kvpop.Decoder):
+    """kvpop-mlp's decoding: the read-out of the leaving token t alone, every layer in one call."""
+
+    def leaving(self, p):
+        t = p - self.cache.window
+        x = self.scorer.features(*self.cache.recent_kv(t))  # (L, B, H, 1, X)
+        return readout(self.scorer, x, x[..., :0]) + recency(self.scorer, t)
+
+
+class WindowRing(kvpop.Decoder):
+    """kvpop-window's decoding: the features of t .. t + n, the tokens the next read sees, each made once, as it
+    becomes t + n, in a ring of n + 1 (token u at u % (n + 1)), then `read`, kvpop.WindowScorer.look for one token
+    with W_k and W_v folded into the read. The ring copies what the cache holds, so it is no state of the scorer's
+    and is not charged to the budget; kvpop.Decoder reads the same tokens from the cache each step instead."""
+
+    def __init__(self, scorer, cache):
+        super().__init__(scorer, cache)
+        grid = cache.pos.shape[:3]  # (L, B, H)
+        shape = (*grid, scorer.span, scorer.width)
+        self.ring = cache.pos.new_zeros(shape, dtype=scorer.theta.dtype)
+
+    def prefill(self, layer, k, v, pos):
+        """The prompt's priorities, and the ring: its tokens t .. t + n - 1 for the first t to leave, T - w."""
+        first = k.shape[2] - self.cache.window
+        last = first + self.scorer.span - 1
+        u = torch.arange(max(first, 0), max(last, 0), device=k.device)
+        x = self.scorer.features(k[..., u, :], v[..., u, :])
+        self.ring[layer][..., u % self.scorer.span, :] = x
+        return self.scorer(layer, k, v, pos)
+
+    def leaving(self, p):
+        """Token t + n joins the ring, then t = p - w reads it. Before t + n >= 0 what joins is never read: token u
+        is written at step u - n + w, after them."""
+        t = p - self.cache.window
+        n = self.scorer.span - 1
+        x = self.scorer.features(*self.cache.recent_kv(t + n))
+        self.ring[..., (t + n).view(-1) % (n + 1), :] = x
+        order = torch.arange(n + 1, device=self.ring.device)
+        order = t + order
+        return self.read(self.ring[..., order % (n + 1), :], t)
+
+    def read(self, x, t):
+        """Every layer's priority (L, B, H, 1) of token t from the features x (L, B, H, 1 + n, X) of t and the n
+        tokens after it, in position order. W_k and W_v are folded into the read, u_a = W_k,a (W_q x)_a / sqrt(d)
+        and z_a = W_v,a^T (sum_o alpha_a[o] x[t + o]): the n tokens are never projected."""
+        scorer = self.scorer
+        xt = x[..., :1, :]  # (L, B, H, 1, X)
+        after = x[..., 1:, :]  # (L, B, H, n, X)
+        reads = (scorer.reads, scorer.d_key)
+        query = xt @ every(scorer.wq)
+        query = query[..., 0, :]
+        query = query.unflatten(-1, reads)  # (L, B, H, A, d)
+        wk = every(scorer.wk).unflatten(-1, reads)
+        wv = every(scorer.wv).unflatten(-1, reads)
+        u = torch.einsum("...ad,...xad->...ax", query, wk)
+        u = u / math.sqrt(scorer.d_key)  # (L, B, H, A, X)
+        logits = u @ after.mT + every(scorer.bo)
+        alpha = logits.softmax(-1)  # (L, B, H, A, n): offsets 1..n
+        pooled = alpha @ after
+        z = torch.einsum("...ax,...xad->...ad", pooled, wv)  # (L, B, H, A, d)
+        z = z.flatten(-2)[..., None, :]
+        return readout(scorer, xt, z) + recency(scorer, t)
+
+
+class FoldedMemory(kvpop.Decoder):
+    """kvpop's decoding, its plain recurrence (kvpop.MemoryScorer.recurrent) a token a step: every layer and head's
+    memory [C; n] (M + 1, M) and its log-scale, charged to the budget, take each token once it is cached, the RMS of
+    x = [k; v] folded into the update's weights; and, eagerly, the reads of the next c = min(w, 32) leaving tokens
+    prepared together (the weights read once for c). The memory kinds decode only so: their definition reads every
+    token, more than a cache holds."""
+
+    def __init__(self, scorer, cache):
+        super().__init__(scorer, cache)
+        if scorer.arrival:
+            raise ValueError(f"a {scorer.kind} scorer read on arrival (the delay ablation) runs in the masked pass only")
+        grid = cache.pos.shape[:3]  # (L, B, H)
+        size = scorer.d_mem
+        shape = (*grid, size + 1, size)
+        self.memory = cache.pos.new_zeros(shape, dtype=scorer.theta.dtype)
+        self.scale = self.memory.new_full(grid, -math.inf)
+        self.state = (self.memory, self.scale)
+        # the update's weights, folded once: the scorer is frozen while decoding
+        self.fold = self.folded()
+        self.start = 0  # the tokens a prompt gave the memories
+        # the prepared reads u, W_1 x: `block` of them, from token `first` on (none yet)
+        self.block = min(cache.window, 32)
+        self.first = cache.pos.new_tensor(-cache.window - self.block)
+        reads = (*grid, self.block)
+        u = self.memory.new_zeros(*reads, size)
+        wx = self.memory.new_zeros(*reads, scorer.d_hidden)
+        self.prepared = (u, wx)
+
+    @torch.no_grad()
+    def folded(self):
+        """The update's weights with the RMS scale of the raw x = [k; v] folded in (rms(x) = sqrt(2D) x rsqrt(|x|^2 +
+        2D eps)): z = W x rsqrt(|x|^2 + 2D eps) + b is [k'; v'; 1; log i; the forget gate's pre-activation] in one
+        product, x^T W: W (L, 1, H, 2D, 2M + 3) (a row vector times a matrix stored row by row, the faster product on
+        a CPU, LOG.md), b (L, 1, H, 1, 2M + 3)."""
+        scorer = self.scorer
+        one = torch.zeros_like(scorer.wi[..., None])  # its bias makes the 1 of [v'; 1]
+        gates = [scorer.wi[..., None], scorer.wf[..., None]]
+        key = scorer.wk / math.sqrt(scorer.d_mem)
+        weight = torch.cat([key, scorer.wv, one, *gates], -1)
+        biases = [torch.ones_like(scorer.bi), scorer.bi, scorer.bf]
+        bias = torch.stack(biases, -1)
+        bias = pad(bias, (2 * scorer.d_mem, 0))  # no bias on k', v'
+        weight = (weight * math.sqrt(scorer.width)).contiguous()
+        return weight[:, None], bias[:, None, :, None]
+
+    def project(self, k, v):
+        """[k'; v'; 1; log i; the forget gate's pre-activation] (L, B, H, 1, 2M + 3) of tokens with keys and values
+        k, v (L, B, H, 1, D): x^T W rsqrt(|x|^2 + 2D eps) + b of their x = [k; v]."""
+        weight, bias = self.fold
+        x = torch.cat([k, v], -1).to(weight.dtype)  # (L, B, H, 1, 2D)
+        square = (x * x).sum(-1, keepdim=True)
+        inverse = torch.rsqrt(square + x.shape[-1] * EPS)
+        return torch.addcmul(bias, x @ weight, inverse)
+
+    def remember(self, z, key, take):
+        """The memories take one more token, its value and gates z (project's), under `key` k' (L, B, H, 1, M), in
+        place: [C; n] = f [C; n] + g [v'; 1] k'^T, stabilised by the log-scale s (L, B, H) as in xLSTM:
+        s' = max(log f + s, log i), g = exp(log i - s'), f = exp(log f + s - s'). take (a bool tensor) False: the
+        memories stay as they are (g = 0, f = 1), without a branch."""
+        memory, scale, size = self.memory, self.scale, self.scorer.d_mem
+        log_input = z[..., 0, -2]  # (L, B, H)
+        log_forget = scale - softplus(-z[..., 0, -1])  # log f + s
+        new_scale = torch.maximum(log_input, log_forget)
+        take = torch.as_tensor(take, device=memory.device)
+        write = torch.where(take, (log_input - new_scale).exp(), 0.0)
+        forget = torch.where(take, (log_forget - new_scale).exp(), 1.0)
+        write = write[..., None, None]
+        forget = forget[..., None, None]
+        # in place, one pass for the product: memory (L, B, H, M + 1, M) as a batch of matrices
+        value = z[..., size : 2 * size + 1]
+        value = value.reshape(-1, size + 1, 1)  # [v'; 1]
+        key = write * key
+        key = key.view(-1, 1, size)  # g k'
+        matrices = memory.mul_(forget).view(-1, size + 1, size)
+        matrices.baddbmm_(value, key)
+        scale.copy_(torch.where(take, new_scale, scale))
+
+    def prepare(self, x):
+        """What a read needs of tokens with features x (L, B, H, c, X) alone: u = W_r x and W_1's product with x in
+        the read-out (made for c tokens at once, the weights are read once for c)."""
+        u = x @ every(self.scorer.wr)
+        w1 = every(self.scorer.w1)[..., : self.scorer.width, :]
+        return u, x @ w1
+
+    def read(self, u, wx, t):
+        """The priority (L, B, H, 1) of the token at t from the memories as they are and its prepared u, wx (L, B, H,
+        1, ...): [C u; n . u] = [C; n] u, h = C u / max(|n . u|, exp(-s)), r = readout(x, rms(h)) + gamma_h t."""
+        scorer, size = self.scorer, self.scorer.d_mem
+        y = u @ self.memory.mT  # (L, B, H, 1, M + 1)
+        floor = (-self.scale).exp()[..., None, None]
+        divisor = torch.maximum(y[..., size:].abs(), floor)
+        h = y[..., :size] / divisor
+        w1 = every(scorer.w1)[..., scorer.width :, :]
+        b1 = every(scorer.b1)[..., None, :]
+        a = wx + rms(h) @ w1 + b1
+        return output(scorer, a) + recency(scorer, t)
+
+    def prefill(self, layer, k, v, pos):
+        """The prompt's priorities, and the memories after reading it."""
+        x = self.scorer.features(k, v)
+        r, (memory, scale) = self.scorer.chunked(layer, x)
+        self.memory[layer] = memory
+        self.scale[layer] = scale
+        self.start = k.shape[2]
+        return r + self.scorer.recency(layer, pos.to(r.dtype))
+
+    def leaving(self, p):
+        """The memories take token p - 1 (unless the prompt gave it), then t = p - w reads them (t < 0: a number
+        the cache drops). Eagerly, the reads of t .. t + c - 1 are prepared at once as t passes the block (all
+        cached: c <= w); in a compiled graph, t's own read each step: no branch and no host read, the step one
+        graph (the weights W_r, W_1 read every step)."""
+        take = p > self.start
+        self.write(p, take)
+        t = p - self.cache.window
+        if torch.compiler.is_compiling():
+            x = self.scorer.features(*self.cache.recent_kv(t))
+            u, wx = self.prepare(x)
+        else:
+            u, wx = self.prepared_read(t)
+        return self.read(u, wx, t)
+
+    # the memories take token p - 1 under its own key
+    def write(self, p, take):
+        z = self.project(*self.cache.recent_kv(p - 1))
+        key = z[..., : self.scorer.d_mem]
+        self.remember(z, key, take)
+
+    # t's prepared read u, W_1 x (L, B, H, 1, ...): the block of t .. t + c - 1 made anew once t is past it
+    def prepared_read(self, t):
+        if not self.first <= t < self.first + self.block:
+            block = torch.arange(self.block, device=t.device) + t
+            x = self.scorer.features(*self.cache.recent_kv(block))
+            self.prepared = self.prepare(x)
+            self.first = t.clone()
+        j = (t - self.first).view(1)
+        u, wx = self.prepared
+        return u.index_select(-2, j), wx.index_select(-2, j)
+
+
+class ShiftedFoldedMemory(FoldedMemory):
+    """kvpop-shifted's decoding, kvpop's: the memories take token p - 1 under token p - 2's key, both still in the
+    window (w >= 2)."""
+
+    def write(self, p, take):
+        z = self.project(*self.cache.recent_kv(p - 1))
+        before = self.project(*self.cache.recent_kv(p - 2))
+        key = before[..., : self.scorer.d_mem]
+        key = torch.where(p >= 2, key, 0.0)  # token 0's predecessor: none
+        self.remember(z, key, take)
+
+
+# the kinds' fast decoding forms; a kind not named here decodes by its definition (kvpop.Decoder)
+FAST = {kvpop.MLPScorer: EveryLayer, kvpop.WindowScorer: WindowRing, kvpop.MemoryScorer: FoldedMemory}
+FAST[shifted.ShiftedMemoryScorer] = ShiftedFoldedMemory
+
+
+def decoder(scorer, cache):  # the cache's decoding form of a learned scorer
+    return FAST.get(type(scorer), kvpop.Decoder)(scorer, cache)
+
+
+def attention_received(policy, q, k, lse):
+    """h2o's and tova's prefill (B, H, T): what they hold after a prompt fed token by token without eviction, the
+    group-mean attention each key received (h2o: from every query; tova: the last), from a causal pass's lse (B, Hq,
+    T), 128 queries a time."""
+    batch, heads = k.shape[:2]
+    T, D = k.shape[2:]
+    group = q.shape[1] // heads
+    t = torch.arange(T, device=q.device)
+    received = torch.zeros(batch, heads, T, device=q.device)
+    keys = k.float()[:, :, None].mT  # (B, H, 1, D, T)
+    first = 0 if policy == "h2o" else T - 1
+    for j in range(first, T, 128):
+        queries = q[:, :, j : j + 128].float()
+        queries = queries.view(batch, heads, group, -1, D)
+        norms = lse.view(batch, heads, group, T)
+        norms = norms[..., j : j + 128, None]
+        logits = queries @ keys / math.sqrt(D)
+        probs = (logits - norms).exp()  # (B, H, G, M, T)
+        unseen = t > t[j : j + 128, None]
+        probs = probs.masked_fill(unseen, 0)
+        received += probs.mean(2).sum(-2)
+    return received
