@@ -9,8 +9,26 @@ import math
 import torch
 
 import kernels
-from kvpop import masked_attention, resolve
+from kvpop import DYNAMIC, POLICIES, STATIC, Scorer, masked_attention
 from support import fast
+
+
+def resolve(policy):
+    """A policy's rule and priority function, the cache's and the masked pass's: 'static' (a heuristic, or the
+    oracle's callable): given on arrival, cast once to fp32; 'learned' (a Scorer, itself the function): given as the
+    token leaves the window; 'dynamic': its update of the scores; 'full': None."""
+    if isinstance(policy, Scorer):
+        return "learned", policy
+    if callable(policy) or policy in STATIC:
+        given = STATIC.get(policy, policy)
+        return "static", lambda *args: given(*args).float()
+    if policy in DYNAMIC:
+        return "dynamic", DYNAMIC[policy]
+    if policy == "full":
+        return "full", None
+    if policy == "oracle":
+        raise ValueError("policy oracle needs the future: it exists for teacher-forced evaluation only")
+    raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
 
 
 class KVCache:
@@ -49,7 +67,7 @@ class KVCache:
         self.decoder = fast.decoder(policy, self) if learned else None
 
     def nbytes(self):  # keys, values and a learned scorer's state
-        state = self.decoder.nbytes() if self.decoder else 0
+        state = sum(x.nbytes for x in self.decoder.state) if self.decoder else 0
         entry = self.k.numel() * self.k.element_size()
         return 2 * entry + state
 

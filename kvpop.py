@@ -1,10 +1,6 @@
-"""KVpop: a fixed-budget, evicting KV cache for Qwen3 (arXiv 2607.05061), the method in one file.
-
-Read top to bottom, as the README's Method (comments cite its sections as "README, Method: ..."): the budget ->
-the eviction rule, plainly -> policies -> targets -> learned scorers, one class a kind, each with its decoding form
--> the boundary loss. cache.py holds the evicting cache, the rule's fast form; qwen3.py the model and generation;
-kernels.py the plain and fast forms of the masked attention, the target and the eviction times.
-"""
+"""KVpop (arXiv 2607.05061), the method in one file, as the README's Method: the budget -> the eviction rule, plainly
+-> policies -> targets -> learned scorers, one class a kind holding its definition -> the boundary loss. cache.py is
+the evicting cache, kernels.py the masked attention, the target and eviction times; support/fast.py faster decoding."""
 
 import math
 
@@ -15,13 +11,11 @@ from torch.nn.functional import logsigmoid, pad, silu, softplus
 import kernels
 
 
-# ------------------------------------------------------------------------------------------------
-# the budget (README, Method: budget)
 
-
+# --------------------------------------------------------------------------------- the budget (README, Method: budget)
 def budget_size(budget, total, sinks=4, window=256, state=0):
-    """The per-head size S from `budget` (a fraction 0 < x <= 1 of `total` tokens, or an integer S > 1) and the
-    pool = S - sinks - window - state. S >= total: no eviction."""
+    """S from `budget` (a fraction 0 < x <= 1 of `total` tokens, or an integer S > 1) and pool = S - sinks - window -
+    state, per KV head. S >= total: no eviction."""
     try:
         x = float(budget)
     except (TypeError, ValueError):
@@ -29,9 +23,7 @@ def budget_size(budget, total, sinks=4, window=256, state=0):
     whole = x > 1 and x == int(x)
     if not (0 < x <= 1 or whole):
         raise ValueError(f"budget {budget!r}: use a fraction 0 < x <= 1 of the tokens or an integer S > 1")
-    kept = int(x)
-    if x <= 1:
-        kept = math.ceil(x * total)
+    kept = math.ceil(x * total) if x <= 1 else int(x)
     size = min(total, kept)
     pool = size - sinks - window - state
     if size < total and pool < 0:
@@ -49,14 +41,11 @@ def entries(size, charge, total):
     return size - charge if size < total else total
 
 
-# ------------------------------------------------------------------------------------------------
-# the eviction rule, plainly: one KV head, one step (README, How it works)
 
-
+# -------------------------------------------- the eviction rule, plainly: one KV head, one step (README, How it works)
 def evict(held, pi, p, sinks, window, slots):
-    """The position whose entry the newcomer p takes, of the positions `held` by a cache of `slots` entries, by
-    priorities pi[t]; None while there is room. Else the eligible token (sinks <= t <= p - window: past the sinks,
-    out of the window) with the lowest (pi[t], t), priority first, position second: of a tie the older goes."""
+    """The position whose entry the newcomer p takes, of the positions `held` by a cache of `slots` entries: None
+    while there is room, else the eligible token (sinks <= t <= p - window) with the lowest (pi[t], t)."""
     if len(held) < slots:
         return None
     eligible = [t for t in held if sinks <= t <= p - window]
@@ -64,8 +53,8 @@ def evict(held, pi, p, sinks, window, slots):
 
 
 def run_rule(pi, sinks, window, slots):
-    """One head fed T tokens one at a time under static priorities pi (T,) -> the sorted positions it holds after
-    each step. kernels.eviction_times is the same run as one mask."""
+    """The sorted positions one head holds after each of T steps under static priorities pi (T,); kernels.eviction_times
+    is the same run as one mask."""
     held, after = [], []
     for p in range(len(pi)):
         gone = evict(held, pi, p, sinks, window, slots)
@@ -74,10 +63,8 @@ def run_rule(pi, sinks, window, slots):
     return after
 
 
-# ------------------------------------------------------------------------------------------------
-# policies (README, Method: eviction times, baselines)
 
-
+# ---------------------------------------------------------------- policies (README, Method: eviction times, baselines)
 # pi[t] = t: the pool holds the most recent eligible tokens (StreamingLLM)
 def streaming(layer, k, v, pos):
     return pos.float().expand(k.shape[:3])
@@ -102,8 +89,8 @@ def random_priority(layer, k, v, pos):
     return bits.float().expand(k.shape[:3])
 
 
-# A static policy: (layer, new keys k, values v (B, H, n, D), positions pos (n,)) -> priorities (B, H, n) of any
-# real dtype, fixed once given. To add one, add its name and function here (README, Method: baselines).
+# A static policy: (layer, new keys k, values v (B, H, n, D), positions pos (n,)) -> priorities (B, H, n) of any real
+# dtype, fixed once given. To add one, add its name and function here (README, Method: baselines).
 STATIC = {"streaming": streaming, "knorm": knorm, "random": random_priority}
 
 
@@ -118,27 +105,7 @@ def tova(score, attention):
 
 
 DYNAMIC = {"h2o": h2o, "tova": tova}
-# the oracle is static too, but needs the future (teacher-forced)
-POLICIES = ("full", *STATIC, "oracle", *DYNAMIC)
-
-
-def resolve(policy):
-    """The one question asked of a policy: its rule and priority function. 'static' (a heuristic, or the oracle's
-    callable): priorities given on arrival, cast once to fp32; 'learned' (a Scorer, itself the function): given as
-    the token leaves the window; 'dynamic': its update of the scores; 'full': None. Shared by the cache and the
-    masked pass, so they agree."""
-    if isinstance(policy, Scorer):
-        return "learned", policy
-    if callable(policy) or policy in STATIC:
-        given = STATIC.get(policy, policy)
-        return "static", lambda *args: given(*args).float()
-    if policy in DYNAMIC:
-        return "dynamic", DYNAMIC[policy]
-    if policy == "full":
-        return "full", None
-    if policy == "oracle":
-        raise ValueError("policy oracle needs the future: it exists for teacher-forced evaluation only")
-    raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+POLICIES = ("full", *STATIC, "oracle", *DYNAMIC)  # the oracle: static, but it needs the future (teacher-forced)
 
 
 def masked_attention(q, k, v, pi, sinks, window, pool):
@@ -147,17 +114,14 @@ def masked_attention(q, k, v, pi, sinks, window, pool):
     return kernels.attention(q, k, v, e, sinks)[0], e
 
 
-# ------------------------------------------------------------------------------------------------
-# the targets (README, Method: future attention): the default first, and what each reduces p[q, t] by over q
 
-
+# ---------- the targets (README, Method: future attention): the default first, and what each reduces p[q, t] by over q
 TARGETS = ("helpful", "max", "mean")
 REDUCE = dict(helpful="max", max="max", mean="mean")
 
 
 def next_logp(logits, idx):
-    """(B, 1, T): log P(x[q + 1]), the log-probability logits (B, T, V) give the token that follows each position
-    q of idx (B, T); -inf at the last."""
+    """(B, 1, T): log P(x[q + 1]) by logits (B, T, V), of the token after each position q of idx (B, T); -inf last."""
     logp = logits.float().log_softmax(-1)
     logp = logp[:, :-1]
     following = idx[:, 1:, None]
@@ -168,9 +132,8 @@ def next_logp(logits, idx):
 
 @torch.no_grad()
 def dense_targets(model, idx, window, target="mean"):
-    """One dense pass: every layer's cached (k, v) and its future-attention target r* (B, H, T), `target` one of
-    TARGETS: the oracle's priorities and the scorers' teacher. helpful weighs query q's attention p[q, t] by
-    P(x[q + 1]): its lse raised by -log P, after the pass."""
+    """One dense pass: every layer's cached (k, v) and its target r* (B, H, T), one of TARGETS: the oracle's priorities
+    and the scorers' teacher."""
     seen = []
 
     def attn(layer, q, k, v, pos):
@@ -181,11 +144,8 @@ def dense_targets(model, idx, window, target="mean"):
     logits = model(idx, attn=attn, logits=target == "helpful")
     # helpful: lse - log P[q]; a read before a wrong prediction counts little
     weight = next_logp(logits, idx) if target == "helpful" else 0.0
-    targets = []
-    for q, k, _, lse in seen:
-        target_lse = lse - weight
-        reduce = REDUCE[target]
-        targets.append(kernels.future_attention(q, k, target_lse, window, reduce=reduce))
+    reduce = REDUCE[target]
+    targets = [kernels.future_attention(q, k, lse - weight, window, reduce=reduce) for q, k, _, lse in seen]
     return [(k, v) for _, k, v, _ in seen], targets
 
 
@@ -194,11 +154,8 @@ def oracle_policy(model, idx, window, target="mean"):  # pi = r*
     return lambda layer, k, v, pos: targets[layer][:, :, pos]
 
 
-# ------------------------------------------------------------------------------------------------
-# learned scorers (README, Method: scorers): what every kind shares, its decoding by definition, then one class a kind
-# holding its definition, then the registry of kinds
 
-
+# ------------------------------- learned scorers (README, Method: scorers): what every kind shares, then one class a kind
 EPS = 1e-6  # the RMS epsilon of the scorers' features and read-out, in training and decoding
 
 
@@ -209,10 +166,8 @@ def rms(x):
 
 
 class Scorer(Module):
-    """What every learned kind shares: priorities pi[t] = r[t] + gamma_h t per layer and KV head, from the cached
-    key and value, with r[t] = readout(x[t], z[t]) and z[t] what the kind reads (README, Method: scorers). A kind adds
-    its parameters and `parallel`, its definition over a whole sequence (training, the masked pass, prefill); it
-    decodes by that definition on the `span` tokens the cache holds as a token leaves the window (Decoder)."""
+    """What every kind shares: pi[t] = r[t] + gamma_h t, r[t] = readout(x[t], z[t]) of the cached key and value and what
+    the kind read. A kind adds its parameters and `parallel`, its definition over a whole sequence; it decodes by it."""
 
     kind = None  # its name in SCORERS
     delayed = True  # reads the tokens after t: runs with the window it was trained with
@@ -249,15 +204,14 @@ class Scorer(Module):
         shape = (self.layers, self.heads, *size)
         return Parameter(torch.full(shape, float(value)))
 
+    # the read-out's parameters (made last), for what a kind reads z of `width`
     def add_readout(self, width):
-        """The read-out every kind shares, made last: readout(x, z) = w_2 . silu(W_1 [x; z] + b_1) + b_2, z of `width`."""
         self.w1 = self.randn(self.width + width, self.d_hidden)
         self.b1 = self.const(0.0, self.d_hidden)
         self.w2 = self.randn(self.d_hidden)
         self.b2 = self.const()
 
-    def charge(self, dtype):
-        """m (README, Method: budget): the cache entries of `dtype` whose bytes the state takes; none but kvpop's."""
+    def charge(self, dtype):  # m: the cache entries of `dtype` its state takes (README, Method: budget)
         return 0
 
     def check(self, config, window):
@@ -268,15 +222,13 @@ class Scorer(Module):
             late = f"the delayed {self.kind} scorer reads each token {self.window} tokens late"
             raise ValueError(f"{late}: it needs window {self.window}, got {window} (use --window {self.window})")
 
-    # (B, H, T, 2D) in the scorer's dtype (fp32; fp64 beside an fp64 model): the cached (post-RoPE) key and value,
-    # detached, RMS-normalised
+    # x (B, H, T, 2D) in the scorer's dtype (fp64 beside an fp64 model): the cached key and value, RMS-normalised
     def features(self, k, v):
         x = torch.cat([k, v], -1).detach()
         return rms(x.to(self.theta.dtype))
 
+    # priorities (B, H, T) of one layer's keys and values at positions pos: a sequence from 0, or a span of it
     def forward(self, layer, k, v, pos):
-        """Priorities (B, H, T) of one layer's tokens at positions pos, a whole sequence from 0 (a token still in
-        the window at the end reads what follows it)."""
         r = self.parallel(layer, self.features(k, v))
         return r + self.recency(layer, pos.to(r.dtype))
 
@@ -285,8 +237,7 @@ class Scorer(Module):
         gamma = softplus(self.theta[layer])
         return gamma[..., None] * t
 
-    # the read-out, r = w_2 . silu(W_1 [x; z] + b_1) + b_2: x (B, H, I, X) and what the kind read z (B, H, I, Z)
-    # -> (B, H, I)
+    # r = w_2 . silu(W_1 [x; z] + b_1) + b_2 of x (B, H, I, X) and what the kind read z (B, H, I, Z) -> (B, H, I)
     def readout(self, layer, x, z):
         joined = torch.cat([x, z], -1)
         a = joined @ self.w1[layer] + self.b1[layer][..., None, :]
@@ -295,11 +246,10 @@ class Scorer(Module):
 
 
 class Decoder:
-    """A learned kind's decoding form, by its definition: as token t leaves the window at step p = t + w, the cache
-    asks for its priority; each layer's scorer runs on what the cache then holds, t .. t + span - 1, and t's score is
-    kept. A kind with a state of its own subclasses it (MemoryDecoder)."""
+    """A kind's decoding by its definition: as token t leaves the window at step p = t + w, each layer's scorer runs
+    on what the cache then holds, t .. t + span - 1, for t's priority (support/fast.py: faster forms)."""
 
-    state = ()  # the tensors charged to the budget
+    state = ()  # the tensors charged to the budget (KVCache.nbytes)
 
     def __init__(self, scorer, cache):
         self.scorer, self.cache = scorer, cache
@@ -308,22 +258,17 @@ class Decoder:
     def prefill(self, layer, k, v, pos):
         return self.scorer(layer, k, v, pos)
 
+    # every layer's priority (L, B, H, 1) of token t = p - w (p a tensor; t < 0: a number the cache drops)
     def leaving(self, p):
-        """Every layer's priority (L, B, H, 1) of token t = p - w, leaving the window at step p (p a tensor; before
-        any token leaves, t < 0: a number the cache drops)."""
         t = p - self.cache.window
         span = t + torch.arange(self.scorer.span, device=t.device)
         k, v = self.cache.recent_kv(span)  # (L, B, H, span, D)
         scores = [self.scorer(layer, k[layer], v[layer], span)[..., :1] for layer in range(len(k))]
         return torch.stack(scores)
 
-    def nbytes(self):  # the state charged to the budget
-        return sum(x.numel() * x.element_size() for x in self.state)
-
 
 class MLPScorer(Scorer):
-    """kvpop-mlp (the paper's insertion-time baseline): reads nothing, z[t] is empty. The cache scores it as t leaves
-    the window like the others, but from t alone: any window."""
+    """kvpop-mlp (the paper's insertion-time baseline): reads nothing, z[t] is empty; from t alone, so any window."""
 
     kind = "kvpop-mlp"
     delayed = False
@@ -339,10 +284,9 @@ class MLPScorer(Scorer):
 
 class WindowScorer(Scorer):
     """kvpop-window (delayed, ours, the default): as t leaves the window it reads the n = min(w - 1, 32) cached
-    tokens after it, with two reads a = 0, 1, each by content and by offset o = 1..n (README, Method: scorers):
+    tokens after it, two reads a = 0, 1 by content and offset o = 1..n (README, Method: scorers); no state of its own.
     alpha_a[o] = softmax_o((W_q x[t])_a . (W_k x[t + o])_a / sqrt(d) + bo_a[o]),  z_a = sum_o alpha_a[o] (W_v x[t + o])_a.
-    bo_0[o] starts at -(o - 1) (read 0 starts on the next token), bo_1 flat (read 1 evenly). It keeps no state:
-    what it reads is in the cache (support/fast.py's decoding keeps a ring of their features, uncharged: a copy)."""
+    bo_0[o] starts at -(o - 1) (read 0 starts on the next token), bo_1 flat (read 1 evenly)."""
 
     kind = "kvpop-window"
     reads = 2  # A
@@ -360,11 +304,9 @@ class WindowScorer(Scorer):
         self.wk = self.randn(self.width, width)  # the keys, of x[t + o]
         self.wv = self.randn(self.width, width)  # the values, of x[t + o]
         # the offset bias: -slope (o - 1) a read
-        slope = torch.tensor([1.0, 0.0])
-        slope = slope[: self.reads, None]
+        slope = torch.tensor([1.0, 0.0])[: self.reads, None]
         bias = -slope * torch.arange(n)  # (A, n)
-        bias = bias.expand(self.layers, self.heads, -1, -1)
-        self.bo = Parameter(bias.clone())
+        self.bo = Parameter(bias.expand(self.layers, self.heads, -1, -1).clone())
         self.add_readout(width)
 
     # a projection (..., A d) as its reads (..., A, I, d)
@@ -373,8 +315,7 @@ class WindowScorer(Scorer):
         return reads.transpose(2, 3)
 
     def look(self, layer, x, after, offsets):
-        """Scores r (B, H, I) of tokens with features x (B, H, I, X) from the features `after` (B, H, J, X) of the
-        tokens after them, offsets (I, J) apart (visible: 1..n)."""
+        """r (B, H, I) of tokens x (B, H, I, X) from the tokens `after` them (B, H, J, X), offsets (I, J) apart."""
         n = self.bo.shape[-1]
         q = self.split(x @ self.wq[layer])  # (B, H, A, I, d)
         k = self.split(after @ self.wk[layer])  # (B, H, A, J, d)
@@ -390,8 +331,8 @@ class WindowScorer(Scorer):
         z = z.flatten(-2)  # (B, H, I, A d)
         return self.readout(layer, x, z)
 
+    # a whole sequence's features x (B, H, T, X) -> r (B, H, T): chunks of tokens, each reading the n after it
     def parallel(self, layer, x):
-        """A whole sequence's features x (B, H, T, X) -> r (B, H, T): chunks of tokens, each reading the n after it."""
         T = x.shape[2]
         n = self.bo.shape[-1]
         out = []
@@ -410,10 +351,8 @@ class WindowScorer(Scorer):
 class MemoryScorer(Scorer):
     """kvpop (delayed, the paper's): an mLSTM matrix memory [C; n] that takes every token q (README, Method: scorers),
     C_q = f_q C_{q-1} + i_q v'_q k'_q^T,   n_q = f_q n_{q-1} + i_q k'_q,   k' = W_k x / sqrt(d_m),   v' = W_v x,
-    with an exponential input gate i and a sigmoid forget gate f. Token t is read at q = t + w - 1, what the cache
-    holds as t leaves the window (on arrival, the delay ablation: q = t), with u = W_r x[t]:
-    z[t] = rms(C_q u / max(|n_q . u|, 1)). Two forms, tested one against the other: the plain recurrence (the
-    definition, and decoding's) and the chunked form training runs."""
+    with an exponential input gate i and a sigmoid forget gate f. Token t is read at q = t + w - 1, as it leaves the
+    window (on arrival, the delay ablation: q = t), with u = W_r x[t]: z[t] = rms(C_q u / max(|n_q . u|, 1))."""
 
     kind = "kvpop"
     on_arrival = True
@@ -433,9 +372,8 @@ class MemoryScorer(Scorer):
         self.bf = self.const(math.log(window))
         self.add_readout(d_mem)
 
+    # m: the entries (a key and a value in `dtype`) of C, n and the log-scale, (d_m + 1) d_m + 1 numbers a KV head
     def charge(self, dtype):
-        """m: the cache entries (a key and a value of head_dim in `dtype`) whose bytes the memory takes: C, n and its
-        log-scale, (d_m + 1) d_m + 1 numbers in the scorer's dtype per layer and KV head."""
         numbers = (self.d_mem + 1) * self.d_mem + 1
         entry = 2 * self.shape["head_dim"] * dtype.itemsize
         return math.ceil(numbers * self.theta.element_size() / entry)
@@ -444,8 +382,7 @@ class MemoryScorer(Scorer):
     def written_under(self, x):
         return x
 
-    def gates(self, layer, x):
-        """log i (the exponential input gate) and log f (the sigmoid forget gate) (B, H, T) of features x."""
+    def gates(self, layer, x):  # log i (the exponential input gate), log f (the sigmoid forget gate) (B, H, T)
         wi, bi = self.wi[layer][:, None], self.bi[layer][:, None]
         log_input = (x * wi).sum(-1) + bi
         wf, bf = self.wf[layer][:, None], self.bf[layer][:, None]
@@ -455,11 +392,9 @@ class MemoryScorer(Scorer):
     def parallel(self, layer, x):  # a whole sequence's features x (B, H, T, X) -> r (B, H, T)
         return self.chunked(layer, x)[0]
 
-    # the plain recurrence: the definition the chunked and decoding forms compute
-
     def recurrent(self, layer, x):
-        """r (B, H, T) of features x (B, H, T, X), one token at a time, stabilised as in xLSTM by a log-scale s:
-        s_q = max(log f_q + s_{q-1}, log i_q), and C, n stored as exp(-s_q) times their values."""
+        """The plain recurrence, the definition the other forms compute: r (B, H, T) of x, a token at a time, C and n
+        stored as exp(-s_q) times their values, s_q = max(log f_q + s_{q-1}, log i_q) (xLSTM's stabiliser)."""
         T, size = x.shape[2], self.d_mem
         k = self.written_under(x) @ self.wk[layer] / math.sqrt(size)  # k' (B, H, T, M)
         v = x @ self.wv[layer]  # v'
@@ -475,8 +410,7 @@ class MemoryScorer(Scorer):
             forgotten = log_forget[..., q] + scale
             new_scale = torch.maximum(forgotten, log_input[..., q])
             forget = (forgotten - new_scale).exp()[..., None, None]
-            write = log_input[..., q] - new_scale
-            write = write.exp()[..., None, None]
+            write = (log_input[..., q] - new_scale).exp()[..., None, None]
             outer = v[..., q, :, None] * k[..., q, None, :]  # v' k'^T
             memory = forget * memory + write * outer
             norm = forget * norm + write * k[..., q, :, None]
@@ -489,15 +423,10 @@ class MemoryScorer(Scorer):
             z[..., now, :] = rms(read @ memory.mT / divisor)
         return self.readout(layer, x, z)
 
-    # the chunked form (training, the masked pass, prefill)
-
     def chunked(self, layer, x):
-        """The same r (B, H, T) of features x (B, H, T, X), chunk by chunk, and the final state: [C; n] (B, H, M + 1,
-        M) and its log-scale (B, H). Within a chunk, with F_q = log f_0 + .. + log f_q,
-        C_q u = sum_{j <= q} exp(F_q - F_j + log i_j) v'_j (k'_j . u)
-        over the chunk's tokens j (decay-masked), plus the state carried from the tokens before it, under one max a
-        row (the recurrent form's stabiliser); then the state moves to the chunk's last token. Only x is made at full
-        length."""
+        """The chunked form (training, the masked pass, prefill): r (B, H, T) and the last state, [C; n] (B, H, M + 1, M)
+        and its log-scale (B, H). In a chunk, F_q = log f_0 + .. + log f_q: C_q u = sum_{j <= q} exp(F_q - F_j + log i_j)
+        v'_j (k'_j . u) over its tokens j, plus the state carried from before it, under one max a row."""
         T = x.shape[2]
         size, delay = self.d_mem, self.delay
         chunks = x.split(self.chunk, -2)
@@ -571,14 +500,11 @@ class MemoryScorer(Scorer):
 SCORERS = {"kvpop-window": WindowScorer, "kvpop": MemoryScorer, "kvpop-mlp": MLPScorer}
 
 
-# ------------------------------------------------------------------------------------------------
-# the boundary loss (README, Method: boundary loss)
 
-
+# ------------------------------------------------------------------- the boundary loss (README, Method: boundary loss)
 def boundary(pi, e, q, sinks, window):
-    """The teacher's decision for t_new = q - window at each query q (Q,): keep (B, H, Q), and the cutoff t_bnd: the
-    pool-th best eligible token, or the best dropped one when that is t_new. pi: the teacher's priorities, e: their
-    eviction times."""
+    """At each query q (Q,), whether the teacher (priorities pi, eviction times e) keeps t_new = q - window (B, H, Q),
+    and the cutoff t_bnd: its pool-th best eligible token, or the best dropped one when that is t_new."""
     T = pi.shape[-1]
     u = torch.arange(T, device=pi.device)
     t_new = q - window
@@ -598,11 +524,9 @@ def boundary(pi, e, q, sinks, window):
 
 
 def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
-    """One layer's boundary loss: the scorer's priorities pi (B, H, T) against the teacher's pi* = r* + gamma_h t
-    (B, H, T), at the edge of each of `pools` at its queries qs[j] (Q,): y = keep t_new = q - w, t_bnd the cutoff;
-    sum omega softplus(-y (pi[t_new] - pi[t_bnd])), omega weighing each pool's keeps and drops half each -> (loss,
-    balanced keep/drop accuracy), each this layer's share of the mean over `layers` layers and the pools. `total`
-    sums the keep/drop counts over processes (training's batch split); None: one process."""
+    """One layer's share of the boundary loss over `layers` and the pools, and of the balanced keep/drop accuracy: the
+    scorer's pi (B, H, T) against the teacher's pi* = r* + gamma_h t at each pool's edge, at its queries qs[j] (Q,).
+    `total` sums the keep/drop counts over processes (training's batch split); None: one process."""
     loss, hits = 0.0, 0.0
     share = layers * len(pools)
     # each pool's edge, at its queries q (Q,)

@@ -16,8 +16,8 @@ import torch
 from tasks import recall_marks, recall_score, task_ids
 from support.checkpoint import DTYPES, checkpoint_dir, read_json
 from support.flags import auto_dtype, check_budget, check_device, check_dtype, check_seed, configure, fail, need
-from cache import KVCache
-from kvpop import SCORERS, budget_size, entries, resolve, state_charge
+from cache import KVCache, resolve
+from kvpop import SCORERS, budget_size, entries, state_charge
 from qwen3 import Qwen3, Qwen3Config, generate
 from support import scorer_files
 from support.tokenizer import Tokenizer

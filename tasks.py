@@ -19,7 +19,7 @@ from support import flags
 import kvpop
 import qwen3
 from support import scorer_files, tokenizer
-from cache import KVCache
+from cache import KVCache, resolve
 from qwen3 import generate
 
 # ----------------------------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, targe
     if online:
         cache = KVCache(model, B, kvpop.entries(size, charge, T), policy, sinks, window)
         return torch.cat([model(idx[:, t : t + 1], cache=cache) for t in range(T)], dim=1)
-    rule, priority = kvpop.resolve(policy)
+    rule, priority = resolve(policy)
     if rule == "dynamic":
         raise ValueError(
             f"policy {policy} re-scores tokens at every query: it has no eviction-time mask, use online=True"

@@ -35,7 +35,7 @@ from support import flags
 from support import gpus
 import kernels
 import kvpop
-from cache import KVCache
+from cache import KVCache, resolve
 import qwen3
 from support import fast, scorer_files, tokenizer
 
@@ -850,7 +850,7 @@ def test_cache_never_exceeds_budget(small_model, policy):
         pos = torch.arange(T)
         e = [
             kernels.eviction_times(
-                kvpop.resolve(policy)[1](i, cache.k[i, :, :, :1].expand(-1, -1, T, -1), None, pos),
+                resolve(policy)[1](i, cache.k[i, :, :, :1].expand(-1, -1, T, -1), None, pos),
                 sinks,
                 window,
                 S - sinks - window,
@@ -2144,7 +2144,7 @@ def test_pretrain_writes_a_loadable_checkpoint(tmp_path):
 
 # =========================================================================================================
 # policies and sampling against references written here from the method's definitions alone: nothing
-# below calls kvpop.resolve, KVCache internals or kernels.eviction_times to build an expectation,
+# below calls cache.resolve, KVCache internals or kernels.eviction_times to build an expectation,
 # so a policy that kept the wrong tokens (a flipped sign, a wrong tie rule or hash) fails here even
 # where both sides agree
 

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from support import checkpoint
 from support import flags
 import kernels
+from cache import resolve
 import kvpop
 import qwen3
 from support import scorer_files, tokenizer
@@ -424,7 +425,7 @@ def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top
         top = net(idx).float().topk(min(top_logits, net.config.vocab_size), -1)  # (B, T, K)
         rs = kvpop.dense_targets(net, idx, window, target)[1] if scorer is not None else None
     lt, kv = top.values.log_softmax(-1), []
-    evict_by = kvpop.resolve(scorer or "streaming")[1]  # the scorer's priorities (or StreamingLLM+'s)
+    evict_by = resolve(scorer or "streaming")[1]  # the scorer's priorities (or StreamingLLM+'s)
 
     def attn(i, q, k, v, pos):
         with torch.no_grad():
