@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from support import checkpoint
 from support import flags
-from support import gpus
+from support import bench_runs, corpus, gpus
 import kernels
 import kvpop
 from cache import KVCache
@@ -213,14 +213,14 @@ def cmd_quality(argv):
     a, need = settings("quality", argv)
     policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
     need(a.n >= 1, f"--n {a.n}: use 1 or more")
-    net, tok, budgets, task_names, targets, folders, scorers, files = tasks.baby_setup(a, need, policies)
+    net, tok, budgets, task_names, targets, folders, scorers, files = bench_runs.baby_setup(a, need, policies)
     code = files is not None
     t0, rows, counts = time.time(), [], []
     # the same held-out sequences for every policy and target of a task
     for task in task_names:
         # the task's held-out sequences (idx, tgt, dist); code: the held-out files, its metrics per file (code_runs)
         seqs = lambda: tasks.held_out_batch(tok, task, a.n, a.T, a.seed, a.p_cue)
-        measure, batch = (tasks.code_runs, (net, files)) if code else (tasks.quality_runs, (net, *seqs()))
+        measure, batch = (corpus.code_runs, (net, files)) if code else (tasks.quality_runs, (net, *seqs()))
         cache = (budgets, a.sinks, a.window)
         plain = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
         runs, far, n = measure(*batch, plain, *cache)
@@ -233,7 +233,7 @@ def cmd_quality(argv):
     held = f"{len(files)} held-out files, the first" if code else f"{a.n} held-out sequences of"
     head = f"{a.model}: {held} {a.T} tokens (seed {a.seed}), {'; '.join(counts)}"
     print(f"{head}; sinks {a.sinks}, window {a.window}\n")
-    table = tasks.code_table if code else tasks.quality_table
+    table = corpus.code_table if code else tasks.quality_table
     print(f"{table(rows)}\n\n{time.time() - t0:.0f}s")
     if a.json:
         checkpoint.write_json(rows, a.json)
@@ -250,7 +250,7 @@ def cmd_generate(argv):
     need(a.temperature >= 0, f"--temperature {a.temperature:g}: use 0 (greedy) or more")
     need("code" not in a.task.split(","), "--task code: generate scores the baby's tasks; code: bench.py quality")
     need(1 <= a.tokens <= (a.T or 512) - 2, f"--tokens {a.tokens}: use 1 .. T - 2 (a prompt of 1 or more)")
-    net, tok, budgets, task_names, targets, folders, scorers, _ = tasks.baby_setup(a, need, policies, spare=1)
+    net, tok, budgets, task_names, targets, folders, scorers, _ = bench_runs.baby_setup(a, need, policies, spare=1)
     # far: bound at least S back, S the largest budget's (the same answers' bar at every budget)
     far = max(kvpop.budget_size(b, a.T - 1, a.sinks, a.window)[0] for b in budgets)
     t0, rows, samples = time.time(), [], {}
@@ -261,12 +261,12 @@ def cmd_generate(argv):
         learned = [scorers[d] for r in targets for d in folders[task, r]]
         runs = [("full", 1)] + [(p, b) for p in policies + learned if p != "full" for b in budgets]
         cache = (a.sinks, a.window, a.tokens, a.temperature, a.seed)
-        got = tasks.generate_runs(net, tok, prompt, tqdm(runs, desc=task, leave=False), far, *cache)
+        got = bench_runs.generate_runs(net, tok, prompt, tqdm(runs, desc=task, leave=False), far, *cache)
         rows += [dict(task=task) | r for r in got[0]]
         samples |= {(task, *k): v for k, v in got[1].items()}
     head = f"{a.model}: {a.prompts} held-out prompts a task (seed {a.seed}) of {a.T - a.tokens - 1} tokens"
     print(f"{head}, {a.tokens} written each at temperature {a.temperature:g}; far: >= {far} back\n")
-    print(f"{tasks.generate_table(rows)}\n\n{time.time() - t0:.0f}s")
+    print(f"{bench_runs.generate_table(rows)}\n\n{time.time() - t0:.0f}s")
     if a.json:
         checkpoint.write_json(rows, a.json)
     return rows, samples

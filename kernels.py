@@ -1,29 +1,17 @@
 """KVpop kernels: causal attention under eviction times, the future-attention target, eviction times.
 
 Each operation is first defined in its plain O(T^2) form, the T x T map the README's formulas describe (README, Method:
-eviction times and Method: future attention). Then its fast form, one public function of the same signature: a Triton
-kernel on CUDA tensors (or on any tensor when TRITON_INTERPRET=1 was set before import), a plain-torch path otherwise,
-in tiles, never a T x T tensor. Sums run in fp32 (fp64 for fp64 inputs on the torch paths). The kernels' tiles are
-chosen per GPU (`launch_config`) so that a block's shared memory fits; what cannot fit is refused before launch.
+eviction times and Method: future attention). Then its fast form, one public function of the same signature: in torch,
+in tiles, never a T x T tensor; on a GPU (or on any tensor when TRITON_INTERPRET=1 was set before import), support/
+gpus.py's Triton kernel. Sums run in fp32 (fp64 for fp64 inputs on the torch paths).
 """
 
-# kernel annotations like `tl.constexpr` stay strings without triton
-from __future__ import annotations
-
-import functools
 import math
-import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch paths need no triton
-    triton = None
+from support import gpus
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-INTERPRET_AS = (90, 227 * 1024)  # the interpreter runs CPU tensors as this GPU would (an H100; the tests set others)
 BLOCK = 128  # torch-path tile: extra memory is O(T * BLOCK) per head
 # finite start for running maxima: a fully masked tile gives exp(-inf - NEG) = 0, not nan (jit kernels spell it out)
 NEG = -1e30
@@ -81,14 +69,7 @@ def plain_eviction_times(priority, sinks, window, pool):
     return e.masked_fill(u < sinks, T)
 
 
-# --------------------------------------------- the fast forms: one public function each, a Triton kernel or tiled torch
-_jit = triton.jit if triton is not None else lambda fn: fn  # the kernels below, defined without triton too
-
-
-def _use_triton(x):
-    return triton is not None and (x.is_cuda or INTERPRET)
-
-
+# ------------------------------- the fast forms: one public function each, tiled torch or a Triton kernel (support/gpus.py)
 def _check_qk(q, k, v=None):
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be (B, H, T, D), got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -102,45 +83,6 @@ def _check_qk(q, k, v=None):
 def _check_heads(x, name, shape, device):
     if tuple(x.shape) != shape or x.device != device:
         raise ValueError(f"{name} must have shape {shape} on {device}, got {tuple(x.shape)} on {x.device}")
-
-
-# ---------------------------------------------------------- launch configurations: tiles that fit a GPU's shared memory
-def launch_config(capability, shared_limit, dtype, head_dim):
-    """The attention and future-attention kernels' launch on a GPU of this compute capability (e.g. 89) whose blocks
-    may use shared_limit bytes: tiles BLOCK_M x BLOCK_N, BLOCK_D, num_stages, num_warps. What cannot run is refused."""
-    gpu = f"sm_{capability} ({shared_limit // 1024} KiB of shared memory a block)"
-    if capability < 75:
-        raise ValueError(f"{gpu}: the Triton kernels need compute capability 7.5 or newer; run on the CPU")
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"the Triton kernels take float32, bfloat16 or float16, got {dtype}; cast q, k and v")
-    BLOCK_D = max(16, triton.next_power_of_2(head_dim))
-    if BLOCK_D > 256:
-        raise ValueError(f"the Triton kernels support head_dim <= 256, got {head_dim}; run on the CPU")
-    # The largest tile that fits, pipelined over 2 stages where there is room. sm_75 has no asynchronous copies to
-    # pipeline and multiplies fp32 on its CUDA cores, where 64 x 64 tiles spill registers.
-    tiles = (64, 32, 16) if capability >= 80 else (32, 16)
-    stage_counts = (2, 1) if capability >= 80 else (1,)
-    # The attention kernel (the larger) asks, bounded as if in fp32, 12 bytes an element of its BLOCK_M x BLOCK_D tile
-    # for q, k and v, 8 more a further stage of k and v, and 1 KiB for the eviction times and barriers (triton 3.9,
-    # sm_75 to sm_120: bench.py kernels --targets checks it against the compiler)
-    for tile in tiles:
-        for stages in stage_counts:
-            if (4 + 8 * stages) * tile * BLOCK_D + 1024 <= shared_limit:
-                warps = 8 if tile * BLOCK_D >= 64 * 128 else 4  # with 4, its accumulators would spill registers
-                return dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_D=BLOCK_D, num_stages=stages, num_warps=warps)
-    raise ValueError(f"{gpu} has no room for 16 x 16 tiles at head_dim {head_dim}; run on the CPU")
-
-
-# a GPU's compute capability (e.g. 89) and the shared memory a block may use, read once
-@functools.cache
-def _gpu(index):
-    props = torch.cuda.get_device_properties(index)
-    return props.major * 10 + props.minor, props.shared_memory_per_block_optin
-
-
-def _config(x, head_dim):
-    capability, limit = _gpu(x.device.index or 0) if x.is_cuda else INTERPRET_AS
-    return launch_config(capability, limit, x.dtype, head_dim)
 
 
 # ------------------------------------------------------------------------------------------------------------ attention
@@ -158,8 +100,8 @@ def attention(q, k, v, evict_at=None, sinks=0, scale=None):
     args = (q, k, v, evict_at, sinks, scale)
     # the Triton kernel has no backward
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        return _attention_flex(*args) if q.is_cuda else _attention_torch(*args)
-    return _attention_triton(*args) if _use_triton(q) else _attention_torch(*args)
+        return gpus.flex_attention(*args) if q.is_cuda else _attention_torch(*args)
+    return gpus.attention(*args) if gpus.runs(q) else _attention_torch(*args)
 
 
 def _attention_torch(q, k, v, evict_at, sinks, scale):
@@ -205,87 +147,6 @@ def _attention_torch(q, k, v, evict_at, sinks, scale):
     return out.view(B, heads, T, D).to(dtype), lse.view(B, heads, T)
 
 
-@_jit
-def _attention_kernel(
-    Q, K, V, E, Out, LSE, T, D, group, sinks, scale,
-    HAS_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    # query block; b * Hq + query head, in int64 because offsets like head * T * D pass 2**31 at long T
-    i0 = tl.program_id(0) * BLOCK_M
-    head = tl.program_id(1).to(tl.int64)
-    kv_head = head // group  # = b * Hkv + KV head, since query heads h*G .. h*G+G-1 read KV head h
-    i = i0 + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    dims_in = dims[None, :] < D  # BLOCK_D pads D to a power of two
-    q_offsets = head * T * D + i[:, None] * D + dims[None, :]  # (BLOCK_M, BLOCK_D)
-    q_mask = (i[:, None] < T) & dims_in
-    q = tl.load(Q + q_offsets, mask=q_mask, other=0.0).to(tl.float32)
-    m = tl.full([BLOCK_M], -1e30, tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for j0 in range(0, tl.minimum(i0 + BLOCK_M, T), BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        kv_offsets = kv_head * T * D + j[:, None] * D + dims[None, :]  # (BLOCK_N, BLOCK_D)
-        kv_mask = (j[:, None] < T) & dims_in
-        k = tl.load(K + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(V + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_M, BLOCK_N)
-        visible = (j[None, :] <= i[:, None]) & (j[None, :] < T)
-        if HAS_E:
-            e = tl.load(E + kv_head * T + j, mask=j < T, other=0)
-            kept = (j[None, :] < sinks) | (i[:, None] < e[None, :])  # a sink, or not yet evicted
-            visible = visible & kept
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        rescale = tl.exp(m - m_new)
-        row_sum = row_sum * rescale + tl.sum(p, 1)
-        acc = acc * rescale[:, None] + tl.dot(p, v)
-        m = m_new
-    seen = row_sum > 0  # a row that sees nothing gets out 0 and lse -inf
-    row_sum = tl.where(seen, row_sum, 1.0)
-    out = (acc / row_sum[:, None]).to(Out.dtype.element_ty)
-    tl.store(Out + q_offsets, out, mask=q_mask)
-    lse = tl.where(seen, m + tl.log(row_sum), float("-inf"))
-    tl.store(LSE + head * T + i, lse, mask=i < T)
-
-
-def _attention_triton(q, k, v, evict_at, sinks, scale):
-    (B, heads, T, D), kv_heads = q.shape, k.shape[1]
-    config = _config(q, D)  # refuses, before anything runs, a GPU without room for the tiles
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    out = torch.empty_like(q)
-    lse = torch.empty(B, heads, T, device=q.device)
-    e = evict_at.contiguous() if evict_at is not None else q  # q stands in for the unused pointer
-    grid = (triton.cdiv(T, config["BLOCK_M"]), B * heads)
-    args = (q, k, v, e, out, lse, T, D, heads // kv_heads, sinks, scale)
-    _attention_kernel[grid](*args, HAS_E=evict_at is not None, **config)
-    return out, lse
-
-
-# torch.compile, once per function (FlexAttention eager builds the T x T scores; on CPU it has no backward)
-_compile_once = functools.cache(torch.compile)
-
-
-def _attention_flex(q, k, v, evict_at, sinks, scale):
-    """Training on CUDA: PyTorch's FlexAttention, block-sparse from the same visibility rule, with its backward."""
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
-
-    (B, heads, T, D), kv_heads = q.shape, k.shape[1]
-    group = heads // kv_heads
-
-    def visible(b, h, i, t):
-        if evict_at is None:
-            return t <= i
-        return (t <= i) & ((t < sinks) | (i < evict_at[b, h // group, t]))
-
-    mask = create_block_mask(visible, B, heads, T, T, device=q.device)
-    flex = _compile_once(flex_attention) if q.is_cuda else flex_attention
-    lse_request = AuxRequest(lse=True)
-    out, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=group > 1, return_aux=lse_request)
-    return out, aux.lse.float()
-
-
 # ----------------------------------------------------------------------------------------------------- future attention
 def future_attention(q, k, lse, window, eps=1e-6, reduce="mean"):
     """plain_future_attention's target r (B, Hkv, T) fp32, reduce the mean (the paper's) or the max over the queries
@@ -298,7 +159,7 @@ def future_attention(q, k, lse, window, eps=1e-6, reduce="mean"):
     if reduce not in ("mean", "max"):
         raise ValueError(f"reduce must be mean or max, got {reduce!r}")
     args = (q, k, lse, window, eps, q.shape[-1] ** -0.5, reduce)
-    return _future_triton(*args) if _use_triton(q) else _future_torch(*args)
+    return gpus.future_attention(*args) if gpus.runs(q) else _future_torch(*args)
 
 
 def _future_torch(q, k, lse, window, eps, scale, reduce):
@@ -333,60 +194,6 @@ def _future_torch(q, k, lse, window, eps, scale, reduce):
     return r
 
 
-@_jit
-def _future_kernel(
-    Q, K, LSE, R, T, D, group, window, eps, scale,
-    MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    t0 = tl.program_id(0) * BLOCK_M  # key block
-    kv_head = tl.program_id(1).to(tl.int64)  # b * Hkv + KV head
-    t = t0 + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    dims_in = dims[None, :] < D  # BLOCK_D pads D to a power of two
-    k_offsets = kv_head * T * D + t[:, None] * D + dims[None, :]  # (BLOCK_M, BLOCK_D)
-    k_mask = (t[:, None] < T) & dims_in
-    k = tl.load(K + k_offsets, mask=k_mask, other=0.0).to(tl.float32) * scale
-    n = (T - window - t).to(tl.float32)  # N_t: how many queries see key t only outside the window
-    has_future = n > 0  # the last `window` keys have none (and an empty sum, row_sum = 0)
-    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for g in range(0, group):
-        head = kv_head * group + g
-        m = tl.full([BLOCK_M], -1e30, tl.float32)
-        row_sum = tl.zeros([BLOCK_M], tl.float32)
-        for d0 in range(t0 + window, T, BLOCK_N):
-            d = d0 + tl.arange(0, BLOCK_N)
-            q_offsets = head * T * D + d[:, None] * D + dims[None, :]  # (BLOCK_N, BLOCK_D)
-            q_mask = (d[:, None] < T) & dims_in
-            q = tl.load(Q + q_offsets, mask=q_mask, other=0.0).to(tl.float32)
-            lse = tl.load(LSE + head * T + d, mask=d < T, other=0.0).to(tl.float32)
-            scores = tl.dot(k, tl.trans(q)) - lse[None, :]  # (BLOCK_M, BLOCK_N)
-            outside = (d[None, :] >= t[:, None] + window) & (d[None, :] < T)
-            scores = tl.where(outside, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            rescale = tl.exp(m - m_new)
-            row_sum = row_sum * rescale + tl.sum(tl.exp(scores - m_new[:, None]), 1)
-            m = m_new
-        if MAX:  # the largest p[d, t]
-            p = tl.exp(m)
-        else:  # the mean of p[d, t]
-            total = tl.where(has_future, row_sum, 1.0)
-            count = tl.where(has_future, n, 1.0)
-            p = tl.exp(m + tl.log(total) - tl.log(count))
-        best = tl.maximum(best, tl.log(eps + p))
-    r = tl.where(has_future, best, float("-inf"))
-    tl.store(R + kv_head * T + t, r, mask=t < T)
-
-
-def _future_triton(q, k, lse, window, eps, scale, reduce):
-    (B, heads, T, D), kv_heads = q.shape, k.shape[1]
-    config = _config(q, D)  # refuses, before anything runs, a GPU without room for the tiles
-    r = torch.empty(B, kv_heads, T, device=q.device)
-    grid = (triton.cdiv(T, config["BLOCK_M"]), B * kv_heads)
-    args = (q.contiguous(), k.contiguous(), lse.contiguous(), r, T, D, heads // kv_heads, window, eps, scale)
-    _future_kernel[grid](*args, MAX=reduce == "max", **config)
-    return r
-
-
 # ------------------------------------------------------------------------------------------------------- eviction times
 def eviction_times(priority, sinks, window, pool):
     """plain_eviction_times' e[b, h, t], the first query that no longer sees token t (README, Method: eviction times),
@@ -398,7 +205,7 @@ def eviction_times(priority, sinks, window, pool):
     if priority.is_floating_point() and priority.isnan().any():
         raise ValueError("priority contains NaN; every token needs a comparable priority")
     args = (priority, sinks, window, pool)
-    return _evict_triton(*args) if _use_triton(priority) else _evict_torch(*args)
+    return gpus.eviction_times(*args) if gpus.runs(priority) else _evict_torch(*args)
 
 
 def _evict_torch(priority, sinks, window, pool):
@@ -458,42 +265,3 @@ def _evict_torch(priority, sinks, window, pool):
         ones = torch.ones(heads, width * cells.shape[1], dtype=torch.long, device=device)
         tree.scatter_add_(1, cells[t].view(heads, -1), ones)
     return e.view(B, H, T)
-
-
-@_jit
-def _evict_kernel(PRIORITY, E, T, sinks, window, pool, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr):
-    # Parallel form for the GPU: each token scans all positions u in order and counts those that beat it until the count
-    # reaches pool. O(T^2) work but O(T) memory, and every token block runs independently.
-    head = tl.program_id(1).to(tl.int64)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    pi_t = tl.load(PRIORITY + head * T + t, mask=t < T, other=0.0)[:, None]  # (BLOCK_T, 1)
-    count = tl.zeros([BLOCK_T], tl.int32)
-    u_pool = tl.full([BLOCK_T], T, tl.int32)  # T: fewer than pool better tokens
-    for u0 in range(sinks, T, BLOCK_U):
-        u = u0 + tl.arange(0, BLOCK_U)
-        pi_u = tl.load(PRIORITY + head * T + u, mask=u < T, other=0.0)[None, :]  # (1, BLOCK_U)
-        newer = u[None, :] > t[:, None]
-        better = (pi_u > pi_t) | ((pi_u == pi_t) & newer)
-        better = (better & (u[None, :] < T)).to(tl.int32)  # (BLOCK_T, BLOCK_U)
-        running = count[:, None] + tl.cumsum(better, 1)
-        # pool = 0 stops at u = sinks <= t
-        reached = tl.where(running >= pool, u[None, :], T)
-        u_pool = tl.minimum(u_pool, tl.min(reached, 1))
-        count += tl.sum(better, 1)
-    leave = tl.minimum(tl.maximum(t, u_pool) + window, T)
-    e = tl.where(u_pool < T, leave, T)
-    e = tl.where(t < sinks, T, e).to(tl.int64)
-    tl.store(E + head * T + t, e, mask=t < T)
-
-
-# eviction_times' kernel: 64 tokens by 64 positions, half a KiB of shared memory on every GPU
-EVICT_CONFIG = dict(BLOCK_T=64, BLOCK_U=64, num_stages=3, num_warps=4)
-
-
-def _evict_triton(priority, sinks, window, pool):
-    B, H, T = priority.shape
-    e = torch.empty(B, H, T, dtype=torch.int64, device=priority.device)
-    priority = priority.to(torch.float64).contiguous()  # exact for every float and for ints below 2**53
-    grid = (triton.cdiv(T, EVICT_CONFIG["BLOCK_T"]), B * H)
-    _evict_kernel[grid](priority, e, T, sinks, window, pool, **EVICT_CONFIG)
-    return e

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from support import flags
 import qwen3
 from support import tokenizer
-from tasks import TASK_RANKS, TASKS, code_files, code_held_out, code_sequences, evaluate, last_seen, task_batch
+from support.corpus import code_files, code_held_out, code_sequences, last_seen
+from tasks import TASK_RANKS, TASKS, evaluate, task_batch
 
 # --- run
 out_dir = "out"  # written: config.json and model.safetensors (replaced; the folder's other files stay)

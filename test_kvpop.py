@@ -37,7 +37,7 @@ import kernels
 import kvpop
 from cache import KVCache, resolve
 import qwen3
-from support import fast, scorer_files, tokenizer
+from support import bench_runs, corpus, fast, scorer_files, tokenizer
 
 
 # =========================================================================================================
@@ -957,24 +957,24 @@ def _k_simulate(priority, sinks, window, k):
     return e
 
 
-# the per-block shared memory of the GPUs kernels.launch_config is checked for (CUDA C++ Programming Guide, technical
+# the per-block shared memory of the GPUs gpus.launch_config is checked for (CUDA C++ Programming Guide, technical
 # specifications per compute capability), as (capability, bytes)
 _K_GPUS = {"sm_75": (75, 64 << 10), "sm_80": (80, 163 << 10), "sm_86": (86, 99 << 10)}
 _K_GPUS |= {"sm_89": (89, 99 << 10), "sm_90": (90, 227 << 10), "sm_120": (120, 99 << 10)}
 _K_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # every tile size launch_config picks on one of them at head_dim 64, 128 or 256
 _K_CASES = [(*gpu, dtype, D) for gpu in _K_GPUS.values() for dtype in _K_DTYPES for D in (64, 128, 256)]
-_K_TILES = sorted({kernels.launch_config(*case)["BLOCK_M"] for case in _K_CASES}) if kernels.triton else [64]
+_K_TILES = sorted({gpus.launch_config(*case)["BLOCK_M"] for case in _K_CASES}) if gpus.triton else [64]
 
 
-@pytest.fixture(params=_K_TILES if kernels.INTERPRET else [None], ids=lambda tile: f"tile{tile}" if tile else "chosen")
+@pytest.fixture(params=_K_TILES if gpus.INTERPRET else [None], ids=lambda tile: f"tile{tile}" if tile else "chosen")
 def _k_tile(request, monkeypatch):
     """Under the interpreter, the Triton kernels run at every tile size some GPU gets (the tests' small head_dims
     alone would always get 64 x 64); elsewhere the chosen tiles."""
     if request.param:
-        chosen = kernels.launch_config
+        chosen = gpus.launch_config
         tiles = dict(BLOCK_M=request.param, BLOCK_N=request.param)
-        monkeypatch.setattr(kernels, "launch_config", lambda *gpu: chosen(*gpu) | tiles)
+        monkeypatch.setattr(gpus, "launch_config", lambda *gpu: chosen(*gpu) | tiles)
 
 
 def _k_qkv(B, G, T, D, device, seed, Hkv=2):
@@ -1089,7 +1089,7 @@ def test_kernels_eviction_times_random(device):
     rng = random.Random(0)
     # 12 heads per instance: 3000 heads, 1080 under the interpreter (which runs each head's program
     # in Python)
-    for case in range(90 if kernels.INTERPRET else 250):
+    for case in range(90 if gpus.INTERPRET else 250):
         # some span several blocks and chunks
         T = rng.randint(1, 40) if case % 10 else rng.randint(60, 140)
         sinks, window = rng.choice([0, 0, 1, 4]), rng.choice([1, 1, 2, 5, 50])
@@ -1136,7 +1136,7 @@ def test_kernels_bad_input():
 
 
 def test_kernels_dispatch():
-    assert kernels._use_triton(torch.zeros(1)) == (os.environ.get("TRITON_INTERPRET") == "1")
+    assert gpus.runs(torch.zeros(1)) == (os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _k_peak_bytes(fn):
@@ -1183,7 +1183,7 @@ def test_kernels_triton_interpreter():
 
 def _k_ptxas():
     """triton's own ptxas (the wheel ships it), or why there is none."""
-    if kernels.triton is None:
+    if gpus.triton is None:
         return None, "triton is not installed"
     path = gpus.ptxas()
     return (path, "") if os.path.isfile(path) else (None, f"triton's ptxas is absent ({path})")
@@ -1199,9 +1199,9 @@ def test_kernels_compile_for_gpus():
     for target in ("sm_75", "sm_89"):
         capability, limit = _K_GPUS[target]
         # eviction_times' kernel reads fp64 priorities whatever the model's dtype
-        launches = [("eviction_times", kernels._evict_kernel, {}, "float64", kernels.EVICT_CONFIG)]
+        launches = [("eviction_times", gpus._evict_kernel, {}, "float64", gpus.EVICT_CONFIG)]
         for dtype in ("float32", "bfloat16"):
-            config = kernels.launch_config(capability, limit, getattr(torch, dtype), 128)
+            config = gpus.launch_config(capability, limit, getattr(torch, dtype), 128)
             assert config["BLOCK_D"] == 128
             launches += [(name, kernel, flags, dtype, config) for name, kernel, flags in gpus.LAUNCHES]
         for name, kernel, flags, dtype, config in launches:
@@ -1209,7 +1209,7 @@ def test_kernels_compile_for_gpus():
             print(f"{target} {dtype} {name}: {shared} bytes of {limit}, {registers} registers")
             assert 0 < shared <= limit and 0 < registers <= 255, (target, dtype, name, shared)
     before = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, num_stages=2, num_warps=4)
-    shared = gpus.compile_for_gpu("sm_89", kernels._attention_kernel, "float32", before, HAS_E=True)[0]
+    shared = gpus.compile_for_gpu("sm_89", gpus._attention_kernel, "float32", before, HAS_E=True)[0]
     assert shared > _K_GPUS["sm_89"][1], shared
 
 
@@ -1217,15 +1217,15 @@ def test_kernels_refuse_before_launch(monkeypatch):
     """A GPU, dtype or head_dim the kernels cannot serve is refused with one line before any launch (never triton's
     OutOfResources): here a mocked GPU whose blocks may use 16 KiB of shared memory, where at head_dim 256 the smallest
     q tile alone, 16 rows of 256 fp32, takes all 16 KiB before k and v."""
-    monkeypatch.setattr(kernels, "INTERPRET", True)  # CPU tensors take the Triton path, as on a GPU
-    monkeypatch.setattr(kernels, "INTERPRET_AS", (86, 16 << 10))
+    monkeypatch.setattr(gpus, "INTERPRET", True)  # CPU tensors take the Triton path, as on a GPU
+    monkeypatch.setattr(gpus, "INTERPRET_AS", (86, 16 << 10))
 
     class NoLaunch:  # stands in for a kernel: launching it fails the test
         def __getitem__(self, grid):
             raise AssertionError(f"a kernel was launched on grid {grid}")
 
-    monkeypatch.setattr(kernels, "_attention_kernel", NoLaunch())
-    monkeypatch.setattr(kernels, "_future_kernel", NoLaunch())
+    monkeypatch.setattr(gpus, "_attention_kernel", NoLaunch())
+    monkeypatch.setattr(gpus, "_future_kernel", NoLaunch())
     q, k, v = _k_qkv(1, 2, 8, 256, "cpu", 0)
     lse = torch.zeros(1, 4, 8)
     for run in (lambda: kernels.attention(q, k, v), lambda: kernels.future_attention(q, k, lse, 2)):
@@ -1234,7 +1234,7 @@ def test_kernels_refuse_before_launch(monkeypatch):
         message = str(refused.value)
         assert "\n" not in message and "sm_86" in message and "head_dim 256" in message, message
     # and on a GPU that has room, the same call would go on to launch
-    monkeypatch.setattr(kernels, "INTERPRET_AS", _K_GPUS["sm_86"])
+    monkeypatch.setattr(gpus, "INTERPRET_AS", _K_GPUS["sm_86"])
     with pytest.raises(AssertionError, match="launched"):
         kernels.attention(q, k, v)
     # what no GPU serves, one line each
@@ -1242,7 +1242,7 @@ def test_kernels_refuse_before_launch(monkeypatch):
     refusals += [((90, 227 << 10, torch.bfloat16, 512), "head_dim <= 256")]
     for case, reason in refusals:
         with pytest.raises(ValueError, match=re.escape(reason)) as refused:
-            kernels.launch_config(*case)
+            gpus.launch_config(*case)
         assert "\n" not in str(refused.value)
 
 
@@ -3414,7 +3414,7 @@ def test_flex_attention_mask_is_the_visibility_rule():
     q, k, v = _k_qkv(1, 2, 96, 16, "cpu", 3)
     e = kernels.eviction_times(torch.randn(1, 2, 96), 2, 8, 20)
     for ev in (e, None):
-        out, lse = kernels._attention_flex(q, k, v, ev, 2, 0.25)
+        out, lse = gpus.flex_attention(q, k, v, ev, 2, 0.25)
         ref, ref_lse = _k_dense_attention(q, k, v, ev, 2, 0.25)
         assert (out - ref).abs().max().item() <= 1e-5 and (lse - ref_lse).abs().max().item() <= 1e-5
 
@@ -3928,18 +3928,18 @@ def test_generate_counts_are_a_recount(baby, tmp_path, capsys):
 
 
 def test_retained_interval_by_hand():
-    """tasks.retained: accuracy over full's, pooled over prompts, and the 2.5th / 97.5th percentiles of the ratio
+    """bench_runs.retained: accuracy over full's, pooled over prompts, and the 2.5th / 97.5th percentiles of the ratio
     over paired resamples of the prompts. Four prompts, one missed: the ratio is #kept picks / 4, P(0) = 1/256 and
     P(0.25) = 12/256, so the 2.5th percentile is 0.25, the 97.5th 1 (P(1) = 81/256); a policy equal to full is
     exactly 1 in every paired resample, whatever its per-prompt accuracies; the draw is seeded."""
     one = torch.ones(4)
-    assert tasks.retained(torch.tensor([1.0, 1, 1, 0]), one, one, one) == (0.75, 0.25, 1.0)
+    assert bench_runs.retained(torch.tensor([1.0, 1, 1, 0]), one, one, one) == (0.75, 0.25, 1.0)
     hits, counts = torch.tensor([3.0, 0, 5, 1]), torch.tensor([4.0, 2, 5, 6])
-    assert tasks.retained(hits, counts, hits, counts) == (1.0, 1.0, 1.0)
+    assert bench_runs.retained(hits, counts, hits, counts) == (1.0, 1.0, 1.0)
     # two prompts, the policy right on one: 0, 0.5 or 1 by the picks
-    assert tasks.retained(torch.tensor([1.0, 0]), one[:2], one[:2], one[:2], seed=3) == (0.5, 0.0, 1.0)
+    assert bench_runs.retained(torch.tensor([1.0, 0]), one[:2], one[:2], one[:2], seed=3) == (0.5, 0.0, 1.0)
     full = torch.tensor([4.0, 2, 5, 5])
-    a, b = (tasks.retained(hits, counts, full, counts, seed=5) for _ in range(2))
+    a, b = (bench_runs.retained(hits, counts, full, counts, seed=5) for _ in range(2))
     assert a == b and a[1] < a[0] < a[2]
 
 
@@ -4060,7 +4060,7 @@ def test_readme_real_qwen3_commands_on_a_local_cache(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# code: real text nobody here wrote (tasks.py's corpus and metrics; pretrain.py --data, train.py --task code, bench.py
+# code: real text nobody here wrote (support/corpus.py: the corpus and its metrics; pretrain.py --data, train.py --task code, bench.py
 # quality --task code), on a tiny corpus made here
 
 
@@ -4100,15 +4100,15 @@ def test_code_split_is_fixed_by_path_hash_and_disjoint(tmp_path):
     (corpus / "notes.md").write_text("not code")
     (corpus / "sub").mkdir()
     (corpus / "sub" / "a.txt").write_text("x = 1")
-    train, held = tasks.code_files(str(corpus))
+    train, held = corpus.code_files(str(corpus))
     every = sorted([f"mod{i}.py" for i in range(26)] + ["sub/a.txt"])
     assert sorted(train + held) == every and not set(train) & set(held)
     # held out: sha256 of the relative path = 0 mod 10
     ref = [p for p in every if int(hashlib.sha256(p.encode()).hexdigest(), 16) % 10 == 0]
-    assert held == ref == ["mod25.py", "mod7.py"] and tasks.code_files(str(corpus)) == (train, held)
+    assert held == ref == ["mod25.py", "mod7.py"] and corpus.code_files(str(corpus)) == (train, held)
     # a new file moves no other
     (corpus / "new.py").write_text("y = 2")
-    train2, held2 = tasks.code_files(str(corpus))
+    train2, held2 = corpus.code_files(str(corpus))
     assert set(train) <= set(train2) and set(held) <= set(held2)
 
 
@@ -4143,22 +4143,22 @@ def test_code_metrics_match_their_definitions():
     logits[:, :-1].scatter_add_(-1, idx[:, 1:, None], 3 * torch.rand(B, T - 1, 1, generator=g))
     full = logits.log_softmax(-1)
     lp = (logits + 1.5 * torch.randn(B, T, V, generator=g)).log_softmax(-1)
-    got = tasks.file_metrics(full, lp, idx, S)
+    got = corpus.file_metrics(full, lp, idx, S)
     ref = torch.tensor(_ref_file_metrics(full, lp, idx, S), dtype=torch.float64)
     for j, key in enumerate(("kl", "top1", "log_ppl", "far_copy")):
         assert torch.allclose(got[key].double(), ref[:, j], atol=1e-5, equal_nan=True), (key, got[key], ref[:, j])
     assert 0 < ref[:, 3].nanmean() < 1 and (ref[:, 1] < 1).all()  # the case has far copies, some missed
     # last seen, the distance to the previous occurrence (0: none)
     row = [3, 1, 3, 3, 2, 1]
-    assert tasks.last_seen(torch.tensor([row])).tolist() == [[0, 0, 2, 1, 0, 4]]
+    assert corpus.last_seen(torch.tensor([row])).tolist() == [[0, 0, 2, 1, 0, 4]]
     # the normal 95% interval over files, nan files left out
     x = torch.tensor([0.2, math.nan, 0.5, 0.9, 0.4])
-    mean, half = tasks.interval(x)
+    mean, half = corpus.interval(x)
     kept = [0.2, 0.5, 0.9, 0.4]
     m = sum(kept) / 4
     sd = math.sqrt(sum((v - m) ** 2 for v in kept) / 3)
     assert mean == pytest.approx(m) and half == pytest.approx(1.96 * sd / 2)
-    assert math.isnan(tasks.interval(torch.tensor([0.3, math.nan]))[0])
+    assert math.isnan(corpus.interval(torch.tensor([0.3, math.nan]))[0])
 
 
 def test_code_commands_run_on_a_tiny_corpus(tmp_path, monkeypatch, capsys):
@@ -4190,7 +4190,7 @@ def test_code_commands_run_on_a_tiny_corpus(tmp_path, monkeypatch, capsys):
     assert rows[0]["kl"] == 0 and rows[0]["top1"] == 1 and rows[0]["ppl_ratio"] == 1 and rows[0]["files"] == 2
     # streaming at 0.25 (S = 32) on the 2 held-out files, by the definitions
     net = qwen3.Qwen3.from_pretrained(str(model))
-    files = tasks.code_held_out(tokenizer.Tokenizer.from_pretrained(str(model)), corpus, 128, 4)
+    files = corpus.code_held_out(tokenizer.Tokenizer.from_pretrained(str(model)), corpus, 128, 4)
     full = tasks.evaluate(net, files, "full", 1, online=False).log_softmax(-1)
     lp = tasks.evaluate(net, files, "streaming", 0.25, 4, 8, online=False).log_softmax(-1)
     ref = torch.tensor(_ref_file_metrics(full, lp, files, 32), dtype=torch.float64)  # (files, 4)

@@ -11,9 +11,6 @@ The scorer learns the keep-or-drop decisions of a teacher that ranks tokens by t
 Method: boundary loss); --finetune trains the model too, under that eviction, by KL to the dense model (fine-tune).
 """
 
-import contextlib
-import glob
-import json
 import math
 import os
 import random
@@ -22,10 +19,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from support import checkpoint
 from support import flags
@@ -33,8 +26,9 @@ import kernels
 from cache import resolve
 import kvpop
 import qwen3
-from support import scorer_files, tokenizer
-from tasks import TASKS, code_held_out, code_sequences, quality_runs, quality_table, task_batch
+from support import processes, scorer_files, tokenizer
+from support.corpus import code_held_out, code_sequences, pack_files
+from tasks import TASKS, quality_runs, quality_table, task_batch
 
 # --- what to run
 finetune = False  # the model trains too, under the eviction, by KL to the dense model
@@ -89,7 +83,7 @@ model_lr = (1e-5 if model == "baby" else 8e-5) if model_lr == -1 else model_lr
 model = "codebaby" if task == "code" and "model" not in given else model
 seq_len = 1024 if task == "code" and "seq_len" not in given else seq_len
 max_iters = (1200 if data == "baby" and task == "cue" else 600) if max_iters == -1 else max_iters
-rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
+rank, world = processes.rank, processes.world  # torchrun's
 log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None  # rank 0 logs
 need = lambda ok, msg: flags.need(ok, msg, "train.py")  # bad input: one line, exit 1
 
@@ -176,10 +170,9 @@ def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
     scorer; the counts, gradients (reduced in the last layer's backward) and results are then the global batch's."""
     T, L = rs[0].shape[-1], len(kv)
     pos, total, hits = torch.arange(T, device=rs[0].device), 0.0, 0.0
-    count = allsum if ddp else None
+    count = processes.allsum if ddp else None
     for i, ((k, v), r) in enumerate(zip(kv, rs)):
-        no_sync = isinstance(ddp, DDP) and i < L - 1
-        with ddp.no_sync() if no_sync else contextlib.nullcontext():
+        with processes.no_sync(ddp, i < L - 1):
             teacher = r + scorer.recency(i, pos).detach()  # the teacher's priorities pi* = r* + gamma_h t
             pi = (ddp or scorer)(i, k, v, pos)
             loss, right = kvpop.boundary_loss(pi, teacher, qs, sinks, window, pools, L, count)
@@ -188,7 +181,7 @@ def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
                 (loss * world).backward()  # DDP averages over the processes
         total += loss.item()
     if ddp is not None:
-        total, hits = allsum(torch.tensor([total, hits], dtype=torch.float64)).tolist()
+        total, hits = processes.allsum(torch.tensor([total, hits], dtype=torch.float64)).tolist()
     return total, hits
 
 
@@ -209,31 +202,6 @@ def batch(tok, texts, it):
     return torch.stack(rows)
 
 
-def pack_files(tok):
-    """--data's .txt/.jsonl files (a folder: the files under it; a .jsonl line: its "text", if a JSON object with one)
-    packed into sequences (n, seq_len) -> (the training ones, the held-out ones: the last)."""
-    found = []
-    for p in glob.glob(os.path.expanduser(data)):
-        found += glob.glob(os.path.join(p, "**", "*"), recursive=True) if os.path.isdir(p) else [p]
-    files = sorted(f for f in found if f.endswith((".txt", ".jsonl")) and os.path.isfile(f))
-    ids = []
-    for f in files:
-        jsonl = f.endswith(".jsonl")
-        with open(f, encoding="utf-8", errors="replace") as fh:
-            for line in fh if jsonl else [fh.read()]:
-                text = ""
-                with contextlib.suppress(ValueError, AttributeError):
-                    text = json.loads(line).get("text", "") if jsonl else line
-                if isinstance(text, str) and text.strip():
-                    ids += tok.encode(text) + [tok.special["<|endoftext|>"]]
-    n = len(ids) // seq_len
-    what = f"{len(files)} .txt/.jsonl files with {len(ids)} tokens of text"
-    need(n >= 2, f"--data {data}: {what}; need at least 2 x --seq_len ({2 * seq_len}) tokens")
-    seqs = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
-    n_valid = max(1, min(eval_seqs, n // 10))
-    return seqs[:-n_valid], seqs[-n_valid:]
-
-
 def load():
     """Every check against the model's config, tokenizer and data first, the weights last -> the checkpoint folder,
     tokenizer, --data's sequences (pack_files; None: the baby's task), the frozen dense model, the model to fine-tune
@@ -244,19 +212,19 @@ def load():
     tok = tokenizer.Tokenizer.from_pretrained(folder)
     P = config.max_position_embeddings
     need(seq_len <= P, f"--seq_len {seq_len}: the model has only {P} positions")
-    texts = pack_files(tok) if data != "baby" else None
+    texts = pack_files(tok, data, seq_len, eval_seqs) if data != "baby" else None
     if task == "code":  # the corpus's training files packed, its first held-out files
         texts = code_sequences(tok, corpus, seq_len), code_held_out(tok, corpus, seq_len, eval_seqs)
     # the scorer: a fresh one at --seed, or a trained one (--resume's own, or --init_from's)
     torch.manual_seed(seed)
     scorer = kvpop.SCORERS[kind](config, window, d_mem, d_hidden, gamma, arrival).to(device) if learned else None
-    train_state = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
+    saved = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
     if learned and (resume or init_from):
         scorer = scorer_files.load(out_dir if resume else init_from)
         scorer.check(config, window)
         scorer = scorer.to(device).requires_grad_(True).train()
         if resume:
-            scorer.load_state_dict(train_state["scorer"])
+            scorer.load_state_dict(saved["scorer"])
     # the budget: the scorer's state comes off it
     dt = flags.auto_dtype(dtype, device)
     charge = kvpop.state_charge(scorer, getattr(torch, dt or config.torch_dtype))
@@ -277,20 +245,19 @@ def load():
     net = qwen3.Qwen3.from_pretrained(folder, device, dt).requires_grad_(False)
     student = qwen3.Qwen3.from_pretrained(folder, device, dt).train() if finetune else None
     if resume and finetune:
-        student.load_state_dict(train_state["model"])
+        student.load_state_dict(saved["model"])
     what = f"{kind} scorer: {sum(p.numel() for p in scorer.parameters())} parameters" if learned else "StreamingLLM+"
     heads = f"{config.num_hidden_layers} layers x {config.num_key_value_heads} KV heads"
     what += f" for {model} ({heads}){', fine-tuning the model' * finetune}"
     split = f"S = {size} per head: {sinks} sinks + {window} window + {pool} pool + {charge} state"
     log(f"{what}; budget {budget:g} = {split}; {world} process(es)")
-    return folder, tok, texts, net, student, scorer, pools, train_state
+    return folder, tok, texts, net, student, scorer, pools, saved
 
 
 def save(it, folder, scorer, scorer_opt, student, model_opt):
     """Everything to resume, written atomically by rank 0; --finetune: the model too, its full state gathered from every
     process's shards, and the tokenizer files beside it."""
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights, model_opt_state = get_state_dict(student, model_opt, options=full) if student is not None else (None, None)
+    weights, model_opt_saved = processes.gather(student, model_opt) if student is not None else (None, None)
     if rank:
         return
     if student is not None:
@@ -307,9 +274,9 @@ def save(it, folder, scorer, scorer_opt, student, model_opt):
         scorer.meta = {k: globals()[k] for k in names.split()}
         scorer.meta.update(iters=it, finetune=finetune)
         scorer_files.save(scorer, out_dir)
-    scorer_state = dict(scorer=scorer and scorer.state_dict(), opt=scorer_opt and scorer_opt.state_dict())
-    train_state = dict(scorer_state, model=weights, model_opt=model_opt_state, iter=it)
-    torch.save(train_state, os.path.join(out_dir, "tmp.pt"))
+    scorer_saved = dict(scorer=scorer and scorer.state_dict(), opt=scorer_opt and scorer_opt.state_dict())
+    saved = dict(scorer_saved, model=weights, model_opt=model_opt_saved, iter=it)
+    torch.save(saved, os.path.join(out_dir, "tmp.pt"))
     os.replace(os.path.join(out_dir, "tmp.pt"), os.path.join(out_dir, "train_state.pt"))
 
 
@@ -356,21 +323,20 @@ def learning_rate(it):
 def train():
     # a bad checkpoint or data file: one line
     try:
-        folder, tok, texts, net, student, scorer, pools, train_state = load()
+        folder, tok, texts, net, student, scorer, pools, saved = load()
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         sys.exit(f"train.py: {e}")
-    ddp = distribute(net, student, scorer)
+    ddp = processes.distribute(net, student, scorer, finetune)
     # an AdamW per module trained, its peak rate --lr (scorer) or --model_lr (model)
     hyper = dict(betas=(0.9, 0.95), weight_decay=weight_decay)
     peaks = [(m, r) for m, r in ((scorer, lr), (student, model_lr)) if m is not None]
     opts = {m: torch.optim.AdamW(m.parameters(), lr=r, **hyper) for m, r in peaks}
-    it0 = train_state["iter"] if resume else 0
+    it0 = saved["iter"] if resume else 0
     if resume:  # the optimizers' states as the checkpoint left them
         if scorer is not None:
-            opts[scorer].load_state_dict(train_state["opt"])
+            opts[scorer].load_state_dict(saved["opt"])
         if finetune:
-            full = StateDictOptions(full_state_dict=True)
-            set_optimizer_state_dict(student, opts[student], train_state["model_opt"], options=full)
+            processes.load_optimizer(student, opts[student], saved["model_opt"])
         log(f"resuming {out_dir} at step {it0}")
     n = batch_size // world  # this process's share of a batch
     t0, seen = time.time(), []
@@ -438,37 +404,12 @@ def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top
     kl = (lt.exp() * (lt - lp)).sum(-1).mean()
     kl.backward()
     b = scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp) if scorer is not None else (0.0, 0.0)
-    return allsum(kl.detach().double()).item() / world, *b
-
-
-def allsum(x):
-    """In place: the sum over the processes, each holding its share of the global batch."""
-    if world > 1:
-        dist.all_reduce(x)
-    return x
-
-
-def distribute(net, student, scorer):
-    """Several processes: the scorer replicated (DDP), --finetune's models split block by block (FSDP2) -> the scorer
-    to call (the DDP wrapper, or the scorer)."""
-    if world > 1 and finetune:
-        # each block's weights split over the processes, gathered for its forward/backward
-        for m in (*net.model.layers, net, *student.model.layers, student):
-            fully_shard(m)
-    return DDP(scorer) if scorer is not None and world > 1 else scorer
+    return processes.allsum(kl.detach().double()).item() / world, *b
 
 
 if __name__ == "__main__":
     check_flags()
     torch.set_num_threads(threads)
-    # torchrun: one process per CPU share (gloo) or GPU (nccl)
-    if world > 1:
-        dist.init_process_group("gloo" if device == "cpu" else "nccl")
-        device = device if device == "cpu" else f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    device = processes.start(device)
     train()
-    # DDP and FSDP keep the group's threads (gloo's run loops) alive past destroy_process_group, and Python's exit can
-    # then abort a worker ("terminate called without an active exception"): a worker leaves without it
-    if world > 1:
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        os._exit(0)
+    processes.finish()

@@ -1,0 +1,154 @@
+"""What bench.py quality and generate run on: their flags checked, the model, its scorers and code's held-out files
+loaded (`baby_setup`); and generate's runs, each policy continuing held-out prompts, scored by sample.py's scoreboard.
+"""
+
+import os
+
+import torch
+
+import kvpop
+import qwen3
+from cache import KVCache
+from qwen3 import generate
+from support import checkpoint, corpus, flags, scorer_files, tokenizer
+from tasks import TASKS, recall_answers, task_ids
+
+
+def retained(hits, counts, full_hits, full_counts, seed=0, draws=1000):
+    """A policy's accuracy over full's on the same prompts (per prompt hits and answers, (N,) each, pooled) -> (the
+    ratio, its 95% interval): the 2.5th and 97.5th percentiles of the ratio over `draws` resamples of the prompts with
+    replacement, a resample drawing the same prompts for both (paired), seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randint(len(hits), (draws, len(hits)), generator=gen)  # (draws, N)
+    acc = lambda h, n: h[pick].sum(1) / n[pick].sum(1)  # (draws,)
+    mine = acc(hits.double(), counts.double())
+    ratio = mine / acc(full_hits.double(), full_counts.double())
+    low, high = torch.nanquantile(ratio, ratio.new_tensor([0.025, 0.975])).tolist()
+    point = hits.sum() / counts.sum() / (full_hits.sum() / full_counts.sum())
+    return point.item(), low, high
+
+
+# a sample's longest run of one word
+def longest_run(words):
+    runs = [1]
+    for j in range(1, len(words)):
+        runs.append(runs[-1] + 1 if words[j] == words[j - 1] else 1)
+    return max(runs)
+
+
+def scoreboard(words, start, far):
+    """A sample's words (its prompt's first) on the scoreboard -> hits, answers, far hits, far answers (far: bound at
+    least `far` tokens back), the longest run of one word and the distinct words it writes."""
+    marks = recall_answers(words, start).values()
+    hits = [hit for hit, _ in marks]
+    far_hits = [hit for hit, d in marks if d >= far]
+    text = words[start:]
+    return sum(hits), len(hits), sum(far_hits), len(far_hits), longest_run(text), len(set(text))
+
+
+@torch.no_grad()
+def continue_prompts(model, prompt, policy, budget, sinks, window, tokens, temperature, seed):
+    """Every prompt (N, P) continued for `tokens` tokens, the rows of one batch through an evicting cache, sampled as
+    sample.py samples (seeded, at temperature, no top-k, no nucleus, no stop) -> (N, tokens) ids."""
+    total = prompt.shape[1] + tokens
+    charge = kvpop.state_charge(policy, next(model.parameters()).dtype)
+    size = kvpop.budget_size(budget, total, sinks, window, charge)[0]
+    slots = kvpop.entries(size, charge, total)
+    cache = KVCache(model, len(prompt), slots, policy, sinks, window)
+    torch.manual_seed(seed)
+    steps = generate(model, prompt, tokens, temperature, cache=cache)
+    return torch.stack(list(steps), 1)  # (N, tokens)
+
+
+def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperature, seed):
+    """Each (policy, budget) of runs, full's first, continues the same prompts (N, P) (continue_prompts) -> rows
+    (answers, accuracy, far accuracy, retained = accuracy / full's with its paired bootstrap interval, the longest run
+    of one word, distinct words a sample), samples {(policy, budget): (prompt, ids)}."""
+    rows, samples = [], {}
+    word = {i: w for w, i in task_ids(tok)[0].items()}  # token id -> task word
+    for p, b in runs:
+        out = continue_prompts(model, prompt, p, b, sinks, window, tokens, temperature, seed)
+        name = p if isinstance(p, str) else p.kind
+        samples[name, b] = prompt, out
+        # each prompt's scoreboard
+        seqs = torch.cat([prompt, out], 1).tolist()
+        board = [scoreboard([word.get(i) for i in x], prompt.shape[1], far) for x in seqs]
+        board = torch.tensor(board, dtype=torch.float64)  # (N, 6)
+        hits, n, far_hits, far_n, run, distinct = board.unbind(1)
+        full = (hits, n) if p == "full" else full
+        ratio, low, high = retained(hits, n, *full, seed)
+        row = dict(policy=name, budget=b, answers=int(n.sum()), accuracy=hits.sum() / n.sum())
+        row.update(far_answers=int(far_n.sum()), far_accuracy=far_hits.sum() / far_n.sum())
+        row.update(retained=ratio, retained_low=low, retained_high=high)
+        row.update(longest_run=int(run.max()), distinct=distinct.mean())
+        # fractions to 4 decimals
+        rounded = lambda v: round(float(v), 4) if isinstance(v, float | torch.Tensor) else v
+        rows.append({k: rounded(v) for k, v in row.items()})
+    return rows, samples
+
+
+def generate_table(rows):  # a markdown table of bench.py generate's rows
+    head = "task policy budget answers accuracy far_accuracy_(answers) retained_[95%] longest_run distinct"
+    lines = ["| " + " | ".join(head.split()).replace("_", " ") + " |", "|---" * 9 + "|"]
+    for r in rows:
+        cells = [r["task"], r["policy"], f"{r['budget']:g}", r["answers"], f"{r['accuracy']:.1%}"]
+        cells += [f"{r['far_accuracy']:.1%} ({r['far_answers']})"]
+        cells += [f"{r['retained']:.3f} [{r['retained_low']:.3f}, {r['retained_high']:.3f}]"]
+        cells += [r["longest_run"], f"{r['distinct']:.1f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bench.py quality and generate: their flags checked, the model, its scorers and the held-out code files loaded
+
+
+# the scorer folders --scorer names; shipped: those python train.py wrote for the model (baby, code), every kind
+def scorer_folders(scorer, model, task, target):
+    if scorer != "shipped":
+        return [d for d in scorer.split(",") if d]
+    folders = [f"{model}/scorers/{task}-{target}/{k}" for k in kvpop.SCORERS]
+    return [d for d in folders if os.path.isfile(os.path.join(d, "scorer.json"))]
+
+
+def baby_setup(a, need, policies, spare=0):
+    """bench.py quality, generate: names and numbers checked (a budget of T - spare tokens), then the model -> net, tok,
+    budgets, tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}, code's held-out files."""
+    task_names, targets = a.task.split(","), a.target.split(",")
+    # code: its own model (codebaby/) and length, so alone
+    code = task_names == ["code"]
+    need(code or "code" not in task_names, f"--task {a.task}: code runs alone (its own model, codebaby/)")
+    a.model = a.model or ("codebaby" if code else "baby")
+    a.window, a.T = a.window or 32, a.T or (1024 if code else 512)
+    # every name known, or exit naming the first that is not
+    for flag, what, names, known in [
+        ("policies", "policy", policies, kvpop.POLICIES),
+        ("task", "task", task_names, (*TASKS, "code")),
+        ("target", "target", targets, kvpop.TARGETS),
+    ]:
+        bad = [x for x in names if x not in known]
+        need(not bad, f"--{flag}: unknown {what} {(bad or [''])[0]!r}; choose from {','.join(known)}")
+    for name, least in dict(T=64, sinks=0, window=1, threads=1).items():
+        need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
+    need(a.p_cue < 1, f"--p_cue {a.p_cue}: use a rate below 1 (-1: the cue task's own)")
+    budgets = [flags.parse_value(a.prog, "budgets", b, float) for b in a.budgets.split(",")]
+    try:
+        folder = checkpoint.checkpoint_dir(a.model)
+        config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
+        folders = {(t, r): scorer_folders(a.scorer, a.model, t, r) for t in task_names for r in targets}
+        scorers = {d: scorer_files.load(d) for ds in folders.values() for d in ds}
+        # a scorer for another model or window, or a budget that leaves no room, raises
+        for s in scorers.values():
+            s.check(config, a.window)
+        for s in [None, *scorers.values()]:
+            for b in budgets:
+                kvpop.budget_size(b, a.T - spare, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
+        most = config.max_position_embeddings  # checked before the weights load
+        need(a.T <= most, f"--T {a.T}: the model has {most} positions; lower --T")
+        tok = tokenizer.Tokenizer.from_pretrained(folder)
+        files = corpus.code_held_out(tok, a.corpus, a.T, a.n) if code else None  # (files, T)
+        torch.set_num_threads(a.threads)
+        net = qwen3.Qwen3.from_pretrained(a.model, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        need(False, str(e))
+    return net, tok, budgets, task_names, targets, folders, scorers, files

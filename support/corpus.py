@@ -1,0 +1,185 @@
+"""Text corpora. The code corpus: real text nobody here wrote, the installed torch package's own source (or any folder
+of .py/.txt files), read at run time, never copied into the repository, and the metrics of eviction on it (bench.py
+quality --task code, train.py --task code, pretrain.py --data). A file is held out by the hash of its path under the
+folder: the split never moves. Last, train.py --data's text files, packed.
+"""
+
+import contextlib
+import glob
+import hashlib
+import json
+import math
+import os
+
+import torch
+
+import kvpop
+from tasks import evaluate, policy_name
+
+HELD_OUT = 10  # one file in about this many is held out: sha256 of its relative path = 0 mod HELD_OUT
+
+
+def corpus_root(corpus):  # torch: the installed package's folder; else the folder named
+    return os.path.dirname(torch.__file__) if corpus == "torch" else corpus
+
+
+def digest(path):  # a relative path's sha256, an integer
+    return int(hashlib.sha256(path.encode()).hexdigest(), 16)
+
+
+def held_out(path):  # a relative path -> whether its file is held out
+    return digest(path) % HELD_OUT == 0
+
+
+def code_files(corpus):
+    """The corpus's .py/.txt files -> (training, held-out) paths relative to its folder, each list sorted."""
+    root = corpus_root(corpus)
+    paths = []
+    for folder, _, names in os.walk(root):
+        found = [os.path.join(folder, f) for f in names if f.endswith((".py", ".txt"))]
+        paths += [os.path.relpath(f, root) for f in found]
+    if not paths:
+        where = "no folder" if not os.path.isdir(root) else "no .py/.txt files in"
+        raise FileNotFoundError(f"corpus {corpus!r}: {where} {root}; give torch or a folder of .py/.txt files")
+    paths.sort()
+    return [p for p in paths if not held_out(p)], [p for p in paths if held_out(p)]
+
+
+def code_tokens(tok, corpus, paths):  # each file's token ids, <|endoftext|> first: a list of lists
+    root, bos = corpus_root(corpus), tok.special["<|endoftext|>"]
+    ids = []
+    for p in paths:
+        with open(os.path.join(root, p), encoding="utf-8", errors="replace") as f:
+            ids.append([bos] + tok.encode(f.read()))
+    return ids
+
+
+def code_sequences(tok, corpus, T):
+    """The training files, in path order, packed into sequences -> (n, T); at least 2 of them, or ValueError."""
+    train = code_files(corpus)[0]
+    ids = [t for f in code_tokens(tok, corpus, train) for t in f]
+    n = len(ids) // T
+    if n < 2:
+        what = f"{len(train)} training files hold {len(ids)} tokens"
+        raise ValueError(f"corpus {corpus!r}: {what}; need at least 2 x {T}, add files or lower the length")
+    return torch.tensor(ids[: n * T]).view(n, T)
+
+
+def code_held_out(tok, corpus, T, n):
+    """The first T tokens of each held-out file that has T, at most n files in the order of their paths' hashes (a
+    fixed draw across folders) -> (files, T); at least 2 files (an interval needs two), or ValueError."""
+    held = sorted(code_files(corpus)[1], key=digest)
+    ids = [f[:T] for f in code_tokens(tok, corpus, held) if len(f) >= T][:n]
+    if len(ids) < 2:
+        what = f"{len(ids)} of its {len(held)} held-out files have {T} tokens"
+        raise ValueError(f"corpus {corpus!r}: {what}; need 2, add files or lower the length")
+    return torch.tensor(ids)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the metrics on code, per file (one sequence each), then a normal 95% interval over files
+
+
+def last_seen(idx):
+    """(B, T): how far back token idx[b, t] was last seen in its row (0: never before)."""
+    dist = torch.zeros_like(idx)
+    for b, row in enumerate(idx.tolist()):
+        seen = {}
+        for t, token in enumerate(row):
+            dist[b, t] = t - seen.get(token, t)
+            seen[token] = t
+    return dist
+
+
+def file_metrics(full, lp, idx, S):
+    """Per-file means of log-probs lp (B, T, V) against full's, at the positions t >= S that predict a next token
+    -> dict of (B,): KL(full || lp), top-1 agreement, log-perplexity over full's, far-copy accuracy (the next tokens
+    full predicts right that were last seen >= S back: the share lp predicts right; nan in a file without one)."""
+    nxt = idx[:, S + 1 :, None]  # (B, T - S - 1, 1): the tokens positions S.. predict
+    full, lp = full[:, S:-1], lp[:, S:-1]
+    guess = full.argmax(-1)  # (B, T - S - 1)
+    kl = (full.exp() * (full - lp)).sum(-1).mean(-1)
+    top1 = (lp.argmax(-1) == guess).float().mean(-1)
+    nll = (full.gather(-1, nxt) - lp.gather(-1, nxt))[..., 0].mean(-1)
+    # far copies full gets right
+    far = (last_seen(idx)[:, S + 1 :] >= S) & (guess == nxt[..., 0])
+    hit = ((lp.argmax(-1) == nxt[..., 0]) & far).sum(-1)
+    return dict(kl=kl, top1=top1, log_ppl=nll, far_copy=hit / far.sum(-1))
+
+
+def interval(x):
+    """Mean and 95% half-width (normal: 1.96 standard errors) over the files of x (files,), nan files left out."""
+    x = x[~x.isnan()].double()
+    if len(x) < 2:
+        return math.nan, math.nan
+    return x.mean().item(), 1.96 * x.std().item() / math.sqrt(len(x))
+
+
+def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target="mean"):
+    """Every (policy, budget) on held-out files idx (files, T), teacher-forced through evaluate -> rows of each
+    file_metrics' mean over files and 95% half-width (_ci), and the perplexity ratio exp(log_ppl) with its interval
+    (ppl_lo, ppl_hi). `full` first, at budget 1, measured at the smallest budget's positions. -> (rows, the share of
+    next tokens last seen >= S back at the largest budget, their count)."""
+    size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]
+    runs = [("full", 1)] + [(p, b) for p in policies if p != "full" for b in budgets]
+    per = {r: [] for r in runs}
+    # a chunk of files: full's log-probs, then every run on it
+    for c in range(0, len(idx), chunk):
+        x = idx[c : c + chunk]
+        full = evaluate(net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
+        for p, b in runs:
+            online = policy_name(p) in kvpop.DYNAMIC
+            lp = full if p == "full" else evaluate(net, x, p, b, sinks, window, online, target).float().log_softmax(-1)
+            per[p, b].append(file_metrics(full, lp, x, size(min(budgets) if p == "full" else b)))
+    rows, num = [], lambda x: None if math.isnan(x) else round(x, 5)  # nan (no file to average): None
+    for (p, b), parts in per.items():
+        row = dict(policy=policy_name(p), budget=b, files=len(idx))
+        for key in parts[0]:
+            mean, half = interval(torch.cat([m[key] for m in parts]))
+            row[key], row[key + "_ci"] = num(mean), num(half)
+        # the ratio of perplexities: exp of the mean log ratio, and of its interval's ends
+        log_ppl, half = row.pop("log_ppl"), row.pop("log_ppl_ci")
+        row["ppl_ratio"] = num(math.exp(log_ppl))
+        row["ppl_lo"], row["ppl_hi"] = num(math.exp(log_ppl - half)), num(math.exp(log_ppl + half))
+        rows.append(row)
+    far = last_seen(idx)[:, 1:] >= size(max(budgets))
+    return rows, far.float().mean().item(), far.numel()
+
+
+def code_table(rows):  # a markdown table of code_runs' rows, each mean with its 95% half-width
+    head = ["target", "policy", "budget", "KL", "top-1", "perplexity ratio", "far-copy"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        cells = [r.get("target", "-"), r["policy"], f"{r['budget']:g}"]
+        cells += [f"{r['kl']:.4f} ± {r['kl_ci']:.4f}", f"{r['top1']:.1%} ± {r['top1_ci']:.1%}"]
+        cells += [f"{r['ppl_ratio']:.3f} ({r['ppl_lo']:.3f}-{r['ppl_hi']:.3f})"]
+        far = f"{r['far_copy']:.1%} ± {r['far_copy_ci']:.1%}" if r["far_copy_ci"] is not None else "-"
+        cells.append(far)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def pack_files(tok, data, seq_len, held):
+    """train.py --data's .txt/.jsonl files (a folder: the files under it; a .jsonl line: its "text", if a JSON object
+    with one) packed into sequences (n, seq_len) -> (the training ones, the held-out ones: the last, at most `held`)."""
+    found = []
+    for p in glob.glob(os.path.expanduser(data)):
+        found += glob.glob(os.path.join(p, "**", "*"), recursive=True) if os.path.isdir(p) else [p]
+    files = sorted(f for f in found if f.endswith((".txt", ".jsonl")) and os.path.isfile(f))
+    ids = []
+    for f in files:
+        jsonl = f.endswith(".jsonl")
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            for line in fh if jsonl else [fh.read()]:
+                text = ""
+                with contextlib.suppress(ValueError, AttributeError):
+                    text = json.loads(line).get("text", "") if jsonl else line
+                if isinstance(text, str) and text.strip():
+                    ids += tok.encode(text) + [tok.special["<|endoftext|>"]]
+    n = len(ids) // seq_len
+    what = f"{len(files)} .txt/.jsonl files with {len(ids)} tokens of text"
+    if n < 2:
+        raise ValueError(f"--data {data}: {what}; need at least 2 x --seq_len ({2 * seq_len}) tokens")
+    seqs = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+    n_valid = max(1, min(held, n // 10))
+    return seqs[:-n_valid], seqs[-n_valid:]
