@@ -8,19 +8,20 @@ python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" 
 
 import os
 import time
+import types
 
 # before torch loads: large tensors on 2 MB pages (fewer TLB misses as a step streams the cache)
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 
-from tasks import recall_marks, recall_score, task_ids
-from support.checkpoint import DTYPES, checkpoint_dir, read_json
-from support.flags import auto_dtype, check_budget, check_device, check_dtype, check_seed, configure, fail, need
 from cache import KVCache, resolve
 from kvpop import SCORERS, budget_size, entries, state_charge
 from qwen3 import Qwen3, Qwen3Config, generate
-from support import scorer_files
+from support import checks, scorer_files
+from support.checkpoint import checkpoint_dir, read_json
+from support.flags import auto_dtype, configure, fail, need
 from support.tokenizer import Tokenizer
+from tasks import recall_marks, recall_score, task_ids
 
 # --- model
 model = "baby"  # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby: the demo
@@ -63,27 +64,7 @@ top_k = (0 if baby else 20) if top_k == -1 else top_k
 top_p = (1.0 if baby else 0.95 if think else 0.8) if top_p == -1 else top_p
 
 
-def check_flags():
-    """Every flag on its own, before anything is looked up, downloaded or loaded."""
-    check_device(device)
-    check_dtype(dtype, DTYPES)
-    need(chat or not think, "--think only applies to the chat template; add --chat or drop --think")
-    need(threads >= 0, f"--threads {threads}: use 1 or more (0: the default)")
-    need(num_samples >= 1, f"--num_samples {num_samples}: use 1 or more (0: the default)")
-    need(max_new_tokens >= 1, f"--max_new_tokens {max_new_tokens}: generate at least 1 token")
-    need(temperature >= 0, f"--temperature {temperature:g}: use 0 (greedy) or more (-1: the default)")
-    off = "use 0 (off) or the number of likeliest tokens kept (-1: the default)"
-    need(top_k >= 0, f"--top_k {top_k}: {off}")
-    need(0 < top_p <= 1, f"--top_p {top_p:g}: use 0 < top_p <= 1 (1 = off)")
-    check_seed(seed)
-    check_budget(budget)
-    need(sinks >= 0, f"--sinks {sinks}: use 0 or more")
-    need(window >= 0, f"--window {window}: use 1 or more (0: the default)")
-    why = f"only a learned --policy ({', '.join(SCORERS)}) reads one; drop --scorer or choose one of those"
-    need(not scorer or policy in SCORERS, f"--scorer {scorer}: {why}")
-
-
-check_flags()
+checks.sample(types.SimpleNamespace(**globals()))
 # a learned scorer, read before the model: --scorer, else out/ if train.py wrote this kind there, else the baby's
 try:
     pol = policy

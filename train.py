@@ -17,6 +17,7 @@ import random
 import shutil
 import sys
 import time
+import types
 
 import torch
 
@@ -26,7 +27,7 @@ import kernels
 from cache import resolve
 import kvpop
 import qwen3
-from support import processes, scorer_files, tokenizer
+from support import checks, processes, scorer_files, tokenizer
 from support.corpus import code_held_out, code_sequences, pack_files
 from tasks import TASKS, quality_runs, quality_table, task_batch
 
@@ -83,68 +84,9 @@ model_lr = (1e-5 if model == "baby" else 8e-5) if model_lr == -1 else model_lr
 model = "codebaby" if task == "code" and "model" not in given else model
 seq_len = 1024 if task == "code" and "seq_len" not in given else seq_len
 max_iters = (1200 if data == "baby" and task == "cue" else 600) if max_iters == -1 else max_iters
-rank, world = processes.rank, processes.world  # torchrun's
+rank, world = processes.rank(), processes.world()  # torchrun's
 log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None  # rank 0 logs
 need = lambda ok, msg: flags.need(ok, msg, "train.py")  # bad input: one line, exit 1
-
-
-def check_flags():
-    """Every flag on its own, then against the others and the files it names, before any heavy work."""
-    flags.check_device(device, "train.py")
-    flags.check_dtype(dtype, ("float32", "bfloat16", "float16"), "train.py")
-    # a choice from a list
-    choices = dict(kind=kvpop.SCORERS, task=(*TASKS, "code"), target=kvpop.TARGETS, policy=("scorer", "streaming"))
-    for name, among in choices.items():
-        value = globals()[name]
-        need(value in among, f"--{name} {value!r}: choose from {', '.join(among)}")
-    # a number in range
-    counts = "threads d_mem d_hidden seq_len window batch_size max_iters log_interval eval_interval eval_seqs"
-    lowest = dict.fromkeys((counts + " top_logits edges").split(), 1)
-    lowest.update(dict.fromkeys("queries warmup final_seqs sinks".split(), 0))
-    for name, low in lowest.items():
-        value = globals()[name]
-        need(value >= low, f"--{name} {value}: must be at least {low}")
-    for name, value in (("lr", lr), ("model_lr", model_lr)):
-        need(value > 0, f"--{name} {value}: must be positive")
-    # the rest, each its own line
-    need(finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune: add --finetune")
-    need(batch_size % world == 0, f"--batch_size {batch_size}: must split evenly over {world} processes")
-    need(0 < gamma < 1, f"--gamma {gamma}: must be in (0, 1)")
-    need(0 <= min_lr <= lr, f"--min_lr {min_lr}: must be in [0, --lr]")
-    need(0 <= weight_decay < 1 and grad_clip > 0, "--weight_decay must be in [0, 1) and --grad_clip positive")
-    need(1 <= keys <= 16 and seq_len >= 64, "--keys must be 1..16 and --seq_len at least 64")
-    rates = f"--p_cue_min {p_cue_min}, --p_cue_max {p_cue_max}"
-    need(0 <= p_cue_min <= p_cue_max < 1, f"{rates}: use 0 <= min <= max < 1")
-    flags.check_seed(seed, "train.py")
-    need(out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name")
-    # the training budget (load() charges the scorer's state too)
-    try:
-        size = kvpop.budget_size(budget, seq_len, sinks, window)[0]
-    except ValueError as e:
-        sys.exit(f"train.py: --budget: {e}")
-    need(size < seq_len, f"--budget {budget} keeps all {seq_len} tokens: nothing to learn")
-    # a flag that this run would ignore is an error, as an unknown one is
-    unread = [
-        ("no --finetune", not finetune, "policy model_lr top_logits"),
-        ("--policy streaming", policy == "streaming", "kind d_mem d_hidden gamma queries target edges init_from"),
-        (f"--kind {kind}", not issubclass(kvpop.SCORERS[kind], kvpop.MemoryScorer), "d_mem arrival"),
-        ("--init_from (the folder's sizes)", bool(init_from), "d_mem d_hidden gamma arrival"),
-        (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
-        ("--task code (no baby's task)", task == "code", "keys final_seqs"),
-        (f"--task {task}", task != "code", "corpus"),
-        (f"--task {task}", task != "cue", "p_cue_min p_cue_max"),
-    ]
-    for why, on, names in unread:
-        for name in names.split():
-            need(not (on and name in given), f"--{name} does nothing with {why}; drop it")
-    # a scorer to start from, of --kind's kind
-    if init_from:
-        found = os.path.join(init_from, "scorer.json")
-        need(os.path.isfile(found), f"--init_from {init_from}: no scorer.json; give a train.py --out_dir")
-        got = checkpoint.read_json(found).get("kind")
-        need(got == kind, f"--init_from {init_from} holds a {got} scorer; use --kind {got}")
-    ok = not resume or os.path.isfile(os.path.join(out_dir, "train_state.pt"))
-    need(ok, f"--resume: no train_state.pt in {out_dir} to continue; drop --resume to start anew")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -408,7 +350,7 @@ def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top
 
 
 if __name__ == "__main__":
-    check_flags()
+    checks.train(types.SimpleNamespace(**globals()), given, world)
     torch.set_num_threads(threads)
     device = processes.start(device)
     train()

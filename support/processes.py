@@ -11,13 +11,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-rank = int(os.environ.get("RANK", 0))  # this process, torchrun's numbering
-world = int(os.environ.get("WORLD_SIZE", 1))  # the processes
+
+def rank():  # this process, torchrun's numbering
+    return int(os.environ.get("RANK", 0))
+
+
+def world():  # the processes
+    return int(os.environ.get("WORLD_SIZE", 1))
 
 
 def start(device):
     """Join the group (gloo on a CPU, nccl on GPUs) -> this process's device."""
-    if world == 1:
+    if world() == 1:
         return device
     dist.init_process_group("gloo" if device == "cpu" else "nccl")
     return device if device == "cpu" else f"cuda:{int(os.environ['LOCAL_RANK'])}"
@@ -26,7 +31,7 @@ def start(device):
 def finish():
     """DDP and FSDP keep the group's threads (gloo's run loops) alive past destroy_process_group, and Python's exit can
     then abort a worker ("terminate called without an active exception"): a worker leaves without it."""
-    if world > 1:
+    if world() > 1:
         dist.destroy_process_group()
         sys.stdout.flush()
         os._exit(0)
@@ -34,7 +39,7 @@ def finish():
 
 def allsum(x):
     """In place: the sum over the processes, each holding its share of the global batch."""
-    if world > 1:
+    if world() > 1:
         dist.all_reduce(x)
     return x
 
@@ -42,11 +47,11 @@ def allsum(x):
 def distribute(net, student, scorer, finetune):
     """The scorer replicated (DDP), --finetune's models split block by block (FSDP2) -> the scorer to call (the DDP
     wrapper, or the scorer)."""
-    if world > 1 and finetune:
+    if world() > 1 and finetune:
         # each block's weights split over the processes, gathered for its forward/backward
         for m in (*net.model.layers, net, *student.model.layers, student):
             fully_shard(m)
-    return DDP(scorer) if scorer is not None and world > 1 else scorer
+    return DDP(scorer) if scorer is not None and world() > 1 else scorer
 
 
 # a backward that leaves DDP's gradients unreduced (all but a step's last: one reduction a step)
