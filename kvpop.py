@@ -11,11 +11,10 @@ from torch.nn.functional import logsigmoid, pad, silu, softplus
 import kernels
 
 
-
 # --------------------------------------------------------------------------------- the budget (README, Method: budget)
-def budget_size(budget, total, sinks=4, window=256, state=0):
+def budget_size(budget, total, sinks=4, window=256, charge=0):
     """S from `budget` (a fraction 0 < x <= 1 of `total` tokens, or an integer S > 1) and pool = S - sinks - window -
-    state, per KV head. S >= total: no eviction."""
+    m, per KV head, m = charge: the entries a scorer's state takes. S >= total: no eviction."""
     try:
         x = float(budget)
     except (TypeError, ValueError):
@@ -25,9 +24,9 @@ def budget_size(budget, total, sinks=4, window=256, state=0):
         raise ValueError(f"budget {budget!r}: use a fraction 0 < x <= 1 of the tokens or an integer S > 1")
     kept = math.ceil(x * total) if x <= 1 else int(x)
     size = min(total, kept)
-    pool = size - sinks - window - state
+    pool = size - sinks - window - charge
     if size < total and pool < 0:
-        more = f"sinks + window{' + state' * bool(state)} need S >= {sinks + window + state}"
+        more = f"sinks + window{' + state' * bool(charge)} need S >= {sinks + window + charge}"
         raise ValueError(f"budget S = {size} leaves no room: {more} (lower --window or raise --budget)")
     return size, pool
 
@@ -39,7 +38,6 @@ def state_charge(policy, dtype):  # m: the entries of `dtype` a policy's state t
 # the KV entries a cache of size S holds: S - m, or every token if none is evicted
 def entries(size, charge, total):
     return size - charge if size < total else total
-
 
 
 # -------------------------------------------- the eviction rule, plainly: one KV head, one step (README, How it works)
@@ -61,7 +59,6 @@ def run_rule(pi, sinks, window, slots):
         held = [t for t in held if t != gone] + [p]
         after.append(sorted(held))
     return after
-
 
 
 # ---------------------------------------------------------------- policies (README, Method: eviction times, baselines)
@@ -114,7 +111,6 @@ def masked_attention(q, k, v, pi, sinks, window, pool):
     return kernels.attention(q, k, v, e, sinks)[0], e
 
 
-
 # ---------- the targets (README, Method: future attention): the default first, and what each reduces p[q, t] by over q
 TARGETS = ("helpful", "max", "mean")
 REDUCE = dict(helpful="max", max="max", mean="mean")
@@ -152,7 +148,6 @@ def dense_targets(model, idx, window, target="mean"):
 def oracle_policy(model, idx, window, target="mean"):  # pi = r*
     targets = dense_targets(model, idx, window, target)[1]
     return lambda layer, k, v, pos: targets[layer][:, :, pos]
-
 
 
 # ------------------------------- learned scorers (README, Method: scorers): what every kind shares, then one class a kind
@@ -498,7 +493,6 @@ class MemoryScorer(Scorer):
 
 # the learned kinds by name, the default first: a new kind is a class registered here (README, Add a scorer)
 SCORERS = {"kvpop-window": WindowScorer, "kvpop": MemoryScorer, "kvpop-mlp": MLPScorer}
-
 
 
 # ------------------------------------------------------------------- the boundary loss (README, Method: boundary loss)

@@ -1,6 +1,6 @@
 """Qwen3, self-contained: Hugging Face's module names, so loading a checkpoint is a 1:1 copy with a count and shape
-check. Every layer's attention is a hook, attn(layer, q, k, v, pos): kvpop.py's evicting cache and masked pass plug in
-there. Then generation: sampling, and a stream of new tokens through a cache.
+check. Every layer's attention is a hook, attn(layer, q, k, v, pos): cache.py's evicting cache and kvpop.py's masked
+pass plug in there. Then generation: sampling, and a stream of new tokens through a cache.
 """
 
 import math
@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from support.checkpoint import checkpoint_dir, load_safetensors, read_config, save_safetensors, write_json
+from support import checkpoint
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Qwen3Config:
     @classmethod
     # a checkpoint's config.json, checked (checkpoint.py)
     def from_json(cls, path):
-        return read_config(path, cls)
+        return checkpoint.read_config(path, cls)
 
 
 class RMSNorm(nn.Module):
@@ -136,21 +136,16 @@ class Qwen3(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path_or_repo, device=None, dtype=None, config=None):  # config: its config.json, if read
-        folder = checkpoint_dir(path_or_repo)
+        folder = checkpoint.checkpoint_dir(path_or_repo)
         config = config or Qwen3Config.from_json(os.path.join(folder, "config.json"))
         with torch.device("meta"):
             model = cls(config)
         # tied: lm_head.weight is not listed
         want = {k: p.shape for k, p in model.named_parameters()}
-        sd = load_safetensors(folder)
+        sd = checkpoint.load_safetensors(folder)
         if config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
-        bad = [f"missing tensor {k} (this config.json expects it)" for k in sorted(want.keys() - sd.keys())]
-        bad += [f"unexpected tensor {k} (not part of a Qwen3 model)" for k in sorted(sd.keys() - want.keys())]
-        wrong = [k for k, shape in want.items() if k in sd and sd[k].shape != shape]
-        bad += [f"tensor {k} has shape {list(sd[k].shape)}, config.json implies {list(want[k])}" for k in wrong]
-        for msg in bad[:1]:  # the first problem, in this order
-            raise ValueError(f"{folder}: {msg}")
+        checkpoint.check_tensors(folder, want, sd)
         dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or config.torch_dtype)
         # strict check done above, tied head aside
         model.load_state_dict(sd, strict=False, assign=True)
@@ -160,15 +155,16 @@ class Qwen3(nn.Module):
         print(f"loaded {len(sd)} tensors ({n / 1e6:.1f}M parameters) from {folder}", file=sys.stderr)
         return model.to(device=device, dtype=dtype).eval()
 
-    def save_pretrained(self, folder, state=None):
-        """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads. state: the
-        weights to write instead of the parameters (a sharded model's, gathered)."""
+    def save_pretrained(self, folder, weights=None):
+        """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads. weights: the
+        tensors to write instead of the parameters (a sharded model's, gathered)."""
         os.makedirs(folder, exist_ok=True)
-        state = state or dict(self.named_parameters())
-        save_safetensors({k: state[k] for k, _ in self.named_parameters()}, os.path.join(folder, "model.safetensors"))
+        weights = weights or dict(self.named_parameters())
+        tensors = {k: weights[k] for k, _ in self.named_parameters()}
+        checkpoint.save_safetensors(tensors, os.path.join(folder, "model.safetensors"))
         dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
         hf = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", torch_dtype=dtype)
-        write_json(dict(asdict(self.config), **hf), os.path.join(folder, "config.json"))
+        checkpoint.write_json(dict(asdict(self.config), **hf), os.path.join(folder, "config.json"))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -224,6 +224,17 @@ def read_safetensors(path):
     return out
 
 
+def check_tensors(folder, want, tensors):
+    """A checkpoint's tensors against the model's shapes `want` {name: shape}: the first problem (a missing tensor,
+    then an unexpected one, then a wrong shape) is a one-line ValueError naming the folder."""
+    bad = [f"missing tensor {k} (this config.json expects it)" for k in sorted(want.keys() - tensors.keys())]
+    bad += [f"unexpected tensor {k} (not part of a Qwen3 model)" for k in sorted(tensors.keys() - want.keys())]
+    wrong = [k for k, shape in want.items() if k in tensors and tensors[k].shape != shape]
+    bad += [f"tensor {k} has shape {list(tensors[k].shape)}, config.json implies {list(want[k])}" for k in wrong]
+    for msg in bad[:1]:  # the first problem, in this order
+        raise ValueError(f"{folder}: {msg}")
+
+
 def load_safetensors(folder):
     tensors = {}
     for f in shard_names(folder):
