@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from support import checkpoint
 from support import flags
-from support import bench_runs, corpus, gpus
+from support import bench_runs, gpus
+from support.corpus import code_runs, code_table
 import kernels
 import kvpop
 from cache import KVCache
@@ -60,13 +61,11 @@ lengths = ""  # comma-separated T; empty: 4096,16384,32768 on cuda, 1024,2048,40
 D = 128  # head dim
 group = 2  # query heads of the one KV head timed
 targets = ""  # comma-separated GPUs, e.g. sm_75,sm_90: compile every kernel for each instead (no GPU needed)
+SHARED = "model policies budgets sinks window json "  # the shared flags the next three commands read
 COMMAND_FLAGS = {  # what each command reads (another's flag is an unknown option)
-    "quality": "model policies budgets sinks window json"
-    " task corpus target scorer seed p_cue n T threads",
-    "generate": "model policies budgets sinks window json"
-    " task target scorer seed p_cue T threads prompts tokens temperature",
-    "speed": "model policies budgets sinks window device json"
-    " shape layers contexts steps prefill train d_mem dtype compile",
+    "quality": SHARED + "task corpus target scorer seed p_cue n T threads",
+    "generate": SHARED + "task target scorer seed p_cue T threads prompts tokens temperature",
+    "speed": SHARED + "device shape layers contexts steps prefill train d_mem dtype compile",
     "kernels": "device lengths D group targets json",
 }
 
@@ -97,7 +96,8 @@ class Meter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.live, self.now, self.peak, self.calls = {}, 0, 0, 0  # live: data pointer -> bytes
+        self.live = {}  # data pointer -> bytes
+        self.now = self.peak = self.calls = 0
 
     # a compiled graph runs under the meter (else dynamo leaves the frame to eager torch, or fullgraph raises)
     @classmethod
@@ -154,41 +154,42 @@ def table(cols):
     return "| " + cols.replace(",", " | ") + " |\n" + "|---" * (cols.count(",") + 1) + "|"
 
 
-def compile_targets(a, need):
+def compile_targets(opts, need):
     """--targets: every kernel compiled for each GPU (gpus.py), a row printed as it comes."""
     known = ",".join(gpus.SHARED_KIB)
-    need(set(a.targets.split(",")) <= set(gpus.SHARED_KIB), f"--targets {a.targets}: use GPUs among {known}")
+    need(set(opts.targets.split(",")) <= set(gpus.SHARED_KIB), f"--targets {opts.targets}: use GPUs among {known}")
     need(os.path.isfile(gpus.ptxas()), f"--targets: no {gpus.ptxas()}; reinstall triton (its wheel ships ptxas)")
     print(table("kernel,target,dtype,head_dim,tiles,stages,warps,shared,limit,registers,spills,ok"))
     rows = []
-    for row in gpus.compile_targets(a.targets.split(",")):
+    for row in gpus.compile_targets(opts.targets.split(",")):
         rows.append(row)
         cells = [f"refused: {v}" if k == "refused" else str(v) for k, v in row.items()]
         print("| " + " | ".join(cells) + " |", flush=True)
-    if a.json:
-        checkpoint.write_json([dict(row, ok=row.get("ok", False)) for row in rows], a.json)
+    if opts.json:
+        checkpoint.write_json([dict(row, ok=row.get("ok", False)) for row in rows], opts.json)
 
 
 def cmd_kernels(argv):
     """Time and peak memory of each kernels.py op vs its naive dense version (and SDPA on a GPU), or --targets."""
-    a, need = settings("kernels", argv)
-    if a.targets:
-        return compile_targets(a, need)
-    need(a.group >= 1, f"--group {a.group}: use 1 or more")
-    dev, sinks, window = a.device, 4, 256
+    opts, need = settings("kernels", argv)
+    if opts.targets:
+        return compile_targets(opts, need)
+    need(opts.group >= 1, f"--group {opts.group}: use 1 or more")
+    dev = opts.device
+    sinks, window = 4, 256
     dt = torch.float32 if dev == "cpu" else torch.bfloat16
-    a.lengths = a.lengths or ("1024,2048,4096" if dev == "cpu" else "4096,16384,32768")
-    ok = all(x.strip().isdecimal() and int(x) >= 1 for x in a.lengths.split(","))
-    need(ok, f"--lengths {a.lengths!r}: use comma-separated lengths >= 1, e.g. 1024,2048")
-    ok = a.D >= 1 and (dev == "cpu" or a.D <= 256)
-    need(ok, f"--D {a.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)")
+    opts.lengths = opts.lengths or ("1024,2048,4096" if dev == "cpu" else "4096,16384,32768")
+    ok = all(x.strip().isdecimal() and int(x) >= 1 for x in opts.lengths.split(","))
+    need(ok, f"--lengths {opts.lengths!r}: use comma-separated lengths >= 1, e.g. 1024,2048")
+    ok = opts.D >= 1 and (dev == "cpu" or opts.D <= 256)
+    need(ok, f"--D {opts.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)")
     # best ms of 3 after a warm-up, and peak MiB
     measure = lambda fn: (min([clock(fn, dev) for _ in range(4)][1:]) * 1e3, peak(fn, dev)[1] / 2**20)
-    print(f"{dev}, {dt}, D {a.D}, 1 KV head x {a.group} query heads", end=", ")
+    print(f"{dev}, {dt}, D {opts.D}, 1 KV head x {opts.group} query heads", end=", ")
     print(f"sinks {sinks}, window {window}, pool T/4\n")
     print(table("op,T,ours ms,naive ms,naive/ours,SDPA ms,ours MiB,naive MiB,naive/ours"))
-    for T in map(int, a.lengths.split(",")):
-        q, k, v = (torch.randn(1, h, T, a.D, device=dev, dtype=dt) for h in (a.group, 1, 1))
+    for T in map(int, opts.lengths.split(",")):
+        q, k, v = (torch.randn(1, h, T, opts.D, device=dev, dtype=dt) for h in (opts.group, 1, 1))
         pri = torch.randn(1, 1, T, device=dev)
         e = kernels.eviction_times(pri, sinks, window, T // 4)
         lse = kernels.attention(q, k, v)[1]
@@ -210,18 +211,19 @@ def cmd_kernels(argv):
 def cmd_quality(argv):
     """Teacher-forced quality on held-out task sequences (or code files): every policy, then each target's oracle
     and scorers."""
-    a, need = settings("quality", argv)
-    policies = (a.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
-    need(a.n >= 1, f"--n {a.n}: use 1 or more")
-    net, tok, budgets, task_names, targets, folders, scorers, files = bench_runs.baby_setup(a, need, policies)
+    opts, need = settings("quality", argv)
+    policies = (opts.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
+    need(opts.n >= 1, f"--n {opts.n}: use 1 or more")
+    net, tok, budgets, task_names, targets, folders, scorers, files = bench_runs.baby_setup(opts, need, policies)
     code = files is not None
-    t0, rows, counts = time.time(), [], []
+    t0 = time.time()
+    rows, counts = [], []
     # the same held-out sequences for every policy and target of a task
     for task in task_names:
         # the task's held-out sequences (idx, tgt, dist); code: the held-out files, its metrics per file (code_runs)
-        seqs = lambda: tasks.held_out_batch(tok, task, a.n, a.T, a.seed, a.p_cue)
-        measure, batch = (corpus.code_runs, (net, files)) if code else (tasks.quality_runs, (net, *seqs()))
-        cache = (budgets, a.sinks, a.window)
+        seqs = lambda: tasks.held_out_batch(tok, task, opts.n, opts.T, opts.seed, opts.p_cue)
+        measure, batch = (code_runs, (net, files)) if code else (tasks.quality_runs, (net, *seqs()))
+        cache = (budgets, opts.sinks, opts.window)
         plain = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
         runs, far, n = measure(*batch, plain, *cache)
         rows += [dict(task=task, target="-", **r) for r in runs]
@@ -230,45 +232,47 @@ def cmd_quality(argv):
             runs = measure(*batch, learned, *cache, target=target)[0]
             rows += [dict(task=task, target=target, **r) for r in runs[1:]]  # full is above
         counts.append(f"{task}: {n} {'next tokens' if code else 'queries'} ({far:.0%} far)")
-    held = f"{len(files)} held-out files, the first" if code else f"{a.n} held-out sequences of"
-    head = f"{a.model}: {held} {a.T} tokens (seed {a.seed}), {'; '.join(counts)}"
-    print(f"{head}; sinks {a.sinks}, window {a.window}\n")
-    table = corpus.code_table if code else tasks.quality_table
+    held = f"{len(files)} held-out files, the first" if code else f"{opts.n} held-out sequences of"
+    head = f"{opts.model}: {held} {opts.T} tokens (seed {opts.seed}), {'; '.join(counts)}"
+    print(f"{head}; sinks {opts.sinks}, window {opts.window}\n")
+    table = code_table if code else tasks.quality_table
     print(f"{table(rows)}\n\n{time.time() - t0:.0f}s")
-    if a.json:
-        checkpoint.write_json(rows, a.json)
+    if opts.json:
+        checkpoint.write_json(rows, opts.json)
 
 
 # --------------------------------------------------------------------------------------------------- generate
 def cmd_generate(argv):
     """Every policy continues the same held-out prompts of each task; the written text is scored by sample.py's
     scoreboard -> (rows per task, policy and budget; samples {(task, policy, budget): (prompts, continuations)})."""
-    a, need = settings("generate", argv)
-    policies = (a.policies or "full,streaming,knorm,random,h2o,tova").split(",")
+    opts, need = settings("generate", argv)
+    policies = (opts.policies or "full,streaming,knorm,random,h2o,tova").split(",")
     need("oracle" not in policies, "--policies oracle: teacher-forced only (bench.py quality)")
-    need(a.prompts >= 1, f"--prompts {a.prompts}: use 1 or more")
-    need(a.temperature >= 0, f"--temperature {a.temperature:g}: use 0 (greedy) or more")
-    need("code" not in a.task.split(","), "--task code: generate scores the baby's tasks; code: bench.py quality")
-    need(1 <= a.tokens <= (a.T or 512) - 2, f"--tokens {a.tokens}: use 1 .. T - 2 (a prompt of 1 or more)")
-    net, tok, budgets, task_names, targets, folders, scorers, _ = bench_runs.baby_setup(a, need, policies, spare=1)
+    need(opts.prompts >= 1, f"--prompts {opts.prompts}: use 1 or more")
+    need(opts.temperature >= 0, f"--temperature {opts.temperature:g}: use 0 (greedy) or more")
+    need("code" not in opts.task.split(","), "--task code: generate scores the baby's tasks; code: bench.py quality")
+    need(1 <= opts.tokens <= (opts.T or 512) - 2, f"--tokens {opts.tokens}: use 1 .. T - 2 (a prompt of 1 or more)")
+    net, tok, budgets, task_names, targets, folders, scorers, _ = bench_runs.baby_setup(opts, need, policies, spare=1)
     # far: bound at least S back, S the largest budget's (the same answers' bar at every budget)
-    far = max(kvpop.budget_size(b, a.T - 1, a.sinks, a.window)[0] for b in budgets)
-    t0, rows, samples = time.time(), [], {}
+    far = max(kvpop.budget_size(b, opts.T - 1, opts.sinks, opts.window)[0] for b in budgets)
+    t0 = time.time()
+    rows, samples = [], {}
     for task in task_names:
         # held-out prompts: bench.py quality's sequences (test-<seed>), their bos dropped as in baby/prompt.txt
-        idx = tasks.held_out_batch(tok, task, a.prompts, a.T, a.seed, a.p_cue)[0]
-        prompt = idx[:, 1 : a.T - a.tokens]  # (N, P)
+        idx = tasks.held_out_batch(tok, task, opts.prompts, opts.T, opts.seed, opts.p_cue)[0]
+        prompt = idx[:, 1 : opts.T - opts.tokens]  # (N, P)
         learned = [scorers[d] for r in targets for d in folders[task, r]]
         runs = [("full", 1)] + [(p, b) for p in policies + learned if p != "full" for b in budgets]
-        cache = (a.sinks, a.window, a.tokens, a.temperature, a.seed)
+        cache = (opts.sinks, opts.window, opts.tokens, opts.temperature, opts.seed)
         got = bench_runs.generate_runs(net, tok, prompt, tqdm(runs, desc=task, leave=False), far, *cache)
         rows += [dict(task=task) | r for r in got[0]]
         samples |= {(task, *k): v for k, v in got[1].items()}
-    head = f"{a.model}: {a.prompts} held-out prompts a task (seed {a.seed}) of {a.T - a.tokens - 1} tokens"
-    print(f"{head}, {a.tokens} written each at temperature {a.temperature:g}; far: >= {far} back\n")
+    prompts = f"{opts.prompts} held-out prompts a task (seed {opts.seed}) of {opts.T - opts.tokens - 1} tokens"
+    head = f"{opts.model}: {prompts}"
+    print(f"{head}, {opts.tokens} written each at temperature {opts.temperature:g}; far: >= {far} back\n")
     print(f"{bench_runs.generate_table(rows)}\n\n{time.time() - t0:.0f}s")
-    if a.json:
-        checkpoint.write_json(rows, a.json)
+    if opts.json:
+        checkpoint.write_json(rows, opts.json)
     return rows, samples
 
 
@@ -290,20 +294,20 @@ def shape_model(c, device, dtype):  # a Qwen3 with random weights, built without
 
 
 # a cache for T tokens at budget b: `full` entries for full, else the budget's less those a scorer's state takes
-def empty_cache(net, policy, b, T, full, a, dt):
+def empty_cache(net, policy, b, T, full, opts, dt):
     charge = kvpop.state_charge(policy, dt)
-    size = kvpop.budget_size(b, T, a.sinks, a.window, charge)[0]
-    return KVCache(net, 1, full if policy == "full" else size - charge, policy, a.sinks, a.window)
+    size = kvpop.budget_size(b, T, opts.sinks, opts.window, charge)[0]
+    return KVCache(net, 1, full if policy == "full" else size - charge, policy, opts.sinks, opts.window)
 
 
 def fill(cache, C):
     """Make the cache look as if it had read C tokens (sinks, a pool spread over the past, the window), with synthetic
     keys and values: a step costs the same whatever they hold. Returns the entries held."""
-    size, s, w = cache.slots, cache.sinks, cache.window
+    sinks, window = cache.sinks, cache.window
     pos = torch.arange(C)
-    if C > size:
-        pool = torch.linspace(s, C - w - 1, size - s - w).long()
-        pos = torch.cat([torch.arange(s), pool, torch.arange(C - w, C)])
+    if C > cache.slots:
+        pool = torch.linspace(sinks, C - window - 1, cache.slots - sinks - window).long()
+        pos = torch.cat([torch.arange(sinks), pool, torch.arange(C - window, C)])
     n = len(pos)
     cache.k[..., :n, :].normal_()
     cache.v[..., :n].normal_()  # values are stored transposed
@@ -316,17 +320,18 @@ def fill(cache, C):
     return n
 
 
-def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
+def speed_decode(net, scorers, opts, dt, W, contexts, budgets, policies):
     """The decoding rows: tokens/s of full, then each policy at each budget, beside the bytes a step reads (W of
     weights) and a model-sized matrix-vector product (the limit); a context's rows stepped in turn: the same minutes."""
-    c, dev, rows = net.config, a.device, []
+    c, dev = net.config, opts.device
+    rows = []
     mode = "reduce-overhead" if dev.startswith("cuda") else None
-    step = torch.compile(net, fullgraph=True, dynamic=False, mode=mode) if a.compile else net
+    step = torch.compile(net, fullgraph=True, dynamic=False, mode=mode) if opts.compile else net
     E, heads = c.hidden_size, c.num_hidden_layers * c.num_key_value_heads
     per_tok = 2 * heads * c.head_dim * dt.itemsize  # KV bytes of a token
     med = lambda t: sorted(t[1:])[len(t) // 2 - 1]  # after the warm-up round
     cols = "policy,budget,context,tokens/s,speedup,ideal,of ideal,KV+state MiB,GB/s,limit GB/s,of limit,scorer share"
-    print(table(cols + ",calls a step eager" + " / compiled" * a.compile))
+    print(table(cols + ",calls a step eager" + " / compiled" * opts.compile))
     for C in contexts:
         M = torch.randn(W // (E * dt.itemsize), E, device=dev).to(dt)  # model-sized
         x = torch.randn(E, device=dev, dtype=dt)
@@ -334,9 +339,9 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
         runs, lim = {}, []
         # the cache, the entries it holds, its step times
         for p, b in [("full", 1)] + [(p, b) for b in budgets for p in policies]:
-            cache = empty_cache(net, scorers.get(p, p), b, C, C + a.steps + 1, a, dt)
+            cache = empty_cache(net, scorers.get(p, p), b, C, C + opts.steps + 1, opts, dt)
             runs[p, b] = cache, fill(cache, C), []
-        for _ in range(a.steps + 1):  # the first round warms up
+        for _ in range(opts.steps + 1):  # the first round warms up
             lim.append(clock(lambda: M @ x, dev))
             for cache, n, sec in runs.values():
                 sec.append(clock(lambda: step(tok, cache=cache), dev))
@@ -347,7 +352,8 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
             kv = cache.nbytes() - 2 * cache.k.nbytes + per_tok * n  # held + state
             w = W + sum(t.nbytes for t in scorers[p].parameters()) if p in scorers else W
             full = (sec, W + kv) if p == "full" else full
-            speedup, ideal, gbps = full[0] / sec, full[1] / (w + kv), (w + kv) / sec / 1e9
+            speedup, ideal = full[0] / sec, full[1] / (w + kv)
+            gbps = (w + kv) / sec / 1e9
             r = dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3))
             r.update(kv_mib=kv / 2**20, gbps=gbps, limit_gbps=limit)
             r.update(speedup=speedup, ideal_speedup=ideal)
@@ -356,7 +362,7 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
                 r["scorer_share"] = 1 - med([x / y for x, y in zip(runs["streaming", b][2], times)])
             # the torch calls of a step, eager and compiled (those its graph leaves to torch): one more step each
             r["calls"] = dict(eager=calls(lambda: net(tok, cache=cache)))
-            if a.compile:
+            if opts.compile:
                 r["calls"]["compiled"] = calls(lambda: step(tok, cache=cache))
             share = f"{r['scorer_share']:.1%}" if "scorer_share" in r else "-"
             speed = f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {speedup:.2f}x | {ideal:.2f}x | "
@@ -368,15 +374,16 @@ def speed_decode(net, scorers, a, dt, W, contexts, budgets, policies):
     return rows
 
 
-def speed_prefill(net, scorers, a, dt, b, policies):
+def speed_prefill(net, scorers, opts, dt, b, policies):
     """Prefill rows: seconds and peak memory of a prompt into an empty cache, full, then each static policy at b."""
-    T, dev, rows = a.prefill, a.device, []
+    T, dev = opts.prefill, opts.device
+    rows = []
     mib = lambda x: round(x / 2**20, 1)
     idx = torch.randint(0, net.config.vocab_size, (1, T), device=dev)
     cols = "policy,budget,seconds,vs full,cache MiB,peak extra MiB,peak MiB,full's extra + budget's share MiB"
     print(f"\nprefill of a {T}-token prompt, logits of its last position\n\n" + table(cols))
     for p in ["full"] + [p for p in policies if p not in kvpop.DYNAMIC]:
-        cache = empty_cache(net, scorers.get(p, p), b, T, T, a, dt)
+        cache = empty_cache(net, scorers.get(p, p), b, T, T, opts, dt)
         sec, extra = peak(lambda: net(idx, cache=cache), dev)
         mem = cache.nbytes()
         full = (sec, mem, extra) if p == "full" else full  # full's extra: one layer's working set
@@ -389,13 +396,14 @@ def speed_prefill(net, scorers, a, dt, b, policies):
     return rows
 
 
-def speed_train(net, scorers, a, dt, b, policies):
+def speed_train(net, scorers, opts, dt, b, policies):
     """One training step of the first learned policy at budget b, through train.py's own loss, timed part by part."""
     import train as trainer
     kind = next((p for p in policies if p in kvpop.SCORERS), "kvpop-window")
-    T, dev, seen, rs = a.train, a.device, [], []
+    T, dev = opts.train, opts.device
+    seen, rs = [], []
     scorer = scorers[kind].train()
-    pool = kvpop.budget_size(b, T, a.sinks, a.window, scorer.charge(dt))[1]
+    pool = kvpop.budget_size(b, T, opts.sinks, opts.window, scorer.charge(dt))[1]
     idx = torch.randint(0, net.config.vocab_size, (1, T), device=dev)
 
     def attn(i, q, k, v, pos):  # the frozen forward, keeping what the targets are made of
@@ -408,18 +416,18 @@ def speed_train(net, scorers, a, dt, b, policies):
     lw, seen = kvpop.next_logp(seen[-1], idx), seen[:-1]
     # every layer's future-attention target r*
     future = lambda: rs.extend(
-        kernels.future_attention(q, k, lse - lw, a.window, reduce="max") for q, k, _, lse in seen
+        kernels.future_attention(q, k, lse - lw, opts.window, reduce="max") for q, k, _, lse in seen
     )
     parts["future-attention targets"] = clock(future, dev)
     # the teacher's eviction times, as kvpop.boundary_loss makes them
     pos = torch.arange(T, device=dev)
     teacher = lambda i, r: r + scorer.recency(i, pos).detach()
-    evict = lambda: [kernels.eviction_times(teacher(i, r), a.sinks, a.window, pool) for i, r in enumerate(rs)]
+    evict = lambda: [kernels.eviction_times(teacher(i, r), opts.sinks, opts.window, pool) for i, r in enumerate(rs)]
     parts["eviction times"] = clock(evict, dev)
-    q = torch.arange(a.sinks + a.window + pool, T)  # the queries where the pool is over-full
+    q = torch.arange(opts.sinks + opts.window + pool, T)  # the queries where the pool is over-full
     kv = [(k, v) for _, k, v, _ in seen]
     # fwd + bwd, less the eviction times kvpop.boundary_loss makes again
-    loss = clock(lambda: trainer.scorer_loss(scorer, kv, rs, [q], a.sinks, a.window, [pool]), dev)
+    loss = clock(lambda: trainer.scorer_loss(scorer, kv, rs, [q], opts.sinks, opts.window, [pool]), dev)
     parts["scorer forward + backward"] = loss - parts["eviction times"]
     total = sum(parts.values())
     print(f"\n{kind} scorer training step, 1 x {T} tokens, budget {b:g}\n")
@@ -431,37 +439,37 @@ def speed_train(net, scorers, a, dt, b, policies):
 
 def cmd_speed(argv):
     """Decoding: tokens/s, KV memory, bandwidth and scorer share per policy and budget; prefill; a training step."""
-    a, need = settings("speed", argv)
-    a.window = a.window or 256
+    opts, need = settings("speed", argv)
+    opts.window = opts.window or 256
     for name, least in dict(layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1).items():
-        need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
-    need(a.shape in SHAPES, f"--shape {a.shape!r}: choose from {', '.join(SHAPES)}")
-    flags.check_dtype(a.dtype, ("float32", "bfloat16"), "bench.py speed")
-    dev = a.device
-    dt = getattr(torch, flags.auto_dtype(a.dtype, dev) or "bfloat16")  # auto on a GPU: bf16
-    policies = [p for p in (a.policies or ",".join(["streaming", *kvpop.SCORERS])).split(",") if p]
+        need(getattr(opts, name) >= least, f"--{name} {getattr(opts, name)}: use {least} or more")
+    need(opts.shape in SHAPES, f"--shape {opts.shape!r}: choose from {', '.join(SHAPES)}")
+    flags.check_dtype(opts.dtype, ("float32", "bfloat16"), "bench.py speed")
+    dev = opts.device
+    dt = getattr(torch, flags.auto_dtype(opts.dtype, dev) or "bfloat16")  # auto on a GPU: bf16
+    policies = [p for p in (opts.policies or ",".join(["streaming", *kvpop.SCORERS])).split(",") if p]
     online = (*kvpop.STATIC, *kvpop.DYNAMIC, *kvpop.SCORERS)  # all but full and the oracle
-    ok = all(x.isdecimal() and int(x) >= 1 for x in a.contexts.split(",") if a.contexts)
-    need(ok, f"--contexts {a.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768")
+    ok = all(x.isdecimal() and int(x) >= 1 for x in opts.contexts.split(",") if opts.contexts)
+    need(ok, f"--contexts {opts.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768")
     bad = next((p for p in policies if p not in online), None)
     why = f"{bad!r} is not a policy that decodes online"
     need(bad is None, f"--policies: {why}; choose from {', '.join(online)}")
-    budgets = [flags.parse_value("bench.py speed", "budgets", b, float) for b in a.budgets.split(",")]
-    contexts = [int(x) for x in a.contexts.split(",") if a.contexts]
+    budgets = [flags.parse_value("bench.py speed", "budgets", b, float) for b in opts.budgets.split(",")]
+    contexts = [int(x) for x in opts.contexts.split(",") if opts.contexts]
     try:  # every check first: the weights load or are drawn last
-        if a.model:
-            c = qwen3.Qwen3Config.from_json(os.path.join(checkpoint.checkpoint_dir(a.model), "config.json"))
+        if opts.model:
+            c = qwen3.Qwen3Config.from_json(os.path.join(checkpoint.checkpoint_dir(opts.model), "config.json"))
         else:
-            L, E, intermediate, Hq, tied = SHAPES[a.shape]
+            L, E, intermediate, Hq, tied = SHAPES[opts.shape]
             c = qwen3.Qwen3Config(hidden_size=E, intermediate_size=intermediate)
             c.num_attention_heads, c.tie_word_embeddings = Hq, tied
-            c.num_hidden_layers, c.max_position_embeddings = a.layers or L, 131072
+            c.num_hidden_layers, c.max_position_embeddings = opts.layers or L, 131072
         torch.manual_seed(0)
-        scorers = {k: kvpop.SCORERS[k](c, a.window, a.d_mem).eval().to(dev) for k in kvpop.SCORERS}
-        prompts = [(T, budgets[0]) for T in (a.prefill, a.train) if T]
+        scorers = {k: kvpop.SCORERS[k](c, opts.window, opts.d_mem).eval().to(dev) for k in kvpop.SCORERS}
+        prompts = [(T, budgets[0]) for T in (opts.prefill, opts.train) if T]
         for C, b in [(C, b) for C in contexts for b in budgets] + prompts:
-            kvpop.budget_size(b, C, a.sinks, a.window, scorers["kvpop"].charge(dt))  # raises if no room
-        net = qwen3.Qwen3.from_pretrained(a.model, dev, dt) if a.model else shape_model(c, dev, dt)
+            kvpop.budget_size(b, C, opts.sinks, opts.window, scorers["kvpop"].charge(dt))  # raises if no room
+        net = qwen3.Qwen3.from_pretrained(opts.model, dev, dt) if opts.model else shape_model(c, dev, dt)
     except (OSError, ValueError) as e:
         need(False, str(e))
     net.requires_grad_(False)  # frozen: the timed passes build no graph
@@ -469,18 +477,18 @@ def cmd_speed(argv):
     emb = net.model.embed_tokens.weight
     W = sum(p.nbytes for p in net.parameters() if p is not emb or c.tie_word_embeddings)
     where = f"{torch.get_num_threads()} threads" if dev == "cpu" else torch.cuda.get_device_name()
-    drawn = f"Qwen3-{a.shape} shape, {c.num_hidden_layers} layers, random weights"
-    print(f"{a.model or drawn}; {dev} ({where}), {str(dt)[6:]}", end="; ")
-    print(f"weights read per step {W / 1e9:.2f} GB; sinks {a.sinks}, window {a.window}\n")
+    drawn = f"Qwen3-{opts.shape} shape, {c.num_hidden_layers} layers, random weights"
+    print(f"{opts.model or drawn}; {dev} ({where}), {str(dt)[6:]}", end="; ")
+    print(f"weights read per step {W / 1e9:.2f} GB; sinks {opts.sinks}, window {opts.window}\n")
     rows = []
     if contexts:
-        rows += speed_decode(net, scorers, a, dt, W, contexts, budgets, policies)
-    if a.prefill:
-        rows += speed_prefill(net, scorers, a, dt, budgets[0], policies)
-    if a.train:
-        rows += speed_train(net, scorers, a, dt, budgets[0], policies)
-    if a.json:
-        checkpoint.write_json(rows, a.json)
+        rows += speed_decode(net, scorers, opts, dt, W, contexts, budgets, policies)
+    if opts.prefill:
+        rows += speed_prefill(net, scorers, opts, dt, budgets[0], policies)
+    if opts.train:
+        rows += speed_train(net, scorers, opts, dt, budgets[0], policies)
+    if opts.json:
+        checkpoint.write_json(rows, opts.json)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ try:
             out = os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy
             scorer = "out" if out else f"baby/scorers/recall-helpful/{policy}"
         pol = scorer_files.load(scorer).to(device)
-        need(pol.kind == policy, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
+        need(policy == pol.kind, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
         need(not pol.arrival, f"--scorer {scorer} reads on arrival (the delay ablation): bench.py quality runs it")
         window = window or pol.window
     rule = resolve(pol)[0]

@@ -111,15 +111,15 @@ def scorer_folders(scorer, model, task, target):
     return [d for d in folders if os.path.isfile(os.path.join(d, "scorer.json"))]
 
 
-def baby_setup(a, need, policies, spare=0):
+def baby_setup(opts, need, policies, spare=0):
     """bench.py quality, generate: names and numbers checked (a budget of T - spare tokens), then the model -> net, tok,
     budgets, tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}, code's held-out files."""
-    task_names, targets = a.task.split(","), a.target.split(",")
+    task_names, targets = opts.task.split(","), opts.target.split(",")
     # code: its own model (codebaby/) and length, so alone
     code = task_names == ["code"]
-    need(code or "code" not in task_names, f"--task {a.task}: code runs alone (its own model, codebaby/)")
-    a.model = a.model or ("codebaby" if code else "baby")
-    a.window, a.T = a.window or 32, a.T or (1024 if code else 512)
+    need(code or "code" not in task_names, f"--task {opts.task}: code runs alone (its own model, codebaby/)")
+    opts.model = opts.model or ("codebaby" if code else "baby")
+    opts.window, opts.T = opts.window or 32, opts.T or (1024 if code else 512)
     # every name known, or exit naming the first that is not
     for flag, what, names, known in [
         ("policies", "policy", policies, kvpop.POLICIES),
@@ -129,26 +129,26 @@ def baby_setup(a, need, policies, spare=0):
         bad = [x for x in names if x not in known]
         need(not bad, f"--{flag}: unknown {what} {(bad or [''])[0]!r}; choose from {','.join(known)}")
     for name, least in dict(T=64, sinks=0, window=1, threads=1).items():
-        need(getattr(a, name) >= least, f"--{name} {getattr(a, name)}: use {least} or more")
-    need(a.p_cue < 1, f"--p_cue {a.p_cue}: use a rate below 1 (-1: the cue task's own)")
-    budgets = [flags.parse_value(a.prog, "budgets", b, float) for b in a.budgets.split(",")]
+        need(getattr(opts, name) >= least, f"--{name} {getattr(opts, name)}: use {least} or more")
+    need(opts.p_cue < 1, f"--p_cue {opts.p_cue}: use a rate below 1 (-1: the cue task's own)")
+    budgets = [flags.parse_value(opts.prog, "budgets", b, float) for b in opts.budgets.split(",")]
     try:
-        folder = checkpoint.checkpoint_dir(a.model)
+        folder = checkpoint.checkpoint_dir(opts.model)
         config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
-        folders = {(t, r): scorer_folders(a.scorer, a.model, t, r) for t in task_names for r in targets}
+        folders = {(t, r): scorer_folders(opts.scorer, opts.model, t, r) for t in task_names for r in targets}
         scorers = {d: scorer_files.load(d) for ds in folders.values() for d in ds}
         # a scorer for another model or window, or a budget that leaves no room, raises
         for s in scorers.values():
-            s.check(config, a.window)
+            s.check(config, opts.window)
         for s in [None, *scorers.values()]:
             for b in budgets:
-                kvpop.budget_size(b, a.T - spare, a.sinks, a.window, kvpop.state_charge(s, torch.float32))
+                kvpop.budget_size(b, opts.T - spare, opts.sinks, opts.window, kvpop.state_charge(s, torch.float32))
         most = config.max_position_embeddings  # checked before the weights load
-        need(a.T <= most, f"--T {a.T}: the model has {most} positions; lower --T")
+        need(opts.T <= most, f"--T {opts.T}: the model has {most} positions; lower --T")
         tok = tokenizer.Tokenizer.from_pretrained(folder)
-        files = corpus.code_held_out(tok, a.corpus, a.T, a.n) if code else None  # (files, T)
-        torch.set_num_threads(a.threads)
-        net = qwen3.Qwen3.from_pretrained(a.model, dtype=torch.float32)
+        files = corpus.code_held_out(tok, opts.corpus, opts.T, opts.n) if code else None  # (files, T)
+        torch.set_num_threads(opts.threads)
+        net = qwen3.Qwen3.from_pretrained(opts.model, dtype=torch.float32)
     except (OSError, ValueError) as e:
         need(False, str(e))
     return net, tok, budgets, task_names, targets, folders, scorers, files

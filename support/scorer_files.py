@@ -1,6 +1,6 @@
 """A learned scorer on disk: scorer.json (every setting needed to rebuild it, and what it was trained for) beside
-scorer.safetensors. Loading knows every kind in kvpop.SCORERS, kvpop-shifted's too (registered by support/shifted.py,
-imported here)."""
+scorer.safetensors. Loading knows every registered kind (kvpop.SCORERS), kvpop-shifted's too: support/shifted.py
+registers it, imported here."""
 
 import os
 
