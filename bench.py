@@ -61,11 +61,12 @@ lengths = ""  # comma-separated T; empty: 4096,16384,32768 on cuda, 1024,2048,40
 D = 128  # head dim
 group = 2  # query heads of the one KV head timed
 targets = ""  # comma-separated GPUs, e.g. sm_75,sm_90: compile every kernel for each instead (no GPU needed)
-SHARED = "model policies budgets sinks window json "  # the shared flags the next three commands read
 COMMAND_FLAGS = {  # what each command reads (another's flag is an unknown option)
-    "quality": SHARED + "task corpus target scorer seed p_cue n T threads",
-    "generate": SHARED + "task target scorer seed p_cue T threads prompts tokens temperature",
-    "speed": SHARED + "device shape layers contexts steps prefill train d_mem dtype compile",
+    "quality": "model policies budgets sinks window json task corpus target scorer seed p_cue n T threads",
+    "generate": "model policies budgets sinks window json task target scorer seed p_cue T threads prompts tokens"
+    " temperature",
+    "speed": "model policies budgets sinks window device json shape layers contexts steps prefill train d_mem dtype"
+    " compile",
     "kernels": "device lengths D group targets json",
 }
 

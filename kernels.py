@@ -41,15 +41,15 @@ def plain_attention(q, k, v, evict_at=None, sinks=0):
 def plain_future_attention(q, k, lse, window, eps=1e-6, reduce="mean"):
     """r[t] = max over the group's query heads of log(eps + reduce_{d >= t + window} p[d, t]), p[d, t] = exp(q_d . k_t
     / sqrt(D) - lse[d]); an lse[d] raised by -log P[d] weighs query d by P[d] (the helpful target)."""
-    (B, heads, T, D), kv_heads = q.shape, k.shape[1]
+    (batch, heads, T, D), kv_heads = q.shape, k.shape[1]
     keys = k.float().repeat_interleave(heads // kv_heads, 1)  # (B, Hq, T, D)
-    p = (q.float() @ keys.transpose(-1, -2) * D**-0.5 - lse[..., None]).exp()
+    probs = (q.float() @ keys.transpose(-1, -2) * D**-0.5 - lse[..., None]).exp()
     t = torch.arange(T, device=q.device)  # keys
     d = t[:, None]  # queries
     n = T - window - t  # N_t: the queries that see t only past the window
-    p = p.masked_fill(d < t + window, 0)  # (B, Hq, T queries, T keys)
-    m = p.sum(2) / n.clamp(min=1) if reduce == "mean" else p.amax(2)
-    target = torch.log(eps + m).view(B, kv_heads, -1, T).amax(2)  # the group's max
+    probs = probs.masked_fill(d < t + window, 0)  # (B, Hq, T queries, T keys)
+    reduced = probs.sum(2) / n.clamp(min=1) if reduce == "mean" else probs.amax(2)
+    target = torch.log(eps + reduced).view(batch, kv_heads, -1, T).amax(2)  # the group's max
     return target.masked_fill(n <= 0, -math.inf)
 
 
@@ -69,12 +69,12 @@ def plain_eviction_times(priority, sinks, window, pool):
     return e.masked_fill(u < sinks, T)
 
 
-# ------------------------------- the fast forms: one public function each, tiled torch or a Triton kernel (support/gpus.py)
+# ------------------------------------ the fast forms: one public function each, tiled torch or a Triton kernel (gpus.py)
 def _check_qk(q, k, v=None):
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be (B, H, T, D), got {tuple(q.shape)} and {tuple(k.shape)}")
-    (B, heads, T, D), kv_heads = q.shape, k.shape[1]
-    if k.shape != (B, kv_heads, T, D) or kv_heads == 0 or heads % kv_heads:
+    (batch, heads, T, D), kv_heads = q.shape, k.shape[1]
+    if k.shape != (batch, kv_heads, T, D) or kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"k must be (B, Hkv, T, D) with Hq % Hkv == 0, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if v is not None and v.shape != k.shape:
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
@@ -105,13 +105,13 @@ def attention(q, k, v, evict_at=None, sinks=0, scale=None):
 
 
 def _attention_torch(q, k, v, evict_at, sinks, scale):
-    (B, heads, T, D), kv_heads = q.shape, k.shape[1]
+    (batch, heads, T, D), kv_heads = q.shape, k.shape[1]
     dtype, group = q.dtype, heads // kv_heads
-    q = wide(q).view(B, kv_heads, group, T, D)  # query heads h*G .. h*G+G-1 read KV head h
+    q = wide(q).view(batch, kv_heads, group, T, D)  # query heads h*G .. h*G+G-1 read KV head h
     k = wide(k)[:, :, None]  # (B, Hkv, 1, T, D)
     v = wide(v)[:, :, None]
-    out = q.new_empty(B, kv_heads, group, T, D)
-    lse = q.new_empty(B, kv_heads, group, T)
+    out = q.new_empty(batch, kv_heads, group, T, D)
+    lse = q.new_empty(batch, kv_heads, group, T)
     pos = torch.arange(T, device=q.device)
     # a key block is skipped for query blocks that start after all its tokens left
     if evict_at is not None:
@@ -120,8 +120,8 @@ def _attention_torch(q, k, v, evict_at, sinks, scale):
     for i in range(0, T, BLOCK):
         q_block = q[:, :, :, i : i + BLOCK] * scale  # (B, Hkv, G, M, D)
         rows = pos[i : i + BLOCK, None]  # (M, 1)
-        m = q.new_full(q_block.shape[:-1], NEG)  # (B, Hkv, G, M)
-        row_sum = torch.zeros_like(m)
+        row_max = q.new_full(q_block.shape[:-1], NEG)  # (B, Hkv, G, M)
+        row_sum = torch.zeros_like(row_max)
         acc = torch.zeros_like(q_block)
         for j in range(0, min(i + BLOCK, T), BLOCK):
             if evict_at is not None and j >= sinks and last[j // BLOCK] <= i:
@@ -134,17 +134,17 @@ def _attention_torch(q, k, v, evict_at, sinks, scale):
                 scores = scores.masked_fill(~visible, -math.inf)
             elif j + BLOCK > i:  # only the diagonal block has causally hidden keys
                 scores = scores.masked_fill(cols > rows, -math.inf)
-            m_new = torch.maximum(m, scores.amax(-1))
-            p = torch.exp(scores - m_new[..., None])
-            rescale = torch.exp(m - m_new)  # rescales what was summed under the old maximum
-            row_sum = row_sum * rescale + p.sum(-1)
-            acc = acc * rescale[..., None] + p @ v[:, :, :, j : j + BLOCK]
-            m = m_new
+            m_new = torch.maximum(row_max, scores.amax(-1))
+            probs = torch.exp(scores - m_new[..., None])
+            rescale = torch.exp(row_max - m_new)  # rescales what was summed under the old maximum
+            row_sum = row_sum * rescale + probs.sum(-1)
+            acc = acc * rescale[..., None] + probs @ v[:, :, :, j : j + BLOCK]
+            row_max = m_new
         # a row that sees nothing is 0
         seen = row_sum > 0
         out[:, :, :, i : i + BLOCK] = acc / torch.where(seen, row_sum, 1)[..., None]
-        lse[:, :, :, i : i + BLOCK] = torch.where(seen, m + torch.log(row_sum), -math.inf)
-    return out.view(B, heads, T, D).to(dtype), lse.view(B, heads, T)
+        lse[:, :, :, i : i + BLOCK] = torch.where(seen, row_max + torch.log(row_sum), -math.inf)
+    return out.view(batch, heads, T, D).to(dtype), lse.view(batch, heads, T)
 
 
 # ----------------------------------------------------------------------------------------------------- future attention
@@ -163,33 +163,33 @@ def future_attention(q, k, lse, window, eps=1e-6, reduce="mean"):
 
 
 def _future_torch(q, k, lse, window, eps, scale, reduce):
-    (B, heads, T, D), kv_heads = q.shape, k.shape[1]
+    (batch, heads, T, D), kv_heads = q.shape, k.shape[1]
     group = heads // kv_heads
-    q = q.float().view(B, kv_heads, group, T, D)
-    lse = lse.float().view(B, kv_heads, group, T)
+    q = q.float().view(batch, kv_heads, group, T, D)
+    lse = lse.float().view(batch, kv_heads, group, T)
     k = k.float()[:, :, None] * scale  # (B, Hkv, 1, T, D)
-    r = q.new_full((B, kv_heads, T), -math.inf)
+    r = q.new_full((batch, kv_heads, T), -math.inf)
     pos = torch.arange(T, device=q.device)
     for t in range(0, T - window, BLOCK):  # keys t >= T - window have no query beyond the window
         t_end = min(t + BLOCK, T - window)
         k_block = k[:, :, :, t:t_end]  # (B, Hkv, 1, N, D)
         rows = pos[t:t_end, None]  # (N, 1)
-        m = q.new_full((B, kv_heads, group, t_end - t), NEG)
-        row_sum = torch.zeros_like(m)
+        row_max = q.new_full((batch, kv_heads, group, t_end - t), NEG)
+        row_sum = torch.zeros_like(row_max)
         for d in range(t + window, T, BLOCK):
             queries = q[:, :, :, d : d + BLOCK].transpose(-1, -2)
             scores = k_block @ queries - lse[:, :, :, None, d : d + BLOCK]  # (B, Hkv, G, N, M)
             # only the first query block holds queries still inside some key's window
             if d < t_end - 1 + window:
                 scores = scores.masked_fill(pos[d : d + BLOCK] < rows + window, -math.inf)
-            m_new = torch.maximum(m, scores.amax(-1))
+            m_new = torch.maximum(row_max, scores.amax(-1))
             if reduce == "mean":  # the running sum, rescaled to the new maximum
-                rescale = torch.exp(m - m_new)
+                rescale = torch.exp(row_max - m_new)
                 row_sum = row_sum * rescale + torch.exp(scores - m_new[..., None]).sum(-1)
-            m = m_new
+            row_max = m_new
         n = (T - window - pos[t:t_end]).float()  # N_t >= 1 for every key in this block
         # log of the mean, or of the max
-        log_p = m + torch.log(row_sum) - torch.log(n) if reduce == "mean" else m
+        log_p = row_max + torch.log(row_sum) - torch.log(n) if reduce == "mean" else row_max
         r[:, :, t:t_end] = torch.log(eps + torch.exp(log_p)).amax(2)
     return r
 
@@ -209,16 +209,16 @@ def eviction_times(priority, sinks, window, pool):
 
 
 def _evict_torch(priority, sinks, window, pool):
-    B, H, T = priority.shape
+    batch, H, T = priority.shape
     device = priority.device
-    heads = B * H
+    heads = batch * H
     pos = torch.arange(T, device=device)
     e = (pos + window).clamp(max=T).repeat(heads, 1)  # (B * H, T); pool = 0 is the sliding window
     e[:, :sinks] = T
     if pool >= T - sinks:  # room for every eligible token: nobody is evicted
         e[:, sinks:] = T
     if pool == 0 or pool >= T - sinks:
-        return e.view(B, H, T)
+        return e.view(batch, H, T)
     # Visit order: decreasing (priority, t), sinks last. Sorting the reversed row stably puts the newer token first
     # among equal priorities; a second stable sort moves the (never eligible) sinks to the end.
     flipped = priority.reshape(heads, T).flip(1)
@@ -264,4 +264,4 @@ def _evict_torch(priority, sinks, window, pool):
         e.scatter_(1, t, torch.where(better >= pool, leave, T))
         ones = torch.ones(heads, width * cells.shape[1], dtype=torch.long, device=device)
         tree.scatter_add_(1, cells[t].view(heads, -1), ones)
-    return e.view(B, H, T)
+    return e.view(batch, H, T)
