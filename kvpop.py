@@ -186,8 +186,9 @@ class Scorer(Module):
         self.window, self.arrival = window, arrival
         self.d_mem, self.d_hidden = d_mem, d_hidden
         self.meta = {}  # what it was trained for (train.py)
-        # gamma_h = softplus(theta_h): gamma at the start
+        # gamma_h = softplus(theta_h): gamma at the start; then the kind's parameters, the read-out's last
         self.theta = self.const(math.log(math.expm1(gamma)))
+        self.build()
 
     # a parameter (L, H, *size): random, scaled by the fan-in size[0]
     def randn(self, *size):
@@ -258,7 +259,9 @@ class Decoder:
         t = p - self.cache.window
         span = t + torch.arange(self.scorer.span, device=t.device)
         k, v = self.cache.recent_kv(span)  # (L, B, H, span, D)
-        scores = [self.scorer(layer, k[layer], v[layer], span)[..., :1] for layer in range(len(k))]
+        scores = []
+        for layer in range(len(k)):  # each layer's scorer on its tokens: t's score
+            scores.append(self.scorer(layer, k[layer], v[layer], span)[..., :1])
         return torch.stack(scores)
 
 
@@ -268,8 +271,7 @@ class MLPScorer(Scorer):
     kind = "kvpop-mlp"
     delayed = False
 
-    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
-        super().__init__(config, window, d_mem, d_hidden, gamma, arrival)
+    def build(self):  # the read-out of x alone
         self.add_readout(0)
 
     # a whole sequence's features x (B, H, T, X) -> r (B, H, T)
@@ -288,11 +290,10 @@ class WindowScorer(Scorer):
     d_key = 16  # d: each read's width
     ahead = 32  # the most tokens after t a read sees (ours)
 
-    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
-        super().__init__(config, window, d_mem, d_hidden, gamma, arrival)
-        if window < 2:
+    def build(self):
+        if self.window < 2:
             raise ValueError("kvpop-window reads the tokens between t and the query that pushes t out: use window >= 2")
-        n = min(window - 1, self.ahead)
+        n = min(self.window - 1, self.ahead)
         self.span = 1 + n  # t and the n after it
         width = self.reads * self.d_key
         self.wq = self.randn(self.width, width)  # the query, of x[t]
@@ -352,20 +353,19 @@ class MemoryScorer(Scorer):
     kind = "kvpop"
     on_arrival = True
 
-    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
-        super().__init__(config, window, d_mem, d_hidden, gamma, arrival)
+    def build(self):
         # t is read from the memory of the tokens up to t + delay
-        self.delay = 0 if arrival else window - 1
+        self.delay = 0 if self.arrival else self.window - 1
         # the memory's key, value and read projections
-        self.wk = self.randn(self.width, d_mem)
-        self.wv = self.randn(self.width, d_mem)
-        self.wr = self.randn(self.width, d_mem)
+        self.wk = self.randn(self.width, self.d_mem)
+        self.wv = self.randn(self.width, self.d_mem)
+        self.wr = self.randn(self.width, self.d_mem)
         # the gates' pre-activations; the forget gate starts near 1 - 1/w: the memory spans the window
         self.wi = self.randn(self.width)
         self.bi = self.const()
         self.wf = self.randn(self.width)
-        self.bf = self.const(math.log(window))
-        self.add_readout(d_mem)
+        self.bf = self.const(math.log(self.window))
+        self.add_readout(self.d_mem)
 
     # m: the entries (a key and a value in `dtype`) of C, n and the log-scale, (d_m + 1) d_m + 1 numbers a KV head
     def charge(self, dtype):

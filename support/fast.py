@@ -45,7 +45,8 @@ class EveryLayer(kvpop.Decoder):
     def leaving(self, p):
         t = p - self.cache.window
         x = self.scorer.features(*self.cache.recent_kv(t))  # (L, B, H, 1, X)
-        return readout(self.scorer, x, x[..., :0]) + recency(self.scorer, t)
+        r = readout(self.scorer, x, x[..., :0])
+        return r + recency(self.scorer, t)
 
 
 class WindowRing(kvpop.Decoder):
@@ -65,8 +66,11 @@ class WindowRing(kvpop.Decoder):
         first = k.shape[2] - self.cache.window
         last = first + self.scorer.span - 1
         u = torch.arange(max(first, 0), max(last, 0), device=k.device)
-        x = self.scorer.features(k[..., u, :], v[..., u, :])
-        self.ring[layer][..., u % self.scorer.span, :] = x
+        keys = k[..., u, :]
+        values = v[..., u, :]
+        x = self.scorer.features(keys, values)
+        slot = u % self.scorer.span
+        self.ring[layer][..., slot, :] = x
         return self.scorer(layer, k, v, pos)
 
     def leaving(self, p):
@@ -75,20 +79,22 @@ class WindowRing(kvpop.Decoder):
         t = p - self.cache.window
         n = self.scorer.span - 1
         x = self.scorer.features(*self.cache.recent_kv(t + n))
-        self.ring[..., (t + n).view(-1) % (n + 1), :] = x
+        slot = (t + n).view(-1) % (n + 1)
+        self.ring[..., slot, :] = x
         order = torch.arange(n + 1, device=self.ring.device)
         order = t + order
-        return self.read(self.ring[..., order % (n + 1), :], t)
+        x = self.ring[..., order % (n + 1), :]  # t .. t + n
+        return self.read(x, t)
 
     def read(self, x, t):
         """Every layer's priority (L, B, H, 1) of token t from the features x (L, B, H, 1 + n, X) of t and the n
         tokens after it, in position order. W_k and W_v are folded into the read, u_a = W_k,a (W_q x)_a / sqrt(d)
         and z_a = W_v,a^T (sum_o alpha_a[o] x[t + o]): the n tokens are never projected."""
         scorer = self.scorer
-        xt = x[..., :1, :]  # (L, B, H, 1, X)
+        x_t = x[..., :1, :]  # (L, B, H, 1, X)
         after = x[..., 1:, :]  # (L, B, H, n, X)
         reads = (scorer.reads, scorer.d_key)
-        query = xt @ every(scorer.wq)
+        query = x_t @ every(scorer.wq)
         query = query[..., 0, :]
         query = query.unflatten(-1, reads)  # (L, B, H, A, d)
         wk = every(scorer.wk).unflatten(-1, reads)
@@ -100,7 +106,7 @@ class WindowRing(kvpop.Decoder):
         pooled = alpha @ after
         z = torch.einsum("...ax,...xad->...ad", pooled, wv)  # (L, B, H, A, d)
         z = z.flatten(-2)[..., None, :]
-        return readout(scorer, xt, z) + recency(scorer, t)
+        return readout(scorer, x_t, z) + recency(scorer, t)
 
 
 class FoldedMemory(kvpop.Decoder):
@@ -128,8 +134,8 @@ class FoldedMemory(kvpop.Decoder):
         self.first = cache.pos.new_tensor(-cache.window - self.block)
         reads = (*grid, self.block)
         u = self.memory.new_zeros(*reads, size)
-        wx = self.memory.new_zeros(*reads, scorer.d_hidden)
-        self.prepared = (u, wx)
+        w1x = self.memory.new_zeros(*reads, scorer.d_hidden)
+        self.prepared = (u, w1x)
 
     @torch.no_grad()
     def folded(self):
@@ -162,7 +168,8 @@ class FoldedMemory(kvpop.Decoder):
         place: [C; n] = f [C; n] + g [v'; 1] k'^T, stabilised by the log-scale s (L, B, H) as in xLSTM:
         s' = max(log f + s, log i), g = exp(log i - s'), f = exp(log f + s - s'). take (a bool tensor) False: the
         memories stay as they are (g = 0, f = 1), without a branch."""
-        memory, scale, size = self.memory, self.scale, self.scorer.d_mem
+        memory, scale = self.memory, self.scale
+        size = self.scorer.d_mem
         log_input = z[..., 0, -2]  # (L, B, H)
         log_forget = scale - softplus(-z[..., 0, -1])  # log f + s
         new_scale = torch.maximum(log_input, log_forget)
@@ -183,21 +190,22 @@ class FoldedMemory(kvpop.Decoder):
     def prepare(self, x):
         """What a read needs of tokens with features x (L, B, H, c, X) alone: u = W_r x and W_1's product with x in
         the read-out (made for c tokens at once, the weights are read once for c)."""
-        u = x @ every(self.scorer.wr)
-        w1 = every(self.scorer.w1)[..., : self.scorer.width, :]
+        scorer = self.scorer
+        u = x @ every(scorer.wr)
+        w1 = every(scorer.w1)[..., : scorer.width, :]
         return u, x @ w1
 
-    def read(self, u, wx, t):
-        """The priority (L, B, H, 1) of the token at t from the memories as they are and its prepared u, wx (L, B, H,
+    def read(self, u, w1x, t):
+        """The priority (L, B, H, 1) of the token at t from the memories as they are and its prepared u, W_1 x (L, B, H,
         1, ...): [C u; n . u] = [C; n] u, h = C u / max(|n . u|, exp(-s)), r = readout(x, rms(h)) + gamma_h t."""
         scorer, size = self.scorer, self.scorer.d_mem
-        y = u @ self.memory.mT  # (L, B, H, 1, M + 1)
+        product = u @ self.memory.mT  # [C u; n . u] (L, B, H, 1, M + 1)
         floor = (-self.scale).exp()[..., None, None]
-        divisor = torch.maximum(y[..., size:].abs(), floor)
-        h = y[..., :size] / divisor
+        divisor = torch.maximum(product[..., size:].abs(), floor)
+        h = product[..., :size] / divisor
         w1 = every(scorer.w1)[..., scorer.width :, :]
         b1 = every(scorer.b1)[..., None, :]
-        a = wx + rms(h) @ w1 + b1
+        a = w1x + rms(h) @ w1 + b1
         return output(scorer, a) + recency(scorer, t)
 
     def prefill(self, layer, k, v, pos):
@@ -219,10 +227,10 @@ class FoldedMemory(kvpop.Decoder):
         t = p - self.cache.window
         if torch.compiler.is_compiling():
             x = self.scorer.features(*self.cache.recent_kv(t))
-            u, wx = self.prepare(x)
+            u, w1x = self.prepare(x)
         else:
-            u, wx = self.prepared_read(t)
-        return self.read(u, wx, t)
+            u, w1x = self.prepared_read(t)
+        return self.read(u, w1x, t)
 
     # the memories take token p - 1 under its own key
     def write(self, p, take):
@@ -238,8 +246,9 @@ class FoldedMemory(kvpop.Decoder):
             self.prepared = self.prepare(x)
             self.first = t.clone()
         j = (t - self.first).view(1)
-        u, wx = self.prepared
-        return u.index_select(-2, j), wx.index_select(-2, j)
+        u, w1x = self.prepared
+        read = u.index_select(-2, j)
+        return read, w1x.index_select(-2, j)
 
 
 class ShiftedFoldedMemory(FoldedMemory):
@@ -255,12 +264,15 @@ class ShiftedFoldedMemory(FoldedMemory):
 
 
 # the kinds' fast decoding forms; a kind not named here decodes by its definition (kvpop.Decoder)
-FAST = {kvpop.MLPScorer: EveryLayer, kvpop.WindowScorer: WindowRing, kvpop.MemoryScorer: FoldedMemory}
+FAST = {kvpop.MLPScorer: EveryLayer}
+FAST[kvpop.WindowScorer] = WindowRing
+FAST[kvpop.MemoryScorer] = FoldedMemory
 FAST[shifted.ShiftedMemoryScorer] = ShiftedFoldedMemory
 
 
 def decoder(scorer, cache):  # the cache's decoding form of a learned scorer
-    return FAST.get(type(scorer), kvpop.Decoder)(scorer, cache)
+    form = FAST.get(type(scorer), kvpop.Decoder)
+    return form(scorer, cache)
 
 
 def attention_received(policy, q, k, lse):

@@ -13,9 +13,9 @@ class ShiftedMemoryScorer(kvpop.MemoryScorer):
 
     kind = "kvpop-shifted"
 
-    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
-        super().__init__(config, window, d_mem, d_hidden, gamma, arrival)
-        if window < 2:
+    def build(self):
+        super().build()
+        if self.window < 2:
             raise ValueError("kvpop-shifted decodes with the token before the newest in the window: use window >= 2")
 
     # x[j - 1] for each token j of features x (B, H, T, X); zeros before token 0
