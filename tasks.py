@@ -80,13 +80,13 @@ def task_batch(tok, n, T, rng, p_cue=0.0, **kw):
     is drawn uniformly from it, by rng, just before the sequence."""
     ids, bos = task_ids(tok)
     idx, tgt, dist = (torch.full((n, T), f, dtype=torch.long) for f in (bos, -1, 0))
-    for b in range(n):
+    for row in range(n):
         # one rate, or this sequence's from the range
         rate = rng.uniform(*p_cue) if isinstance(p_cue, tuple) else p_cue
         words, ans = task(rng, T, p_cue=rate, **kw)
-        idx[b, 1:] = torch.tensor([ids[w] for w in words[1:]])
+        idx[row, 1:] = torch.tensor([ids[w] for w in words[1:]])
         for q, v, d in ans:
-            tgt[b, q], dist[b, q] = ids[v], d
+            tgt[row, q], dist[row, q] = ids[v], d
     return idx, tgt, dist
 
 
@@ -154,46 +154,50 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, targe
     return model(idx, attn=attn)
 
 
-def policy_name(p):  # a learned scorer is named by its kind
-    return p if isinstance(p, str) else p.kind + " on arrival" * p.arrival
+def policy_name(policy):  # a learned scorer is named by its kind
+    return policy if isinstance(policy, str) else policy.kind + " on arrival" * policy.arrival
 
 
 def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None, target="mean"):
     """Every (policy, budget) on the same sequences, teacher-forced through evaluate -> rows of accuracy on all
     queries, on far ones, relative to full, and mean KL(full || policy) from position S on. `full` is the dense pass of
     ref (a fine-tuned net's starting point), default net itself."""
-    size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]
+    size = lambda budget: kvpop.budget_size(budget, idx.shape[1], sinks, window)[0]
     # queries out of reach of a window at every budget
     far = (dist >= max(map(size, budgets)) - sinks)[tgt >= 0]
-    runs = [("full", 1)] + [(p, b) for p in policies if p != "full" for b in budgets]
-    hit, kl, rows = {r: [] for r in runs}, {r: [] for r in runs}, []
+    runs = [("full", 1)] + [(policy, budget) for policy in policies if policy != "full" for budget in budgets]
+    hit, kl = {run: [] for run in runs}, {run: [] for run in runs}
+    rows = []
+    log_probs = lambda logits: logits.float().log_softmax(-1)
     # full-vocabulary log-probs of a chunk, then every run on it
-    for c in range(0, len(idx), chunk):
-        x, m = idx[c : c + chunk], tgt[c : c + chunk] >= 0
-        full = evaluate(ref or net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
-        for p, b in runs:
-            online = policy_name(p) in kvpop.DYNAMIC
-            lp = full if p == "full" else evaluate(net, x, p, b, sinks, window, online, target).float().log_softmax(-1)
-            hit[p, b].append(lp.argmax(-1)[m] == tgt[c : c + chunk][m])
+    for start in range(0, len(idx), chunk):
+        part, answered = idx[start : start + chunk], tgt[start : start + chunk] >= 0
+        full = log_probs(evaluate(ref or net, part, "full", 1, sinks, window, online=False))
+        for policy, budget in runs:
+            online = policy_name(policy) in kvpop.DYNAMIC
+            args = (policy, budget, sinks, window, online, target)
+            lp = full if policy == "full" else log_probs(evaluate(net, part, *args))
+            hit[policy, budget].append(lp.argmax(-1)[answered] == tgt[start : start + chunk][answered])
             # (chunk * (T - S),)
-            kl[p, b].append((full.exp() * (full - lp)).sum(-1)[:, size(b) :].flatten())
+            kl[policy, budget].append((full.exp() * (full - lp)).sum(-1)[:, size(budget) :].flatten())
     acc_full = torch.cat(hit["full", 1]).float().mean().item()
-    for p, b in runs:
-        h, k = torch.cat(hit[p, b]).float(), torch.cat(kl[p, b])
-        acc = h.mean().item()
-        row = dict(policy=policy_name(p), budget=b, accuracy=round(acc, 4))
-        row["far_accuracy"] = round(h[far].mean().item(), 4)
-        rows.append(row | dict(relative=round(acc / acc_full, 4), kl=round(k.mean().item(), 4) if len(k) else 0.0))
+    for policy, budget in runs:
+        hits, divergence = torch.cat(hit[policy, budget]).float(), torch.cat(kl[policy, budget])
+        acc = hits.mean().item()
+        row = dict(policy=policy_name(policy), budget=budget, accuracy=round(acc, 4))
+        row["far_accuracy"] = round(hits[far].mean().item(), 4)
+        mean_kl = round(divergence.mean().item(), 4) if len(divergence) else 0.0
+        rows.append(row | dict(relative=round(acc / acc_full, 4), kl=mean_kl))
     return rows, far.float().mean().item(), len(far)
 
 
 def quality_table(rows):  # a markdown table; with task and target columns when the rows have them
-    cols = [c for c in ("task", "target") if c in rows[0]]
+    cols = [col for col in ("task", "target") if col in rows[0]]
     head = cols + ["policy", "budget", "accuracy", "far accuracy", "relative", "KL"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for r in rows:
-        cells = [r[c] for c in cols] + [r["policy"], f"{r['budget']:g}"]
-        cells += [f"{r['accuracy']:.1%}", f"{r['far_accuracy']:.1%}"]
-        cells += [f"{r['relative']:.3f}", f"{r['kl']:.3f}"]
+    for row in rows:
+        cells = [row[col] for col in cols] + [row["policy"], f"{row['budget']:g}"]
+        cells += [f"{row['accuracy']:.1%}", f"{row['far_accuracy']:.1%}"]
+        cells += [f"{row['relative']:.3f}", f"{row['kl']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

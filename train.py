@@ -111,7 +111,8 @@ def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
     backward per layer if grad is enabled -> (loss, keep/drop accuracy), means over layers and pools. `ddp`: training's
     scorer; the counts, gradients (reduced in the last layer's backward) and results are then the global batch's."""
     T, L = rs[0].shape[-1], len(kv)
-    pos, total, hits = torch.arange(T, device=rs[0].device), 0.0, 0.0
+    pos = torch.arange(T, device=rs[0].device)
+    total, hits = 0.0, 0.0
     count = processes.allsum if ddp else None
     for i, ((k, v), r) in enumerate(zip(kv, rs)):
         with processes.no_sync(ddp, i < L - 1):

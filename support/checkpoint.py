@@ -18,17 +18,17 @@ from support.flags import TYPES
 
 
 # config, shard index and tokenizer files: a bad one is a one-line error naming it
-def read_json(f):
+def read_json(path):
     try:
-        return json.loads(Path(f).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {f}: {e}") from None
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read {path}: {error}") from None
 
 
-def write_json(d, f):
+def write_json(data, path):
     """To a temporary name, then renamed: never half-written."""
-    Path(f + ".tmp").write_text(json.dumps(d, indent=1))
-    os.replace(f + ".tmp", f)
+    Path(path + ".tmp").write_text(json.dumps(data, indent=1))
+    os.replace(path + ".tmp", path)
 
 
 # a checkpoint's torch_dtype, sample.py's --dtype
@@ -41,48 +41,48 @@ CONFIG_REQUIRED += ("num_attention_heads", "num_key_value_heads")
 def read_config(path, cls):
     """Read and check a config.json before any tensor is read -> cls (qwen3.Qwen3Config): a field that is missing, of
     the wrong kind or out of range is a one-line ValueError naming the file and the field, never a different model."""
-    d = read_json(path)
+    config = read_json(path)
 
     def need(ok, msg):
         if not ok:
             raise ValueError(f"{path}: {msg}")
 
     kinds = {list: "an array", str: "a string", bool: "true/false", type(None): "null"}
-    what = kinds.get(type(d), "a number")
-    need(type(d) is dict, f"must be a JSON object of model settings, not {what}")
+    what = kinds.get(type(config), "a number")
+    need(type(config) is dict, f"must be a JSON object of model settings, not {what}")
     # null = absent, as transformers reads it
-    d = {k: v for k, v in d.items() if v is not None}
+    config = {k: value for k, value in config.items() if value is not None}
     # transformers 5 moves rope_theta into rope_parameters and writes "dtype"
-    rope = d.get("rope_parameters", {})
-    dt = "torch_dtype" if "torch_dtype" in d else "dtype"
+    rope = config.get("rope_parameters", {})
+    dt = "torch_dtype" if "torch_dtype" in config else "dtype"
     need(type(rope) is dict, "rope_parameters must be an object")
     # defaults as transformers reads them
     theta = rope.get("rope_theta", cls.rope_theta)
-    d = dict(torch_dtype=d.get("dtype", "bfloat16"), rope_theta=theta, tie_word_embeddings=False) | d
-    scaled = rope.get("rope_type", "default") != "default" or d.get("rope_scaling")
+    config = dict(torch_dtype=config.get("dtype", "bfloat16"), rope_theta=theta, tie_word_embeddings=False) | config
+    scaled = rope.get("rope_type", "default") != "default" or config.get("rope_scaling")
     need(not scaled, "only default RoPE is supported (found rope scaling)")
-    act = d.get("hidden_act", "silu")
+    act = config.get("hidden_act", "silu")
     need(act == "silu", f"hidden_act {act!r}: Qwen3 uses silu")
     sliding = "sliding-window attention is not supported"
-    need(not d.get("use_sliding_window"), f"use_sliding_window: {sliding}")
-    for f in fields(cls):
-        name, v, t = f.name, d.get(f.name), f.type
-        need(v is not None or name not in CONFIG_REQUIRED, f"{name} is missing; a Qwen3 config needs it")
-        if v is None or t is str:
+    need(not config.get("use_sliding_window"), f"use_sliding_window: {sliding}")
+    for field in fields(cls):
+        name, value, typ = field.name, config.get(field.name), field.type
+        need(value is not None or name not in CONFIG_REQUIRED, f"{name} is missing; a Qwen3 config needs it")
+        if value is None or typ is str:
             continue
         # an integer is a float too; a float must be finite
-        typed = type(v) is t or t is float and type(v) is int
-        need(typed and (t is not float or math.isfinite(v)), f"{name} {v!r} must be {TYPES[t]}")
-        need(t is bool or v > 0, f"{name} {v} must be positive")
-        d[name] = t(v)
-    h, kv = d["num_attention_heads"], d["num_key_value_heads"]
+        typed = type(value) is typ or typ is float and type(value) is int
+        need(typed and (typ is not float or math.isfinite(value)), f"{name} {value!r} must be {TYPES[typ]}")
+        need(typ is bool or value > 0, f"{name} {value} must be positive")
+        config[name] = typ(value)
+    h, kv = config["num_attention_heads"], config["num_key_value_heads"]
     need(h % kv == 0, f"num_key_value_heads {kv} must divide num_attention_heads {h}")
-    D = d.setdefault("head_dim", d["hidden_size"] // h)
+    D = config.setdefault("head_dim", config["hidden_size"] // h)
     pairs = "RoPE rotates pairs of dimensions"
     need(D > 0 and D % 2 == 0, f"head_dim {D} must be even and positive ({pairs})")
-    torch_dtype = d["torch_dtype"]
+    torch_dtype = config["torch_dtype"]
     need(torch_dtype in DTYPES, f"{dt} {torch_dtype!r} must be one of {', '.join(DTYPES)}")
-    return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+    return cls(**{field.name: config[field.name] for field in fields(cls) if field.name in config})
 
 
 # ----------------------------------------------------------------------------------------------------------
