@@ -14,15 +14,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
-from support import checkpoint
-from support import flags
-from support import bench_runs, gpus
-from support.corpus import code_runs, code_table
 import kernels
 import kvpop
-from cache import KVCache
 import qwen3
 import tasks
+from cache import KVCache
+from support import bench_runs, checkpoint, flags, gpus
+from support.corpus import code_runs, code_table
 
 # --- shared (each command reads those it names)
 model = ""  # checkpoint folder; empty: the baby (quality, generate), a random model of --shape (speed)
@@ -150,7 +148,7 @@ def calls(fn):
     return meter.calls
 
 
-# a markdown table's head from its comma-separated column names, then the rule under it
+# a markdown table's header from its comma-separated column names, then the rule under it
 def table(cols):
     return "| " + cols.replace(",", " | ") + " |\n" + "|---" * (cols.count(",") + 1) + "|"
 
@@ -233,9 +231,9 @@ def cmd_quality(argv):
             runs = measure(*batch, learned, *cache, target=target)[0]
             rows += [dict(task=task, target=target, **r) for r in runs[1:]]  # full is above
         counts.append(f"{task}: {n} {'next tokens' if code else 'queries'} ({far:.0%} far)")
-    held = f"{len(files)} held-out files, the first" if code else f"{opts.n} held-out sequences of"
-    head = f"{opts.model}: {held} {opts.T} tokens (seed {opts.seed}), {'; '.join(counts)}"
-    print(f"{head}; sinks {opts.sinks}, window {opts.window}\n")
+    what = f"{len(files)} held-out files, the first" if code else f"{opts.n} held-out sequences of"
+    title = f"{opts.model}: {what} {opts.T} tokens (seed {opts.seed}), {'; '.join(counts)}"
+    print(f"{title}; sinks {opts.sinks}, window {opts.window}\n")
     table = code_table if code else tasks.quality_table
     print(f"{table(rows)}\n\n{time.time() - t0:.0f}s")
     if opts.json:
@@ -269,8 +267,8 @@ def cmd_generate(argv):
         rows += [dict(task=task) | r for r in got[0]]
         samples |= {(task, *k): v for k, v in got[1].items()}
     prompts = f"{opts.prompts} held-out prompts a task (seed {opts.seed}) of {opts.T - opts.tokens - 1} tokens"
-    head = f"{opts.model}: {prompts}"
-    print(f"{head}, {opts.tokens} written each at temperature {opts.temperature:g}; far: >= {far} back\n")
+    title = f"{opts.model}: {prompts}"
+    print(f"{title}, {opts.tokens} written each at temperature {opts.temperature:g}; far: >= {far} back\n")
     print(f"{bench_runs.generate_table(rows)}\n\n{time.time() - t0:.0f}s")
     if opts.json:
         checkpoint.write_json(rows, opts.json)

@@ -5,7 +5,7 @@ override any with --name value (--help lists them).
   python pretrain.py --out_dir my_baby
   # a tiny one, in seconds
   python pretrain.py --out_dir tiny --seq_len 64 --tokens 256 --phase_steps 2 --final_steps 2
-  # the shipped code baby, bit for bit: the installed torch package's own source (REAL_TEXT.md; about 13 minutes)
+  # the shipped code baby, bit for bit: the installed torch package's own source (README, Real text; about 13 minutes)
   python pretrain.py --data torch --out_dir codebaby --final_steps 700 --tokens 8192
 
 The same Qwen3 class as any checkpoint, 2 layers: layer 0 a hand-built previous-token head, frozen; the rest learns

@@ -147,7 +147,7 @@ class Qwen3(nn.Module):
             sd.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
         checkpoint.check_tensors(folder, want, sd)
         dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or config.torch_dtype)
-        # strict check done above, tied head aside
+        # strict check done above, the tied output layer aside
         model.load_state_dict(sd, strict=False, assign=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight

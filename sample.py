@@ -160,8 +160,8 @@ def marked(out):
 
 def report(cache, out, t, dec):
     """Flush dec (a character cut off by the end of generation), then print the sample's timing and cache
-    lines, and with --show its shading. The full cache: every position, every layer; held: the most entries
-    any (layer, row, head) holds; p: (L, Hkv, entries) positions held, -1 = empty."""
+    lines, and with --show its shading. The full cache: every position, every layer; most: the most entries
+    any (layer, row, KV head) holds; p: (L, Hkv, entries) positions held, -1 = empty."""
     print(dec(), end="")
     rate = (len(out) - 1) / (t[-1] - t[1]) if len(out) > 1 else 0.0
     prefill = f"prefill {len(ids)} tokens in {t[1] - t[0]:.2f} s"
@@ -169,9 +169,9 @@ def report(cache, out, t, dec):
     print(f"\n---\n{prefill}; decode {len(out)} tokens at {rate:.1f} tokens/s on {on}")
     state = f" + scorer state worth {charge}" if charge and S < total else ""
     full = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size() * total
-    held = int((cache.pos >= 0).sum(-1).max())
+    most = int((cache.pos >= 0).sum(-1).max())
     taken = int(cache.t)
-    kept = f"{held} entries kept per head{state} of {taken} tokens"
+    kept = f"{most} entries kept per head{state} of {taken} tokens"
     used = cache.nbytes()
     size = f"{used / 2**20:.2f} MiB vs {full / 2**20:.2f} MiB full ({100 * used / full:.1f}%)"
     learned = f" ({scorer})" if name in SCORERS else ""

@@ -193,8 +193,8 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
 
 def quality_table(rows):  # a markdown table; with task and target columns when the rows have them
     cols = [col for col in ("task", "target") if col in rows[0]]
-    head = cols + ["policy", "budget", "accuracy", "far accuracy", "relative", "KL"]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    columns = cols + ["policy", "budget", "accuracy", "far accuracy", "relative", "KL"]
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for row in rows:
         cells = [row[col] for col in cols] + [row["policy"], f"{row['budget']:g}"]
         cells += [f"{row['accuracy']:.1%}", f"{row['far_accuracy']:.1%}"]

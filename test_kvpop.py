@@ -15,21 +15,18 @@ import subprocess
 import sys
 import types
 
-import bench
-import tasks
 import pytest
 import safetensors.torch
 import torch
 
-from support.tokenizer import Tokenizer
-from support import checkpoint
-from support import flags
-from support import gpus
+import bench
 import kernels
 import kvpop
-from cache import KVCache, resolve
 import qwen3
-from support import bench_runs, fast, scorer_files, tokenizer
+import tasks
+from cache import KVCache, resolve
+from support import bench_runs, checkpoint, fast, flags, gpus, scorer_files, tokenizer
+from support.tokenizer import Tokenizer
 
 
 # =========================================================================================================
@@ -2085,7 +2082,7 @@ def test_static_policy_of_any_real_dtype(small_model, dtype):
 # every policy crosses the fill -> evict boundary while decoding; kvpop's 600 steps cross its prepared blocks many times
 @pytest.mark.parametrize("policy, steps", [(p, 48) for p in ("full", "streaming", "knorm", "random", "h2o", "tova", "kvpop-window", "kvpop-mlp", "kvpop-shifted")] + [("kvpop", 600)])
 def test_decoding_step_is_one_graph(baby, policy, steps):
-    """[21/23]: a decoding step traced whole by torch.compile (fullgraph: a graph break raises; a recompilation
+    """A decoding step traced whole by torch.compile (fullgraph: a graph break raises; a recompilation
     raises too) from the first step to the last, and the compiled run the eager one: the same positions held
     after every step, the same logits. The prompt goes eagerly (generate's `step`)."""
     import torch._dynamo
@@ -2147,7 +2144,7 @@ def test_readme_add_a_scorer(small_model):
 
 @pytest.fixture(scope="module")
 def model_fp64(tmp_path_factory):
-    """[12/15]'s case: a random Qwen3 by transformers (vocab 300, hidden 96, 6 query / 2 KV heads of
+    """A random Qwen3 by transformers (vocab 300, hidden 96, 6 query / 2 KV heads of
     32, 2 layers, seed 3), in fp64."""
     import transformers
 
@@ -2171,7 +2168,7 @@ def model_fp64(tmp_path_factory):
 def _sweep(n=36):
     """n shapes (window, sinks, budget, T, gamma): windows 1-48 around kvpop-window's reach of 32,
     sinks 0-4, budgets as fractions and integers, T no multiple of the chunks (128), gamma up to 0.5
-    (near-ties between old and new tokens), [12/15]'s case first."""
+    (near-ties between old and new tokens), model_fp64's case first."""
     rng, out = random.Random(12), [(24, 4, 0.5, 197, 0.002), (24, 0, 0.5, 150, 0.002)]
     while len(out) < n:
         w, sinks, T = rng.choice([1, 2, 5, 8, 16, 24, 31, 32, 33, 40, 48]), rng.randint(0, 4), rng.randint(70, 230)
@@ -2361,7 +2358,7 @@ def test_boundary_labels_equal_brute_force():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# [9/11] the training objective against its definition (README, Method: boundary loss, fine-tune):
+# the training objective against its definition (README, Method: boundary loss, fine-tune):
 # the references below call none of train.py's functions, so a flipped sign, a missing recency term,
 # a reversed KL, a student without eviction or a constant learning rate fails here
 
@@ -2509,7 +2506,7 @@ def _recorded_rates(tmp_path, *args):
     optimizer's learning rate, named by what it trains -> {'scorer': [...], 'model': [...]}."""
     drive = tmp_path / "drive.py"
     drive.write_text(
-        f"import json, runpy, sys\nsys.path.insert(0, {HERE!r})\nimport torch\n"
+        "import json, runpy, sys\nimport torch\n"
         "seen = {}\n"
         "step = torch.optim.AdamW.step\n"
         "def record(self, *a, **kw):\n"
@@ -2521,7 +2518,8 @@ def _recorded_rates(tmp_path, *args):
         "runpy.run_path('train.py', run_name='__main__')\n"
         f"open({str(tmp_path / 'rates.json')!r}, 'w').write(json.dumps(seen))\n"
     )
-    r = subprocess.run([sys.executable, str(drive)], cwd=HERE, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=HERE)  # the repository's modules, for the script in tmp_path
+    r = subprocess.run([sys.executable, str(drive)], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((tmp_path / "rates.json").read_text())
 
@@ -2795,7 +2793,7 @@ def test_train_bad_input(tmp_path, small_model):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# [8/8] training under eviction: the masked attention's backward, the fine-tune, several processes
+# training under eviction: the masked attention's backward, the fine-tune, several processes
 
 
 def test_training_attention_gradients_equal_dense_masked_reference():
@@ -2985,7 +2983,7 @@ def test_pretrain_refuses_torchrun(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# [11/11] every command the README shows runs (smaller where it must)
+# every command the README shows runs (smaller where it must)
 
 README_SMALL = {  # each README command -> the flags appended to run it here (a later flag wins)
     "python sample.py --budget 0.25 --show": [],
@@ -3481,7 +3479,7 @@ def test_readme_real_qwen3_commands_on_a_local_cache(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# tests for what an audit broke on purpose ([16/19])
+# tests for what an audit broke on purpose
 
 
 def _ref_future_target(q, k, lse, window, reduce, P=None):
@@ -3752,7 +3750,7 @@ def test_sample_scoreboard_streaming_row_keeps_all_s_entries(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# [20/23] the mutation audit: each test below fails on a break the rest of the suite let pass (named in its docstring)
+# the mutation audit: each test below fails on a break the rest of the suite let pass (named in its docstring)
 
 
 def _train_globals(monkeypatch, *args):

@@ -21,13 +21,11 @@ import types
 
 import torch
 
-from support import checkpoint
-from support import flags
 import kernels
-from cache import resolve
 import kvpop
 import qwen3
-from support import checks, processes, scorer_files, tokenizer
+from cache import resolve
+from support import checkpoint, checks, flags, processes, scorer_files, tokenizer
 from support.corpus import code_held_out, code_sequences, pack_files
 from tasks import TASKS, quality_runs, quality_table, task_batch
 

@@ -2,7 +2,7 @@
 their value token evicted there, what the pool held at those queries, and the priorities r (without gamma_h t) of
 live values, distractor values and the rest, beside the teacher's r* (LOG.md, 2026-12-06: cue at --p_cue 0.3).
 
-python experiments/cue_evictions.py --scorer baby/scorers/cue-helpful/kvpop-window --p_cue 0.3
+python -m experiments.cue_evictions --scorer baby/scorers/cue-helpful/kvpop-window --p_cue 0.3
 """
 
 import os
@@ -11,13 +11,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from support import flags
 import kernels
 import kvpop
 import qwen3
 import tasks
-from support import scorer_files, tokenizer
+from support import flags, scorer_files, tokenizer
 
 # --- what to measure
 scorer = "baby/scorers/cue-helpful/kvpop-window"  # a cue scorer's folder

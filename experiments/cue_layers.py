@@ -1,7 +1,7 @@
 """Per layer, on held-out cue sequences: each scorer's keep/drop accuracy at the pool's edge and P(a live value's
 priority > a distractor value's), beside the teacher's (LOG.md, 2026-12-05 night).
 
-python experiments/cue_layers.py --scorers baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-mlp
+python -m experiments.cue_layers --scorers baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-mlp
 """
 
 import os
@@ -10,12 +10,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from support import flags
 import kvpop
 import qwen3
 import tasks
-from support import scorer_files, tokenizer
+from support import flags, scorer_files, tokenizer
 
 # --- what to measure
 scorers = "baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-shifted,"  # comma-separated folders

@@ -88,8 +88,8 @@ def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperat
 
 
 def generate_table(rows):  # a markdown table of bench.py generate's rows
-    head = "task policy budget answers accuracy far_accuracy_(answers) retained_[95%] longest_run distinct"
-    lines = ["| " + " | ".join(head.split()).replace("_", " ") + " |", "|---" * 9 + "|"]
+    columns = "task policy budget answers accuracy far_accuracy_(answers) retained_[95%] longest_run distinct"
+    lines = ["| " + " | ".join(columns.split()).replace("_", " ") + " |", "|---" * 9 + "|"]
     for r in rows:
         cells = [r["task"], r["policy"], f"{r['budget']:g}", r["answers"], f"{r['accuracy']:.1%}"]
         cells += [f"{r['far_accuracy']:.1%} ({r['far_answers']})"]

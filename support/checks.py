@@ -7,7 +7,7 @@ import os
 import kvpop
 from support import checkpoint, flags
 from support.corpus import code_files
-from tasks import TASK_RANKS, TASKS
+from tasks import TASKS, TASK_RANKS
 
 
 def train(opts, given, world):

@@ -147,8 +147,8 @@ def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target="mean
 
 
 def code_table(rows):  # a markdown table of code_runs' rows, each mean with its 95% half-width
-    head = ["target", "policy", "budget", "KL", "top-1", "perplexity ratio", "far-copy"]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    columns = ["target", "policy", "budget", "KL", "top-1", "perplexity ratio", "far-copy"]
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for r in rows:
         cells = [r.get("target", "-"), r["policy"], f"{r['budget']:g}"]
         cells += [f"{r['kl']:.4f} ± {r['kl_ci']:.4f}", f"{r['top1']:.1%} ± {r['top1_ci']:.1%}"]

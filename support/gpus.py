@@ -78,14 +78,14 @@ def _attention_kernel(
     Q, K, V, E, Out, LSE, T, D, group, sinks, scale,
     HAS_E: lang.constexpr, BLOCK_M: lang.constexpr, BLOCK_N: lang.constexpr, BLOCK_D: lang.constexpr,
 ):  # fmt: skip
-    # query block; b * Hq + query head, in int64 because offsets like head * T * D pass 2**31 at long T
+    # query block; b * Hq + query head, in int64 because offsets like query_head * T * D pass 2**31 at long T
     i0 = lang.program_id(0) * BLOCK_M
-    head = lang.program_id(1).to(lang.int64)
-    kv_head = head // group  # = b * Hkv + KV head, since query heads h*G .. h*G+G-1 read KV head h
+    query_head = lang.program_id(1).to(lang.int64)
+    kv_head = query_head // group  # = b * Hkv + KV head, since query heads h*G .. h*G+G-1 read KV head h
     i = i0 + lang.arange(0, BLOCK_M)
     dims = lang.arange(0, BLOCK_D)
     dims_in = dims[None, :] < D  # BLOCK_D pads D to a power of two
-    q_offsets = head * T * D + i[:, None] * D + dims[None, :]  # (BLOCK_M, BLOCK_D)
+    q_offsets = query_head * T * D + i[:, None] * D + dims[None, :]  # (BLOCK_M, BLOCK_D)
     q_mask = (i[:, None] < T) & dims_in
     q = lang.load(Q + q_offsets, mask=q_mask, other=0.0).to(lang.float32)
     m = lang.full([BLOCK_M], -1e30, lang.float32)
@@ -115,7 +115,7 @@ def _attention_kernel(
     out = (acc / row_sum[:, None]).to(Out.dtype.element_ty)
     lang.store(Out + q_offsets, out, mask=q_mask)
     lse = lang.where(seen, m + lang.log(row_sum), float("-inf"))
-    lang.store(LSE + head * T + i, lse, mask=i < T)
+    lang.store(LSE + query_head * T + i, lse, mask=i < T)
 
 
 def attention(q, k, v, evict_at, sinks, scale):  # kernels.attention on a GPU
@@ -172,15 +172,15 @@ def _future_kernel(
     has_future = n > 0  # the last `window` keys have none (and an empty sum, row_sum = 0)
     best = lang.full([BLOCK_M], float("-inf"), lang.float32)
     for g in range(0, group):
-        head = kv_head * group + g
+        query_head = kv_head * group + g
         m = lang.full([BLOCK_M], -1e30, lang.float32)
         row_sum = lang.zeros([BLOCK_M], lang.float32)
         for d0 in range(t0 + window, T, BLOCK_N):
             d = d0 + lang.arange(0, BLOCK_N)
-            q_offsets = head * T * D + d[:, None] * D + dims[None, :]  # (BLOCK_N, BLOCK_D)
+            q_offsets = query_head * T * D + d[:, None] * D + dims[None, :]  # (BLOCK_N, BLOCK_D)
             q_mask = (d[:, None] < T) & dims_in
             q = lang.load(Q + q_offsets, mask=q_mask, other=0.0).to(lang.float32)
-            lse = lang.load(LSE + head * T + d, mask=d < T, other=0.0).to(lang.float32)
+            lse = lang.load(LSE + query_head * T + d, mask=d < T, other=0.0).to(lang.float32)
             scores = lang.dot(k, lang.trans(q)) - lse[None, :]  # (BLOCK_M, BLOCK_N)
             outside = (d[None, :] >= t[:, None] + window) & (d[None, :] < T)
             scores = lang.where(outside, scores, float("-inf"))
@@ -214,14 +214,14 @@ def future_attention(q, k, lse, window, eps, scale, reduce):  # kernels.future_a
 def _evict_kernel(PRIORITY, E, T, sinks, window, pool, BLOCK_T: lang.constexpr, BLOCK_U: lang.constexpr):
     # Parallel form for the GPU: each token scans all positions u in order and counts those that beat it until the count
     # reaches pool. O(T^2) work but O(T) memory, and every token block runs independently.
-    head = lang.program_id(1).to(lang.int64)
+    kv_head = lang.program_id(1).to(lang.int64)
     t = lang.program_id(0) * BLOCK_T + lang.arange(0, BLOCK_T)
-    pi_t = lang.load(PRIORITY + head * T + t, mask=t < T, other=0.0)[:, None]  # (BLOCK_T, 1)
+    pi_t = lang.load(PRIORITY + kv_head * T + t, mask=t < T, other=0.0)[:, None]  # (BLOCK_T, 1)
     count = lang.zeros([BLOCK_T], lang.int32)
     u_pool = lang.full([BLOCK_T], T, lang.int32)  # T: fewer than pool better tokens
     for u0 in range(sinks, T, BLOCK_U):
         u = u0 + lang.arange(0, BLOCK_U)
-        pi_u = lang.load(PRIORITY + head * T + u, mask=u < T, other=0.0)[None, :]  # (1, BLOCK_U)
+        pi_u = lang.load(PRIORITY + kv_head * T + u, mask=u < T, other=0.0)[None, :]  # (1, BLOCK_U)
         newer = u[None, :] > t[:, None]
         better = (pi_u > pi_t) | ((pi_u == pi_t) & newer)
         better = (better & (u[None, :] < T)).to(lang.int32)  # (BLOCK_T, BLOCK_U)
@@ -233,7 +233,7 @@ def _evict_kernel(PRIORITY, E, T, sinks, window, pool, BLOCK_T: lang.constexpr, 
     leave = lang.minimum(lang.maximum(t, u_pool) + window, T)
     e = lang.where(u_pool < T, leave, T)
     e = lang.where(t < sinks, T, e).to(lang.int64)
-    lang.store(E + head * T + t, e, mask=t < T)
+    lang.store(E + kv_head * T + t, e, mask=t < T)
 
 
 # eviction_times' kernel: 64 tokens by 64 positions, half a KiB of shared memory on every GPU

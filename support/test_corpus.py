@@ -8,12 +8,12 @@ import os
 import random
 import sys
 
-import bench
-import tasks
 import pytest
 import torch
 
+import bench
 import qwen3
+import tasks
 from support import corpus, tokenizer
 
 

@@ -6,13 +6,11 @@ import random
 import shutil
 import unicodedata
 
-from tokenizers import Tokenizer as HFTokenizer
 import jinja2
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
 
-from support.tokenizer import Tokenizer, QWEN3_ADDED
-
-
+from support.tokenizer import QWEN3_ADDED, Tokenizer
 from test_kvpop import HF_DIR, tok
 
 
