@@ -5,9 +5,7 @@ live values, distractor values and the rest, beside the teacher's r* (LOG.md, 20
 python -m experiments.cue_evictions --scorer baby/scorers/cue-helpful/kvpop-window --p_cue 0.3
 """
 
-import os
 import random
-import sys
 
 import torch
 

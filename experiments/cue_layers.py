@@ -4,9 +4,7 @@ priority > a distractor value's), beside the teacher's (LOG.md, 2026-12-05 night
 python -m experiments.cue_layers --scorers baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-mlp
 """
 
-import os
 import random
-import sys
 
 import torch
 
