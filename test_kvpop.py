@@ -3124,7 +3124,7 @@ README_NOT_RUN = {  # the commands no test runs, and why
     "python bench.py kernels --targets sm_75,sm_80,sm_86,sm_89,sm_90,sm_120 --json kernels.json": "222 compiles, minutes;"
     " test_kernels_compile_for_gpus compiles a slice of it",
     "pip install -r requirements.txt": "CI runs it (.ci/run)",
-    "python -m pytest -q test_kvpop.py": "this is the test run",
+    "python -m pytest -q": "this is the test run",
     "python -m pytest -q test_kvpop.py -k cuda && python bench.py kernels --lengths 4096,16384 && "
     "python bench.py speed --prefill 16384 --train 4096 --compile && python sample.py --device cuda --budget 0.25 --compile": "needs a GPU",
 }
