@@ -1,7 +1,7 @@
 """The evicting KV cache: kvpop.evict's rule for every layer, batch row and KV head at once, the fast form of one
 decoding step (README, How it works). It only evicts: slots, positions, priorities, the rule (`lowest`), put,
-attention, prefill. A learned policy's decoder (kvpop.py, beside its scorer) gives it the priority of each token as
-it leaves the window; the cache knows no scorer's kind.
+attention, prefill. A learned policy's decoder (support/fast.py's form of its kind, else kvpop.Decoder) gives it the
+priority of each token as it leaves the window; the cache knows no scorer's kind. First, how it reads a policy.
 """
 
 import math
@@ -35,10 +35,11 @@ class KVCache:
     """Buffers allocated once: `slots` = S - m entries a layer and head, keys (L, B, H, slots, D) and values
     transposed (L, B, H, D, slots), so both products of a step read their matrix row by row, the layout that
     streams memory fastest. Filled slots are [0, min(t, slots)); an evicted slot goes to the newcomer, in place.
-    pos[slot]: its token's position (-1: empty); recent[t % w]: the slot of window token t; score[slot]: its priority (a static policy's, given on arrival; a
-    learned scorer's, as the token leaves the window; h2o's and tova's attention). t: the tokens taken so far, the
-    next newcomer's position p, a tensor (qwen3's forward advances it). A decoding step has the same shapes and
-    no Python branch on t from the first step on, so it can be one graph (torch.compile, CUDA graphs)."""
+    pos[slot]: its token's position (-1: empty); recent[t % w]: the slot of window token t; score[slot]: its priority
+    (a static policy's, given on arrival; a learned scorer's, as the token leaves the window; h2o's and tova's
+    attention). t: the tokens taken so far, the next newcomer's position p, a tensor (qwen3's forward advances it). A
+    decoding step has the same shapes and no Python branch on t from the first step on, so it can be one graph
+    (torch.compile, CUDA graphs)."""
 
     def __init__(self, model, batch, slots, policy="full", sinks=4, window=256):
         config, param = model.config, next(model.parameters())

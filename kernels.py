@@ -69,7 +69,7 @@ def plain_eviction_times(priority, sinks, window, pool):
     return e.masked_fill(u < sinks, T)
 
 
-# ------------------------------------ the fast forms: one public function each, tiled torch or a Triton kernel (gpus.py)
+# ------------------------------------ the fast forms: one public function each, tiled torch or a Triton kernel (gpus)
 def _check_qk(q, k, v=None):
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be (B, H, T, D), got {tuple(q.shape)} and {tuple(k.shape)}")

@@ -150,7 +150,7 @@ def oracle_policy(model, idx, window, target="mean"):  # pi = r*
     return lambda layer, k, v, pos: targets[layer][:, :, pos]
 
 
-# ------------------------------- learned scorers (README, Method: scorers): what every kind shares, then one class a kind
+# ---------------------------------- learned scorers (README, Method: scorers): what every kind shares, then each kind
 EPS = 1e-6  # the RMS epsilon of the scorers' features and read-out, in training and decoding
 
 
@@ -282,8 +282,8 @@ class MLPScorer(Scorer):
 class WindowScorer(Scorer):
     """kvpop-window (delayed, ours, the default): as t leaves the window it reads the n = min(w - 1, 32) cached
     tokens after it, two reads a = 0, 1 by content and offset o = 1..n (README, Method: scorers); no state of its own.
-    alpha_a[o] = softmax_o((W_q x[t])_a . (W_k x[t + o])_a / sqrt(d) + bo_a[o]),  z_a = sum_o alpha_a[o] (W_v x[t + o])_a.
-    bo_0[o] starts at -(o - 1) (read 0 starts on the next token), bo_1 flat (read 1 evenly)."""
+    alpha_a[o] = softmax_o((W_q x[t])_a . (W_k x[t + o])_a / sqrt(d) + bo_a[o])
+    z_a = sum_o alpha_a[o] (W_v x[t + o])_a,  bo_0[o] starting at -(o - 1) (read 0 starts on the next token), bo_1 flat."""
 
     kind = "kvpop-window"
     reads = 2  # A
@@ -419,9 +419,9 @@ class MemoryScorer(Scorer):
         return self.readout(layer, x, z)
 
     def chunked(self, layer, x):
-        """The chunked form (training, the masked pass, prefill): r (B, H, T) and the last state, [C; n] (B, H, M + 1, M)
-        and its log-scale (B, H). In a chunk, F_q = log f_0 + .. + log f_q: C_q u = sum_{j <= q} exp(F_q - F_j + log i_j)
-        v'_j (k'_j . u) over its tokens j, plus the state carried from before it, under one max a row."""
+        """The chunked form (training, the masked pass, prefill): r (B, H, T) and the last state, [C; n] (B, H, M + 1,
+        M) and its log-scale (B, H). In a chunk, F_q = log f_0 + .. + log f_q: C_q u = sum_{j <= q} exp(F_q - F_j +
+        log i_j) v'_j (k'_j . u) over its tokens j, plus the state carried from before it, under one max a row."""
         T = x.shape[2]
         size, delay = self.d_mem, self.delay
         chunks = x.split(self.chunk, -2)

@@ -10,7 +10,7 @@ override any with --name value (--help lists them).
 
 The same Qwen3 class as any checkpoint, 2 layers: layer 0 a hand-built previous-token head, frozen; the rest learns
 every position's next token plus --answer_weight x the task's answers, at lengths 64, 128, 256, then --seq_len; with
---data, every next token of the corpus's training files at --seq_len (tasks.py: code). It writes config.json and
+--data, every next token of the corpus's training files at --seq_len (support/corpus.py). It writes config.json and
 model.safetensors into --out_dir and leaves the folder's other files (baby/'s prompt, scorers).
 """
 

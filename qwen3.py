@@ -32,7 +32,7 @@ class Qwen3Config:
     torch_dtype: str = "bfloat16"
 
     @classmethod
-    # a checkpoint's config.json, checked (checkpoint.py)
+    # a checkpoint's config.json, checked (support/checkpoint.py)
     def from_json(cls, path):
         return checkpoint.read_config(path, cls)
 

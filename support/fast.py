@@ -119,7 +119,8 @@ class FoldedMemory(kvpop.Decoder):
     def __init__(self, scorer, cache):
         super().__init__(scorer, cache)
         if scorer.arrival:
-            raise ValueError(f"a {scorer.kind} scorer read on arrival (the delay ablation) runs in the masked pass only")
+            ablation = "read on arrival (the delay ablation) runs in the masked pass only"
+            raise ValueError(f"a {scorer.kind} scorer {ablation}")
         grid = cache.pos.shape[:3]  # (L, B, H)
         size = scorer.d_mem
         shape = (*grid, size + 1, size)
