@@ -283,7 +283,7 @@ class WindowScorer(Scorer):
     """kvpop-window (delayed, ours, the default): as t leaves the window it reads the n = min(w - 1, 32) cached
     tokens after it, two reads a = 0, 1 by content and offset o = 1..n (README, Method: scorers); no state of its own.
     alpha_a[o] = softmax_o((W_q x[t])_a . (W_k x[t + o])_a / sqrt(d) + bo_a[o])
-    z_a = sum_o alpha_a[o] (W_v x[t + o])_a,  bo_0[o] starting at -(o - 1) (read 0 starts on the next token), bo_1 flat."""
+    z_a = sum_o alpha_a[o] (W_v x[t + o])_a; bo_0[o] starts at -(o - 1) (read 0 starts on the next token), bo_1 flat."""
 
     kind = "kvpop-window"
     reads = 2  # A
