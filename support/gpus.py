@@ -5,7 +5,7 @@ the ptxas inside the triton wheel: the shared memory a block asks against the GP
 (bench.py kernels --targets, the tests). Each kernel is tested against kernels.py's plain form.
 """
 
-# kernel annotations like `lang.constexpr` stay strings without triton
+# kernel annotations like `constexpr` stay strings without triton (and read as Triton's when it is installed)
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +20,7 @@ import torch
 try:
     import triton
     from triton import language as lang
+    from triton.language import constexpr
 except ImportError:  # the torch paths need no triton
     triton = None
 
@@ -76,7 +77,7 @@ def _config(x, head_dim):
 @_jit
 def _attention_kernel(
     Q, K, V, E, Out, LSE, T, D, group, sinks, scale,
-    HAS_E: lang.constexpr, BLOCK_M: lang.constexpr, BLOCK_N: lang.constexpr, BLOCK_D: lang.constexpr,
+    HAS_E: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr,
 ):  # fmt: skip
     # query block; b * Hq + query head, in int64 because offsets like query_head * T * D pass 2**31 at long T
     i0 = lang.program_id(0) * BLOCK_M
@@ -158,7 +159,7 @@ def flex_attention(q, k, v, evict_at, sinks, scale):
 @_jit
 def _future_kernel(
     Q, K, LSE, R, T, D, group, window, eps, scale,
-    MAX: lang.constexpr, BLOCK_M: lang.constexpr, BLOCK_N: lang.constexpr, BLOCK_D: lang.constexpr,
+    MAX: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr,
 ):  # fmt: skip
     t0 = lang.program_id(0) * BLOCK_M  # key block
     kv_head = lang.program_id(1).to(lang.int64)  # b * Hkv + KV head
@@ -211,7 +212,7 @@ def future_attention(q, k, lse, window, eps, scale, reduce):  # kernels.future_a
 
 # ------------------------------------------------------------------------------------------------------- eviction times
 @_jit
-def _evict_kernel(PRIORITY, E, T, sinks, window, pool, BLOCK_T: lang.constexpr, BLOCK_U: lang.constexpr):
+def _evict_kernel(PRIORITY, E, T, sinks, window, pool, BLOCK_T: constexpr, BLOCK_U: constexpr):
     # Parallel form for the GPU: each token scans all positions u in order and counts those that beat it until the count
     # reaches pool. O(T^2) work but O(T) memory, and every token block runs independently.
     kv_head = lang.program_id(1).to(lang.int64)
@@ -267,7 +268,6 @@ def ptxas():  # where the triton wheel keeps its ptxas (absent: nothing compiles
 def compile_for_gpu(target, kernel, dtype, config, **constexprs):
     """The kernel compiled for a GPU (target "sm_89") as it launches on dtype tensors, no GPU needed -> (shared memory
     a block asks, registers a thread, bytes spilled)."""
-    triton = triton
     constants = constexprs | {name: value for name, value in config.items() if name.startswith("BLOCK")}
     pointer = "*" + {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, "fp64")
     types = {name: ARGUMENT_TYPES.get(name, pointer) for name in kernel.arg_names if name not in constants}
