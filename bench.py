@@ -27,7 +27,7 @@ model = ""  # checkpoint folder; empty: the baby (quality, generate), a random m
 policies = ""  # comma-separated; empty: all (quality; generate: but the oracle), streaming + learned (speed)
 budgets = "0.25,0.125"  # comma-separated fractions of the tokens kept per head (or integers S)
 sinks = 4  # first tokens never evicted
-window = 0  # recent tokens never evicted; 0: 32 (quality, generate: the baby's) or 256 (speed: the paper's)
+window = 0  # recent tokens never evicted; 0: 32 (the baby's tasks), 128 (code) or 256 (speed: the paper's)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N (speed, kernels)
 json = ""  # also write the rows to this file (quality, generate, speed, kernels --targets)
 # --- quality: every policy on held-out sequences of the baby's tasks, or of code files (teacher-forced)
@@ -38,7 +38,7 @@ scorer = "shipped"  # comma-separated folders ('' none); shipped: <model>/scorer
 seed = 0  # held-out task seed (training draws other streams)
 p_cue = -1.0  # cue task: the share of would-be fillers that start a distractor (-1: the task's, 0.17)
 n = 128  # sequences (code: held-out files, their first T tokens; at most)
-T = 0  # tokens per sequence; 0: 512 (the tasks) or 1024 (code)
+T = 0  # tokens per sequence; 0: 512 (the tasks) or 2048 (code)
 threads = 1  # CPU threads (tiny ops: a second one mostly waits)
 # --- generate: every policy continues held-out prompts, the text scored by sample.py's scoreboard
 prompts = 256  # held-out prompts per task: a sequence's words 1 .. T - tokens - 1 (bos dropped)
@@ -224,13 +224,17 @@ def cmd_quality(argv):
         measure, batch = (code_runs, (net, files)) if code else (tasks.quality_runs, (net, *seqs()))
         cache = (budgets, opts.sinks, opts.window)
         plain = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
-        runs, far, n = measure(*batch, plain, *cache)
-        rows += [dict(task=task, target="-", **r) for r in runs]
+        found = measure(*batch, plain, *cache)
+        rows += [dict(task=task, target="-", **r) for r in (found if code else found[0])]
         for target in targets:
             learned = ["oracle"] * ("oracle" in policies) + [scorers[d] for d in folders[task, target]]
-            runs = measure(*batch, learned, *cache, target=target)[0]
-            rows += [dict(task=task, target=target, **r) for r in runs[1:]]  # full is above
-        counts.append(f"{task}: {n} {'next tokens' if code else 'queries'} ({far:.0%} far)")
+            runs = measure(*batch, learned, *cache, target=target)
+            learned_rows = [r for r in (runs if code else runs[0]) if r["policy"] != "full"]  # full's are above
+            rows += [dict(task=task, target=target, **r) for r in learned_rows]
+        # code: the share of key tokens at each budget (full's rows); a task: its queries and the far ones
+        keys = [f"{r['key_share']:.2%} at {r['budget']:g}" for r in found if r["policy"] == "full"] if code else []
+        far = f"{found[2]} queries ({found[1]:.0%} far)" if not code else "key tokens " + ", ".join(keys)
+        counts.append(f"{task}: {far}")
     what = f"{len(files)} held-out files, the first" if code else f"{opts.n} held-out sequences of"
     title = f"{opts.model}: {what} {opts.T} tokens (seed {opts.seed}), {'; '.join(counts)}"
     print(f"{title}; sinks {opts.sinks}, window {opts.window}\n")

@@ -5,13 +5,14 @@ override any with --name value (--help lists them).
   python pretrain.py --out_dir my_baby
   # a tiny one, in seconds
   python pretrain.py --out_dir tiny --seq_len 64 --tokens 256 --phase_steps 2 --final_steps 2
-  # the shipped code baby, bit for bit: the installed torch package's own source (README, Real text; about 13 minutes)
-  python pretrain.py --data torch --out_dir codebaby --final_steps 700 --tokens 8192
+  # the shipped code baby, bit for bit: the installed torch package's own source (README, Real text; ~15 minutes)
+  python pretrain.py --data torch --out_dir codebaby --threads 2
 
 The same Qwen3 class as any checkpoint, 2 layers: layer 0 a hand-built previous-token head, frozen; the rest learns
-every position's next token plus --answer_weight x the task's answers, at lengths 64, 128, 256, then --seq_len; with
---data, every next token of the corpus's training files at --seq_len (support/corpus.py). It writes config.json and
-model.safetensors into --out_dir and leaves the folder's other files (baby/'s prompt, scorers).
+every position's next token plus --answer_weight x the task's answers, at lengths 64, 128, 256, then --seq_len. With
+--data, a wider model learns every next token of the corpus's training files at --seq_len (support/corpus.py), its
+layer 1 seeded with a copying (induction) head that spans copied later in the same sequence teach to read far back.
+It writes config.json and model.safetensors into --out_dir and leaves the folder's other files (prompt, scorers).
 """
 
 import math
@@ -26,35 +27,42 @@ import torch.nn.functional as F
 
 import qwen3
 from support import checks, flags, tokenizer
-from support.corpus import code_held_out, code_sequences, last_seen
+from support.corpus import code_held_out, code_sequences, key_tokens
 from tasks import TASKS, evaluate, task_batch
 
 # --- run
 out_dir = "out"  # written: config.json and model.safetensors (replaced; the folder's other files stay)
 seed = 0  # seeds the initialisation and the training sequences
 threads = 1  # CPU threads; 2 give the same bits, faster when idle, far slower when busy
-# --- baby model: Qwen3 architecture, 2 layers, head_dim 64 (README, The baby)
+# --- baby model: Qwen3 architecture, 2 layers, head_dim 64 (README, The baby); 0: the tasks' or --data's value
 vocab_ranks = 2048  # cut vocabulary: Qwen3 ranks below this, then the 26 added tokens
 n_layer = 2  # layers
-n_embd = 128  # hidden size (= 2 * head_dim: the upper half holds the previous token)
-n_ff = 256  # MLP width
-rope_theta = 1e4  # RoPE base
+n_embd = 0  # hidden size, at least 2 * head_dim (dims 64..127 hold the previous token); 0: 128, or 256 with --data
+n_head = 0  # query heads; 0: 2, or 4 with --data
+n_kv_head = 0  # KV heads; 0: 1, or 2 with --data
+n_ff = 0  # MLP width; 0: 256, or 512 with --data
+rope_theta = 0.0  # RoPE base; 0: 1e4, or 1e6 with --data (long-range heads see far positions apart)
 # --- data: the baby's tasks (tasks.py), or code
 data = ""  # empty: the tasks; torch (the installed package's source) or a folder of .py/.txt files: code
 task = "recall"  # the task of the shorter curriculum lengths and of the held-out check: recall or cue
 final_tasks = "recall,cue"  # the tasks the steps at seq_len take in turn
 keys = 8  # recall task: keys per sequence; fewer at the shorter curriculum lengths
-seq_len = 0  # tokens per sequence (the curriculum's last length); 0: 512, or 1024 with --data
-tokens = 4096  # tokens per step
+seq_len = 0  # tokens per sequence (the curriculum's last length); 0: 512, or 2048 with --data
+tokens = 0  # tokens per step; 0: 4096, or 8192 with --data
+copies = 0.5  # --data: the share of sequences in which 2 spans of 64-256 tokens come back >= 256 tokens later
 # --- optimisation
 lr = 3e-3  # AdamW peak learning rate
 warmup = 50  # linear warmup steps (1 = none)
 phase_steps = 500  # most steps at each shorter curriculum length
 advance_acc = 0.9  # next length once train accuracy (20-step mean) reaches this
-final_steps = 600  # steps at seq_len, cosine decay to 0
+final_steps = 0  # steps at seq_len, cosine decay to 0; 0: 600, or 300 with --data
 answer_weight = 4.0  # weight of the answers' loss on top of every position's next-token loss
 flags.configure(globals())
-seq_len = seq_len or (1024 if data else 512)
+# the defaults that differ with --data
+pick = lambda value, tasks, code: value or (code if data else tasks)
+n_embd, n_head, n_kv_head, n_ff = pick(n_embd, 128, 256), pick(n_head, 2, 4), pick(n_kv_head, 1, 2), pick(n_ff, 256, 512)
+rope_theta, seq_len, tokens = pick(rope_theta, 1e4, 1e6), pick(seq_len, 512, 2048), pick(tokens, 4096, 8192)
+final_steps = pick(final_steps, 600, 300)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -78,18 +86,46 @@ def seed_previous_token_head(model, nf=6, g=2.5, alpha=0.7):
         a.q_proj.weight[:nf, 0], a.q_proj.weight[D // 2 : D // 2 + nf, 0] = th.cos(), -th.sin()
         a.q_norm.weight.fill_(g)
         a.k_norm.weight.fill_(g)
-        a.v_proj.weight[:, :D] = torch.eye(D)
-        a.o_proj.weight[D:, :D] = alpha * torch.eye(D)
+        a.v_proj.weight[:D, :D] = torch.eye(D)
+        a.o_proj.weight[D : 2 * D, :D] = alpha * torch.eye(D)
     for p in [E, *a.parameters(), *model.model.layers[0].input_layernorm.parameters()]:
         # frozen: gradient destroys the seed in ~250 steps (LOG.md)
         p.requires_grad_(False)
 
 
+def seed_induction_head(model, low=12, g=1.5):
+    """--data: layer 1's query head 0 on KV head 0 starts as a copying head: its query reads the current token (dims
+    1..D-1), its key the previous token (dims D+1..2D-1), both through one random map into the `low` slowest RoPE
+    pairs, so a token attends to what followed its earlier occurrences. Trained on from there (LOG.md: unseeded, no
+    such head grows here)."""
+    a, D = model.model.layers[1].self_attn, model.config.head_dim
+    # the slowest rotation pairs: (i, i + D/2) for the last `low` i
+    pairs = torch.cat([torch.arange(D // 2 - low, D // 2), torch.arange(D - low, D)])
+    R = torch.randn(2 * low, D - 1) / (D - 1) ** 0.5
+    with torch.no_grad():
+        a.q_proj.weight[:D].zero_()
+        a.k_proj.weight[:D].zero_()
+        a.q_proj.weight[pairs, 1:D] = R
+        a.k_proj.weight[pairs, D + 1 : 2 * D] = R
+        a.q_norm.weight.fill_(g)
+        a.k_norm.weight.fill_(g)
+
+
+def learn_embedding(model):
+    """--data: the input embedding learns too, but for the seeded head's columns (0, and D onwards: zero, the previous
+    token's place)."""
+    E, D = model.model.embed_tokens.weight, model.config.head_dim
+    keep = torch.ones_like(E)
+    keep[:, 0], keep[:, D:] = 0.0, 0.0
+    E.requires_grad_(True)
+    E.register_hook(lambda grad: grad * keep)
+
+
 def init_baby():
     torch.manual_seed(seed)
-    # 2 query heads on 1 KV head; the input embedding is frozen, the output layer learns: untied
+    # n_head query heads on n_kv_head KV heads; the output layer learns, apart from the input embedding: untied
     shape = dict(vocab_size=vocab_ranks + 26, hidden_size=n_embd, intermediate_size=n_ff)
-    heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=n_embd // 2)
+    heads = dict(num_attention_heads=n_head, num_key_value_heads=n_kv_head, head_dim=64)
     rest = dict(num_hidden_layers=n_layer, rope_theta=rope_theta, max_position_embeddings=4096)
     config = qwen3.Qwen3Config(**shape, **heads, **rest, tie_word_embeddings=False)
     config.torch_dtype = "float32"
@@ -103,6 +139,9 @@ def init_baby():
             layer.self_attn.q_norm.weight.fill_(1.5)
             layer.self_attn.k_norm.weight.fill_(1.5)
     seed_previous_token_head(model)
+    if data:
+        seed_induction_head(model)
+        learn_embedding(model)
     return model
 
 
@@ -147,37 +186,67 @@ def train_steps(model, tok, opt, params):
     return step
 
 
+def copy_spans(idx, g):
+    """--data's curriculum: in a --copies share of the sequences idx (B, T), 2 spans of T/32 to T/8 tokens each written
+    again at least T/8 tokens later (64-256 tokens, 256 later, at T = 2048), as code repeats its names -> a copy."""
+    idx, T = idx.clone(), idx.shape[1]
+    shortest, longest, gap = T // 32, T // 8, T // 8
+    for row in idx:
+        if torch.rand((), generator=g) >= copies:
+            continue
+        for _ in range(2):
+            n = int(torch.randint(shortest, longest + 1, (), generator=g))
+            start = int(torch.randint(1, T - gap - 2 * n, (), generator=g))
+            to = int(torch.randint(start + max(gap, n), T - n + 1, (), generator=g))
+            row[to : to + n] = row[start : start + n]
+    return idx
+
+
+def next_token_loss(logits, idx):  # the mean cross-entropy of each position's logits (B, T, V) on the next token
+    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), idx[:, 1:].flatten())
+
+
 def code_steps(model, opt, params, seqs):
     """--data: --final_steps steps of --tokens // --seq_len of the packed training sequences seqs (n, seq_len), in a
-    seeded order drawn anew each epoch, every next token's loss; warmup, then a cosine to 0 -> the steps taken."""
+    seeded order drawn anew each epoch, spans copied in some (copy_spans), every next token's loss, in float32 (bf16
+    is ~10x slower on CPUs without bf16 units); warmup, then a cosine to 0 -> the steps taken."""
     B, N, t0 = tokens // seq_len, len(seqs), time.time()
     g = torch.Generator().manual_seed(seed)
     order = torch.cat([torch.randperm(N, generator=g) for _ in range(-(-final_steps * B // N))])
     for step in range(final_steps):
         f = min(1, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / final_steps))
         opt.param_groups[0]["lr"] = lr * f
-        idx = seqs[order[step * B : (step + 1) * B]]  # (B, seq_len)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(idx, attn=causal)
-        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), idx[:, 1:].flatten())
+        idx = copy_spans(seqs[order[step * B : (step + 1) * B]], g)  # (B, seq_len)
+        loss = next_token_loss(model(idx, attn=causal), idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        if (step + 1) % 50 == 0:
+        if (step + 1) % 25 == 0:
             print(f"step {step + 1} T {seq_len} loss {loss.item():.3f} {time.time() - t0:.0f}s")
     return final_steps
 
 
-def held_out_batch(tok, files):
-    """The held-out check's idx, tgt (the token to predict, -1 where none), dist (how far back it was last written,
-    0 if never): --data: the held-out files (the next token everywhere); else the task's sequences."""
-    if not data:
-        valid = random.Random(f"valid-{seed}")
-        return task_batch(tok, 64, seq_len, valid, keys=keys, **TASKS[task])
-    tgt = F.pad(files[:, 1:], (0, 1), value=-1)
-    dist = F.pad(last_seen(files)[:, 1:], (0, 1))
-    return files, tgt, dist
+def task_check(model, tok):
+    """The held-out accuracy on the task's answers, and on those written farther back than a 25% budget's window."""
+    idx, tgt, dist = task_batch(tok, 64, seq_len, random.Random(f"valid-{seed}"), keys=keys, **TASKS[task])
+    logits = evaluate(model, idx, "full", 1, online=False)
+    far = tgt.masked_fill(dist < seq_len // 4 - 4, -1)
+    return f"held-out accuracy {accuracy(logits, tgt):.3f}, far {accuracy(logits, far):.3f}"
+
+
+def key_check(model, files):
+    """--data: on the held-out files (B, T), full's next-token accuracy, and at budgets 0.25 and 0.125 the share of
+    next tokens that are key (README, Real text: they need what streaming evicts) with full's accuracy on them."""
+    full = evaluate(model, files, "full", 1, online=False).float().log_softmax(-1)  # (B, T, V)
+    right = full[:, :-1].argmax(-1) == files[:, 1:]  # (B, T - 1)
+    found = [f"held-out accuracy {right.float().mean():.3f}"]
+    for b in (0.25, 0.125):
+        S = int(b * seq_len)
+        local = evaluate(model, files, "streaming", b, 4, S - 4, online=False).float().log_softmax(-1)  # sinks, window
+        key = key_tokens(full, local, files, S)  # (B, T - S - 1)
+        found.append(f"key tokens at {b:g} {key.float().mean():.2%} (full right on {right[:, S:][key].float().mean():.3f})")
+    return ", ".join(found)
 
 
 def pretrain():
@@ -202,12 +271,8 @@ def pretrain():
     t0 = time.time()
     step = code_steps(model, opt, params, seqs) if data else train_steps(model, tok, opt, params)
     wall = time.time() - t0
-    idx, tgt, dist = held_out_batch(tok, files)
-    logits = evaluate(model.eval(), idx, "full", 1, online=False)
-    # farther back than a 25% budget's plain window
-    far = tgt.masked_fill(dist < seq_len // 4 - 4, -1)
-    acc, far_acc = accuracy(logits, tgt), accuracy(logits, far)
-    print(f"pretrained in {wall:.0f}s ({step} steps); held-out accuracy {acc:.3f}, far {far_acc:.3f}")
+    check = key_check(model.eval(), files) if data else task_check(model.eval(), tok)
+    print(f"pretrained in {wall:.0f}s ({step} steps); {check}")
     model.save_pretrained(tmp)
     # file by file: what else out_dir holds (baby/'s prompt and scorers) stays
     os.makedirs(out_dir, exist_ok=True)

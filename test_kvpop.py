@@ -448,17 +448,20 @@ PRETRAIN_BAD = {
     "final_tasks": ["recall,x", ""],
     "keys": ["0", "17", "x"],
     "seq_len": ["8192", "32", "x"],
-    "tokens": ["100", "0"],
+    "tokens": ["100", "-1"],
     "lr": ["0", "-1", "nan"],
     "warmup": ["0", "-1"],
     "vocab_ranks": ["100", "200000", "x"],
     "n_layer": ["0"],
-    "n_embd": ["130", "16", "0", "x"],
-    "n_ff": ["0"],
-    "rope_theta": ["0", "-1", "inf"],
+    "n_embd": ["127", "16", "x"],
+    "n_head": ["-1"],
+    "n_kv_head": ["-1", "3"],
+    "copies": ["1.5", "-0.1"],
+    "n_ff": ["-1"],
+    "rope_theta": ["-1", "inf"],
     "phase_steps": ["0"],
     "advance_acc": ["0", "1.5"],
-    "final_steps": ["0"],
+    "final_steps": ["-1"],
     "answer_weight": ["-1", "x"],
 }
 BAD_FLAGS += [("train.py", [f"--{k}", v], [f"--{k}"]) for k, vs in TRAIN_BAD.items() for v in vs]
@@ -3190,7 +3193,7 @@ README_QWEN = {
 README_NOT_RUN = {  # the commands no test runs, and why
     "python bench.py generate --task recall,cue --json gen.json": "15 minutes; test_generate_counts_are_a_recount runs"
     " it small",
-    "python pretrain.py --data torch --out_dir codebaby --final_steps 700 --tokens 8192": "13 minutes; "
+    "python pretrain.py --data torch --out_dir codebaby --threads 2": "15 minutes; "
     "test_code_commands_run_on_a_tiny_corpus runs it on a tiny corpus",
     "python train.py --task code --batch_size 4 --max_iters 200 --out_dir codebaby/scorers/code-helpful/kvpop-window": "the"
     " same test runs it on a tiny corpus",

@@ -119,7 +119,7 @@ def baby_setup(opts, need, policies, spare=0):
     code = task_names == ["code"]
     need(code or "code" not in task_names, f"--task {opts.task}: code runs alone (its own model, codebaby/)")
     opts.model = opts.model or ("codebaby" if code else "baby")
-    opts.window, opts.T = opts.window or 32, opts.T or (1024 if code else 512)
+    opts.window, opts.T = opts.window or (128 if code else 32), opts.T or (2048 if code else 512)
     # every name known, or exit naming the first that is not
     for flag, what, names, known in [
         ("policies", "policy", policies, kvpop.POLICIES),
@@ -143,6 +143,10 @@ def baby_setup(opts, need, policies, spare=0):
         for s in [None, *scorers.values()]:
             for b in budgets:
                 kvpop.budget_size(b, opts.T - spare, opts.sinks, opts.window, kvpop.state_charge(s, torch.float32))
+        # code: a budget must leave a file's last positions to measure
+        for b in budgets if code else ():
+            kept = kvpop.budget_size(b, opts.T, opts.sinks, opts.window)[0]
+            need(kept < opts.T - 1, f"--budgets {b:g} keeps all {opts.T} tokens of a file: nothing is evicted, use less")
         most = config.max_position_embeddings  # checked before the weights load
         need(opts.T <= most, f"--T {opts.T}: the model has {most} positions; lower --T")
         tok = tokenizer.Tokenizer.from_pretrained(folder)

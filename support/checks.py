@@ -101,7 +101,7 @@ def pretrain(opts):
     """pretrain.py's flags, then the folder it writes into and the corpus --data names."""
     need = lambda ok, msg: flags.need(ok, msg, "pretrain.py")
     # a number in range
-    for name in "threads n_layer n_embd n_ff tokens phase_steps final_steps warmup".split():
+    for name in "threads n_layer n_head n_kv_head n_ff tokens phase_steps final_steps warmup".split():
         value = getattr(opts, name)
         need(value >= 1, f"--{name} {value}: must be at least 1")
     for name in ("lr", "rope_theta"):
@@ -120,9 +120,10 @@ def pretrain(opts):
     lengths = "use 64 (the recall task) .. 4096 (the baby's positions)"
     need(64 <= seq_len <= 4096, f"--seq_len {seq_len}: {lengths}")
     need(opts.tokens >= seq_len, f"--tokens {opts.tokens}: use at least --seq_len ({seq_len}), one sequence")
-    pairs = "head_dim = n_embd / 2 is even and holds the seeded head's 6 rotation pairs"
-    embd = opts.n_embd
-    need(embd % 4 == 0 and embd >= 24, f"--n_embd {embd}: use a multiple of 4, at least 24 ({pairs})")
+    embd, heads, kv = opts.n_embd, opts.n_head, opts.n_kv_head
+    need(embd >= 128, f"--n_embd {embd}: use 128 or more (head_dim 64, and dims 64..127 hold the previous token)")
+    need(heads % kv == 0, f"--n_head {heads}: use a multiple of --n_kv_head ({kv}), query heads share KV heads")
+    need(0 <= opts.copies <= 1, f"--copies {opts.copies}: use a share in [0, 1]")
     ranks = f"use {TASK_RANKS}..151643 (every recall-task word must stay one token)"
     need(TASK_RANKS <= opts.vocab_ranks <= 151643, f"--vocab_ranks {opts.vocab_ranks}: {ranks}")
     flags.check_seed(opts.seed, "pretrain.py")

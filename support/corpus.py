@@ -80,31 +80,34 @@ def code_held_out(tok, corpus, T, n):
 # the metrics on code, per file (one sequence each), then a normal 95% interval over files
 
 
-def last_seen(idx):
-    """(B, T): how far back token idx[b, t] was last seen in its row (0: never before)."""
-    dist = torch.zeros_like(idx)
-    for b, row in enumerate(idx.tolist()):
-        seen = {}
-        for t, token in enumerate(row):
-            dist[b, t] = t - seen.get(token, t)
-            seen[token] = t
-    return dist
+def key_tokens(full, local, idx, S):
+    """(B, T - S - 1) bool: which next tokens, at the positions t >= S that predict one, are *key* (LongPPL, arXiv
+    2410.23771): the full context raises their log-probability by more than 2 nats over the local one, to above -2.
+    full, local: log-probs (B, T, V) of the same files; local is streaming at the budget S (the sinks and the latest
+    tokens): a key token needs something streaming evicts."""
+    nxt = idx[:, S + 1 :, None]  # (B, T - S - 1, 1): the tokens positions S.. predict
+    near = full[:, S:-1].gather(-1, nxt)[..., 0]
+    gain = near - local[:, S:-1].gather(-1, nxt)[..., 0]
+    return (gain > 2) & (near > -2)
 
 
-def file_metrics(full, lp, idx, S):
-    """Per-file means of log-probs lp (B, T, V) against full's, at the positions t >= S that predict a next token
-    -> dict of (B,): KL(full || lp), top-1 agreement, log-perplexity over full's, far-copy accuracy (the next tokens
-    full predicts right that were last seen >= S back: the share lp predicts right; nan in a file without one)."""
+def masked_mean(x, mask):  # per file (B,): the mean of x (B, N) where mask; nan in a file without one
+    return (x * mask).sum(-1) / mask.sum(-1)
+
+
+def file_metrics(full, lp, idx, S, key):
+    """Per-file means of log-probs lp (B, T, V) against full's, at the positions t >= S that predict a next token, and
+    at the key ones among them (key (B, T - S - 1), key_tokens') -> dict of (B,): KL(full || lp), top-1 agreement,
+    log-perplexity over full's; the share of key tokens, lp's top-1 accuracy on them (against the true next token) and
+    its loss rise over full there (nan in a file without one)."""
     nxt = idx[:, S + 1 :, None]  # (B, T - S - 1, 1): the tokens positions S.. predict
     full, lp = full[:, S:-1], lp[:, S:-1]
-    guess = full.argmax(-1)  # (B, T - S - 1)
     kl = (full.exp() * (full - lp)).sum(-1).mean(-1)
-    top1 = (lp.argmax(-1) == guess).float().mean(-1)
-    nll = (full.gather(-1, nxt) - lp.gather(-1, nxt))[..., 0].mean(-1)
-    # far copies full gets right
-    far = (last_seen(idx)[:, S + 1 :] >= S) & (guess == nxt[..., 0])
-    hit = ((lp.argmax(-1) == nxt[..., 0]) & far).sum(-1)
-    return dict(kl=kl, top1=top1, log_ppl=nll, far_copy=hit / far.sum(-1))
+    top1 = (lp.argmax(-1) == full.argmax(-1)).float().mean(-1)
+    rise = (full.gather(-1, nxt) - lp.gather(-1, nxt))[..., 0]  # (B, T - S - 1)
+    right = (lp.argmax(-1) == nxt[..., 0]).float()
+    metrics = dict(kl=kl, top1=top1, log_ppl=rise.mean(-1), key_share=key.float().mean(-1))
+    return metrics | dict(key_top1=masked_mean(right, key), key_loss=masked_mean(rise, key))
 
 
 def interval(x):
@@ -118,43 +121,42 @@ def interval(x):
 def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target="mean"):
     """Every (policy, budget) on held-out files idx (files, T), teacher-forced through evaluate -> rows of each
     file_metrics' mean over files and 95% half-width (_ci), and the perplexity ratio exp(log_ppl) with its interval
-    (ppl_lo, ppl_hi). `full` first, at budget 1, measured at the smallest budget's positions. -> (rows, the share of
-    next tokens last seen >= S back at the largest budget, their count)."""
+    (ppl_lo, ppl_hi). Key tokens at a budget are streaming's there; `full` first, a row a budget (its key top-1 is
+    the bar)."""
     size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]
-    runs = [("full", 1)] + [(p, b) for p in policies if p != "full" for b in budgets]
+    runs = [("full", b) for b in budgets] + [(p, b) for p in policies if p != "full" for b in budgets]
     per = {r: [] for r in runs}
-    # a chunk of files: full's log-probs, then every run on it
+    # a chunk of files: full's log-probs, each budget's key tokens, then every run on it
     for c in range(0, len(idx), chunk):
         x = idx[c : c + chunk]
-        full = evaluate(net, x, "full", 1, sinks, window, online=False).float().log_softmax(-1)
+        logp = lambda p, b, online=False: evaluate(net, x, p, b, sinks, window, online, target).float().log_softmax(-1)
+        full = logp("full", 1)
+        key = {b: key_tokens(full, logp("streaming", b), x, size(b)) for b in budgets}
         for p, b in runs:
-            online = policy_name(p) in kvpop.DYNAMIC
-            lp = full if p == "full" else evaluate(net, x, p, b, sinks, window, online, target).float().log_softmax(-1)
-            per[p, b].append(file_metrics(full, lp, x, size(min(budgets) if p == "full" else b)))
+            lp = full if p == "full" else logp(p, b, policy_name(p) in kvpop.DYNAMIC)
+            per[p, b].append(file_metrics(full, lp, x, size(b), key[b]))
     rows, num = [], lambda x: None if math.isnan(x) else round(x, 5)  # nan (no file to average): None
     for (p, b), parts in per.items():
         row = dict(policy=policy_name(p), budget=b, files=len(idx))
-        for key in parts[0]:
-            mean, half = interval(torch.cat([m[key] for m in parts]))
-            row[key], row[key + "_ci"] = num(mean), num(half)
+        for name in parts[0]:
+            mean, half = interval(torch.cat([m[name] for m in parts]))
+            row[name], row[name + "_ci"] = num(mean), num(half)
         # the ratio of perplexities: exp of the mean log ratio, and of its interval's ends
         log_ppl, half = row.pop("log_ppl"), row.pop("log_ppl_ci")
         row["ppl_ratio"] = num(math.exp(log_ppl))
         row["ppl_lo"], row["ppl_hi"] = num(math.exp(log_ppl - half)), num(math.exp(log_ppl + half))
         rows.append(row)
-    far = last_seen(idx)[:, 1:] >= size(max(budgets))
-    return rows, far.float().mean().item(), far.numel()
+    return rows
 
 
-def code_table(rows):  # a markdown table of code_runs' rows, each mean with its 95% half-width
-    columns = ["target", "policy", "budget", "KL", "top-1", "perplexity ratio", "far-copy"]
+def code_table(rows):  # a markdown table of code_runs' rows, each mean with its 95% half-width ("-": no key token)
+    columns = ["target", "policy", "budget", "KL", "top-1", "key share", "key top-1", "key loss rise", "perplexity ratio"]
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    pm = lambda r, name, form: "-" if r[name + "_ci"] is None else f"{r[name]:{form}} ± {r[name + '_ci']:{form}}"
     for r in rows:
-        cells = [r.get("target", "-"), r["policy"], f"{r['budget']:g}"]
-        cells += [f"{r['kl']:.4f} ± {r['kl_ci']:.4f}", f"{r['top1']:.1%} ± {r['top1_ci']:.1%}"]
-        cells += [f"{r['ppl_ratio']:.3f} ({r['ppl_lo']:.3f}-{r['ppl_hi']:.3f})"]
-        far = f"{r['far_copy']:.1%} ± {r['far_copy_ci']:.1%}" if r["far_copy_ci"] is not None else "-"
-        cells.append(far)
+        cells = [r.get("target", "-"), r["policy"], f"{r['budget']:g}", pm(r, "kl", ".4f"), pm(r, "top1", ".1%")]
+        cells += [pm(r, "key_share", ".2%"), pm(r, "key_top1", ".1%"), pm(r, "key_loss", ".2f")]
+        cells.append(f"{r['ppl_ratio']:.3f} ({r['ppl_lo']:.3f}-{r['ppl_hi']:.3f})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -73,26 +73,31 @@ def test_code_split_is_fixed_by_path_hash_and_disjoint(tmp_path):
     assert set(train) <= set(train2) and set(held) <= set(held2)
 
 
-def _ref_file_metrics(full, lp, idx, S):
+def _ref_file_metrics(full, local, lp, idx, S):
     """file_metrics from the definitions, one position at a time in Python floats: at each t in S..T-2, KL = sum_v
     p_full(v) (log p_full(v) - log p(v)), top-1 = both argmaxes equal, the log-perplexity ratio term log p_full(y) - log
-    p(y) of the next token y = idx[t + 1]; far copies: y full predicts right whose previous occurrence u < t + 1 has
-    t + 1 - u >= S, the share p predicts right. -> per file (kl, top1, log_ppl, far_copy or nan)."""
+    p(y) of the next token y = idx[t + 1]; y is key when log p_full(y) - log p_local(y) > 2 and log p_full(y) > -2
+    (LongPPL); on the key ones, p's argmax == y and its loss rise log p_full(y) - log p(y).
+    -> per file (kl, top1, log_ppl, key_share, key_top1 or nan, key_loss or nan)."""
     out = []
-    for f, g, row in zip(full.tolist(), lp.tolist(), idx.tolist()):
-        kl, top1, nll, far, hit = [], [], [], 0, 0
+    for f, l, g, row in zip(full.tolist(), local.tolist(), lp.tolist(), idx.tolist()):
+        kl, top1, nll, key, right, rise = [], [], [], [], [], []
         for t in range(S, len(row) - 1):
             best = lambda xs: max(range(len(xs)), key=xs.__getitem__)
             kl.append(sum(math.exp(a) * (a - b) for a, b in zip(f[t], g[t])))
             top1.append(best(f[t]) == best(g[t]))
             y = row[t + 1]
             nll.append(f[t][y] - g[t][y])
-            before = [u for u in range(t + 1) if row[u] == y]
-            if before and t + 1 - before[-1] >= S and best(f[t]) == y:
-                far, hit = far + 1, hit + (best(g[t]) == y)
-        mean = lambda xs: sum(xs) / len(xs)
-        out.append((mean(kl), mean(top1), mean(nll), hit / far if far else math.nan))
+            key.append(f[t][y] - l[t][y] > 2 and f[t][y] > -2)
+            if key[-1]:
+                right.append(best(g[t]) == y)
+                rise.append(f[t][y] - g[t][y])
+        mean = lambda xs: sum(xs) / len(xs) if xs else math.nan
+        out.append((mean(kl), mean(top1), mean(nll), mean(key), mean(right), mean(rise)))
     return out
+
+
+METRICS = ("kl", "top1", "log_ppl", "key_share", "key_top1", "key_loss")
 
 
 def test_code_metrics_match_their_definitions():
@@ -100,18 +105,20 @@ def test_code_metrics_match_their_definitions():
     B, T, V, S = 4, 40, 10, 5
     idx = torch.randint(0, V, (B, T), generator=g)
     logits = torch.randn(B, T, V, generator=g)
-    # full often right, the policy a noisy copy of it
-    logits[:, :-1].scatter_add_(-1, idx[:, 1:, None], 3 * torch.rand(B, T - 1, 1, generator=g))
+    # full often sure and right, the local context and the policy noisy copies of it (file 3 has no key token)
+    logits[:, :-1].scatter_add_(-1, idx[:, 1:, None], 6 * torch.rand(B, T - 1, 1, generator=g))
     full = logits.log_softmax(-1)
+    local = (logits + 3 * torch.randn(B, T, V, generator=g)).log_softmax(-1)
+    local[3] = full[3]
     lp = (logits + 1.5 * torch.randn(B, T, V, generator=g)).log_softmax(-1)
-    got = corpus.file_metrics(full, lp, idx, S)
-    ref = torch.tensor(_ref_file_metrics(full, lp, idx, S), dtype=torch.float64)
-    for j, key in enumerate(("kl", "top1", "log_ppl", "far_copy")):
-        assert torch.allclose(got[key].double(), ref[:, j], atol=1e-5, equal_nan=True), (key, got[key], ref[:, j])
-    assert 0 < ref[:, 3].nanmean() < 1 and (ref[:, 1] < 1).all()  # the case has far copies, some missed
-    # last seen, the distance to the previous occurrence (0: none)
-    row = [3, 1, 3, 3, 2, 1]
-    assert corpus.last_seen(torch.tensor([row])).tolist() == [[0, 0, 2, 1, 0, 4]]
+    key = corpus.key_tokens(full, local, idx, S)
+    got = corpus.file_metrics(full, lp, idx, S, key)
+    ref = torch.tensor(_ref_file_metrics(full, local, lp, idx, S), dtype=torch.float64)
+    for j, name in enumerate(METRICS):
+        assert torch.allclose(got[name].double(), ref[:, j], atol=1e-5, equal_nan=True), (name, got[name], ref[:, j])
+    # the case has key tokens in files 0-2, some missed; none in file 3
+    assert (ref[:3, 3] > 0).all() and ref[3, 3] == 0 and ref[3, 4:].isnan().all()
+    assert 0 < ref[:3, 4].mean() < 1 and (ref[:, 1] < 1).all()
     # the normal 95% interval over files, nan files left out
     x = torch.tensor([0.2, math.nan, 0.5, 0.9, 0.4])
     mean, half = corpus.interval(x)
@@ -130,7 +137,7 @@ def test_code_commands_run_on_a_tiny_corpus(tmp_path, monkeypatch, capsys):
     tiny = ["--data", root, "--seq_len", "128", "--tokens", "256", "--final_steps", "3"]
     for out in (model, tmp_path / "again"):
         assert _main(monkeypatch, "pretrain.py", *tiny, "--out_dir", str(out)) is None
-    assert "held-out accuracy" in capsys.readouterr().out
+    assert "key tokens at 0.125" in capsys.readouterr().out
     assert sha(model / "model.safetensors") == sha(tmp_path / "again" / "model.safetensors")
     small = ["--seq_len", "128", "--window", "8", "--budget", "0.25", "--max_iters", "2", "--batch_size", "2"]
     scorer = model / "scorers" / "code-helpful" / "kvpop-window"
@@ -142,25 +149,77 @@ def test_code_commands_run_on_a_tiny_corpus(tmp_path, monkeypatch, capsys):
     q = tmp_path / "q.json"
     args = ["--task", "code", "--corpus", root, "--model", str(model), "--T", "128", "--window", "8"]
     assert _main(monkeypatch, "bench.py", *args, "--n", "4", "--json", str(q)) is None
-    assert "far-copy" in capsys.readouterr().out
+    assert "key top-1" in capsys.readouterr().out
     rows = json.loads(q.read_text())
     heuristics = [("-", p, b) for p in ("streaming", "h2o", "tova", "knorm", "random") for b in (0.25, 0.125)]
     learned = [("helpful", p, b) for p in ("oracle", "kvpop-window") for b in (0.25, 0.125)]
-    assert [(r["target"], r["policy"], r["budget"]) for r in rows] == [("-", "full", 1), *heuristics, *learned]
-    assert all(r["task"] == "code" and {"kl", "top1", "far_copy", "ppl_ratio"} <= set(r) for r in rows)
+    full_rows = [("-", "full", 0.25), ("-", "full", 0.125)]
+    assert [(r["target"], r["policy"], r["budget"]) for r in rows] == [*full_rows, *heuristics, *learned]
+    assert all(r["task"] == "code" and {*METRICS[:2], *METRICS[3:], "ppl_ratio"} <= set(r) for r in rows)
     assert rows[0]["kl"] == 0 and rows[0]["top1"] == 1 and rows[0]["ppl_ratio"] == 1 and rows[0]["files"] == 2
     # streaming at 0.25 (S = 32) on the 2 held-out files, by the definitions
     net = qwen3.Qwen3.from_pretrained(str(model))
     files = corpus.code_held_out(tokenizer.Tokenizer.from_pretrained(str(model)), root, 128, 4)
     full = tasks.evaluate(net, files, "full", 1, online=False).log_softmax(-1)
     lp = tasks.evaluate(net, files, "streaming", 0.25, 4, 8, online=False).log_softmax(-1)
-    ref = torch.tensor(_ref_file_metrics(full, lp, files, 32), dtype=torch.float64)  # (files, 4)
+    ref = torch.tensor(_ref_file_metrics(full, lp, lp, files, 32), dtype=torch.float64)  # (files, 6)
     top1, nll = ref[:, 1], ref[:, 2]
-    row = rows[1]
+    row = rows[2]
+    assert row["key_share"] == pytest.approx(ref[:, 3].mean().item(), abs=1e-5) == rows[0]["key_share"]
     assert row["top1"] == pytest.approx(top1.mean().item(), abs=1e-5) and top1.std() > 0
     assert row["top1_ci"] == pytest.approx(1.96 * top1.std().item() / math.sqrt(2), abs=1e-5)
     assert row["kl"] == pytest.approx(ref[:, 0].mean().item(), abs=1e-5)
     assert row["ppl_ratio"] == pytest.approx(nll.mean().exp().item(), abs=1e-5)
+
+
+def _pretrain_globals(monkeypatch, *args):
+    """pretrain.py's module (its flags parsed from args, not run) -> its globals."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", *args])
+    return runpy.run_path(os.path.join(HERE, "pretrain.py"), run_name="pretrain_under_test")
+
+
+def test_pretrain_data_step_learns_the_next_token(tmp_path, monkeypatch):
+    """pretrain.py --data's first step: the gradient its loss sends to the logits is that of the mean cross entropy of
+    each position against the next token (written here from the definition), on the batch it read."""
+    root = str(_code_corpus(tmp_path / "c"))
+    tiny = ["--data", root, "--seq_len", "128", "--tokens", "256", "--final_steps", "1"]
+    g = _pretrain_globals(monkeypatch, *tiny, "--out_dir", str(tmp_path / "o"))
+    model = g["init_baby"]()
+    seen = {}
+
+    def hook(module, args, out):  # the step's tokens and logits, and the gradient its loss sends them
+        seen["idx"], seen["logits"] = args[0], out
+        out.register_hook(lambda grad: seen.__setitem__("grad", grad))
+
+    model.register_forward_hook(hook)
+    params = [p for p in model.parameters() if p.requires_grad]
+    seqs = corpus.code_sequences(tokenizer.Tokenizer.from_pretrained("codebaby"), root, 128)
+    assert g["code_steps"](model, torch.optim.AdamW(params, lr=1e-3), params, seqs) == 1
+    idx = seen["idx"]  # (2, 128)
+    x = seen["logits"].detach().requires_grad_(True)
+    nll = [-x[b, t].log_softmax(-1)[idx[b, t + 1]] for b in range(2) for t in range(127)]
+    (want,) = torch.autograd.grad(torch.stack(nll).mean(), x)
+    assert torch.allclose(seen["grad"], want, atol=1e-7), (seen["grad"] - want).abs().max()
+    # the embedding learns but for the seeded head's columns (0, and 64 onwards)
+    E = model.model.embed_tokens.weight
+    assert E.requires_grad and E.grad[:, 1:64].abs().sum() > 0 and E.grad[:, 0].eq(0).all() and E.grad[:, 64:].eq(0).all()
+
+
+def test_pretrain_data_copies_spans_far_back(tmp_path, monkeypatch):
+    """copy_spans: with --copies 1 every sequence gets spans written again at least T/8 later, at most 2 x T/8 tokens
+    changed; with --copies 0 none. Seen on sequences of distinct tokens (a token's value is its first position)."""
+    T, out = 256, str(tmp_path / "o")
+    idx = torch.arange(4 * T).view(4, T)
+    for share in (1, 0):
+        g = _pretrain_globals(monkeypatch, "--data", "torch", "--copies", str(share), "--seq_len", str(T), "--out_dir", out)
+        got = g["copy_spans"](idx, torch.Generator().manual_seed(0))
+        assert torch.equal(idx, torch.arange(4 * T).view(4, T))  # the input is left alone
+        for row, new in zip(idx.tolist(), got.tolist()):
+            moved = [(t, new[t] - row[0]) for t in range(T) if new[t] != row[t]]  # (where, where it was)
+            assert (len(moved) > 0) == bool(share) and len(moved) <= 2 * T // 8
+            assert all(0 <= was <= t - T // 8 for t, was in moved), moved
 
 
 def test_code_corpus_missing_or_too_small_is_one_line(tmp_path, monkeypatch):
