@@ -3867,6 +3867,10 @@ def test_audit_model_lr_defaults(monkeypatch):
     assert _train_globals(monkeypatch, "--finetune")["model_lr"] == 1e-5
     assert _train_globals(monkeypatch, "--finetune", "--model", "Qwen/Qwen3-0.6B")["model_lr"] == 8e-5
     assert _train_globals(monkeypatch, "--finetune", "--model_lr", "3e-4")["model_lr"] == 3e-4
+    # --task code's model (codebaby, from its default) at the rate it has when spelled out (issue: 1e-5 before)
+    code = _train_globals(monkeypatch, "--task", "code", "--finetune")
+    assert code["model"] == "codebaby" and code["model_lr"] == 8e-5
+    assert _train_globals(monkeypatch, "--task", "code", "--model", "codebaby", "--finetune")["model_lr"] == 8e-5
 
 
 def test_audit_arrival_reaches_the_scorer(monkeypatch):

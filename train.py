@@ -54,13 +54,13 @@ corpus = "torch"  # --task code: torch (the installed package's .py/.txt source)
 keys = 8  # --data baby: keys per sequence
 p_cue_min = 0.05  # --task cue: each sequence's distractor rate drawn uniformly from
 p_cue_max = 0.35  # [p_cue_min, p_cue_max] (both 0.17: the task's own rate alone, as before the range)
-seq_len = 512  # tokens per sequence
+seq_len = 512  # tokens per sequence (--task code: 2048)
 queries = 0  # the loss's query positions per sequence and pool, at random (0: all)
 edges = 3  # the loss at the edges of this many pools: the budget's, then each half the last
 # --- eviction at training time (README, Method: budget)
 budget = 0.125  # the training budget: fraction of seq_len (or an integer S) per head
 sinks = 4  # first tokens never evicted
-window = 32  # recent tokens never evicted; a delayed scorer reads this many tokens late
+window = 32  # recent tokens never evicted; a delayed scorer reads this many tokens late (--task code: 128)
 # --- optimisation
 batch_size = 8  # sequences per step
 max_iters = -1  # steps; -1: 600, or 1200 for --task cue (its range of rates takes longer)
@@ -77,10 +77,11 @@ eval_interval = 100  # held-out far accuracy (baby) and a checkpoint, every this
 eval_seqs = 32  # held-out sequences per evaluation
 final_seqs = 128  # held-out sequences of the final quality table (bench.py quality's; 0: none)
 given = flags.configure(globals(), None if __name__ == "__main__" else [])  # tests: the defaults
-model_lr = (1e-5 if model == "baby" else 8e-5) if model_lr == -1 else model_lr
-# --task code: the code baby (pretrain.py --data) at its length, unless given
+# --task code: the code baby (pretrain.py --data) at its length, with the field's window (128), unless given
 model = "codebaby" if task == "code" and "model" not in given else model
-seq_len = 1024 if task == "code" and "seq_len" not in given else seq_len
+seq_len = 2048 if task == "code" and "seq_len" not in given else seq_len
+window = 128 if task == "code" and "window" not in given else window
+model_lr = (1e-5 if model == "baby" else 8e-5) if model_lr == -1 else model_lr
 max_iters = (1200 if data == "baby" and task == "cue" else 600) if max_iters == -1 else max_iters
 rank, world = processes.rank(), processes.world()  # torchrun's
 log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None  # rank 0 logs
