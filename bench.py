@@ -247,7 +247,8 @@ def cmd_quality(argv):
 # --------------------------------------------------------------------------------------------------- generate
 def cmd_generate(argv):
     """Every policy continues the same held-out prompts of each task; the written text is scored by sample.py's
-    scoreboard -> (rows per task, policy and budget; samples {(task, policy, budget): (prompts, continuations)})."""
+    scoreboard -> (rows per task, target, policy and budget, target "-" for full and the heuristics; samples
+    {(task, target, policy, budget): (prompts, continuations)})."""
     opts, need = settings("generate", argv)
     policies = (opts.policies or "full,streaming,knorm,random,h2o,tova").split(",")
     need("oracle" not in policies, "--policies oracle: teacher-forced only (bench.py quality)")
@@ -264,8 +265,8 @@ def cmd_generate(argv):
         # held-out prompts: bench.py quality's sequences (test-<seed>), their bos dropped as in baby/prompt.txt
         idx = tasks.held_out_batch(tok, task, opts.prompts, opts.T, opts.seed, opts.p_cue)[0]
         prompt = idx[:, 1 : opts.T - opts.tokens]  # (N, P)
-        learned = [scorers[d] for r in targets for d in folders[task, r]]
-        runs = [("full", 1)] + [(p, b) for p in policies + learned if p != "full" for b in budgets]
+        runs = [("-", "full", 1)] + [("-", p, b) for p in policies if p != "full" for b in budgets]
+        runs += [(r, scorers[d], b) for r in targets for d in folders[task, r] for b in budgets]
         cache = (opts.sinks, opts.window, opts.tokens, opts.temperature, opts.seed)
         got = bench_runs.generate_runs(net, tok, prompt, tqdm(runs, desc=task, leave=False), far, *cache)
         rows += [dict(task=task) | r for r in got[0]]

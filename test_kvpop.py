@@ -1281,6 +1281,22 @@ def test_kernels_compile_for_gpus():
     assert shared > _K_GPUS["sm_89"][1], shared
 
 
+def test_kernels_targets_limit_is_kib(monkeypatch):
+    """bench.py kernels --targets (gpus.compile_targets): a GPU's limit is the shared memory a block may opt in to
+    (CUDA C++ Programming Guide), KiB of 1024 bytes: an A100 (sm_80) 163 KiB = 166,912 bytes, an RTX 40xx (sm_89) 99
+    KiB = 101,376. At head_dim 128 the attention kernel's bound, (4 + 8 x stages) x tile x 128 + 1024 bytes, lets the
+    A100 take 64 x 64 tiles over 2 stages (164,864 bytes) and the RTX 40xx over 1 (99,328); a kernel the compiler gives
+    166,000 bytes fits the A100. The compiler is stood in for: no ptxas needed."""
+    if gpus.triton is None:
+        pytest.skip("triton is not installed")
+    asks = {"sm_80": 166_000, "sm_89": 99_328}
+    monkeypatch.setattr(gpus, "compile_for_gpu", lambda target, *args, **flags: (asks[target], 64, 0))
+    rows = gpus.compile_targets(["sm_80", "sm_89"])
+    got = [r for r in rows if (r["kernel"], r["dtype"], r["head_dim"]) == ("attention+evict", "float32", 128)]
+    want = [("sm_80", 166_912, "64x64", 2, True), ("sm_89", 101_376, "64x64", 1, True)]
+    assert [(r["target"], r["limit"], r["tiles"], r["stages"], r["ok"]) for r in got] == want
+
+
 def test_kernels_refuse_before_launch(monkeypatch):
     """A GPU, dtype or head_dim the kernels cannot serve is refused with one line before any launch (never triton's
     OutOfResources): here a mocked GPU whose blocks may use 16 KiB of shared memory, where at head_dim 256 the smallest
@@ -2160,8 +2176,8 @@ def test_static_policy_of_any_real_dtype(small_model, dtype):
 @pytest.mark.parametrize("policy, steps", [(p, 48) for p in ("full", "streaming", "knorm", "random", "h2o", "tova", "kvpop-window", "kvpop-mlp", "kvpop-shifted")] + [("kvpop", 600)])
 def test_decoding_step_is_one_graph(baby, policy, steps):
     """A decoding step traced whole by torch.compile (fullgraph: a graph break raises; a recompilation
-    raises too) from the first step to the last, and the compiled run the eager one: the same positions held
-    after every step, the same logits. The prompt goes eagerly (generate's `step`)."""
+    raises too) from the first step to the last, and the compiled run the eager one: the same logits at every
+    step (bit for bit), the same positions held after it. The prompt goes eagerly (generate's `step`)."""
     import torch._dynamo
 
     net, tok = baby
@@ -2170,16 +2186,19 @@ def test_decoding_step_is_one_graph(baby, policy, steps):
     slots = 40 + steps - 1 if policy == "full" else 40 + steps // 4 + kvpop.state_charge(pol, torch.float32)
     torch._dynamo.reset()
     step = torch.compile(net, fullgraph=True, backend="eager")
-    runs = []
+    runs, logits = [], []
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for compiled in (None, step):
-            cache, held = KVCache(net, 1, slots, pol, 4, 32), []
+        for run in (net, step):
+            cache, held, out = KVCache(net, 1, slots, pol, 4, 32), [], []
+            # each step's logits, as the step (eager or compiled) returns them
+            record = lambda x, cache: out.append(run(x, cache=cache)) or out[-1]
             torch.manual_seed(0)
-            logits = []
-            for nxt in qwen3.generate(net, idx, steps, cache=cache, step=compiled):
+            for nxt in qwen3.generate(net, idx, steps, cache=cache, step=record):
                 held.append(cache.pos.sort(-1).values.clone())
             runs.append(held)
+            logits.append(out)
     assert all(torch.equal(a, b) for a, b in zip(*runs)) and len(runs[1]) == steps
+    assert all(torch.equal(a, b) for a, b in zip(*logits)) and len(logits[1]) == steps - 1
     assert int((runs[1][-1] >= 0).sum(-1).min()) == slots  # it filled and evicted
 
 
@@ -3384,7 +3403,7 @@ def test_generate_counts_are_a_recount(baby, tmp_path, capsys):
     base = "--task cue --T 256 --tokens 48 --prompts 6"
     _, samples = bench.cmd_generate(f"{base} --budgets 48 --temperature 0 --policies full --scorer".split() + [""])
     idx = tasks.task_batch(tok, 6, 256, random.Random("test-0"), **tasks.TASKS["cue"])[0]
-    prompt, full = samples["cue", "full", 1]
+    prompt, full = samples["cue", "-", "full", 1]
     assert torch.equal(prompt, idx[:, 1:208])
     with torch.no_grad():
         greedy = net(torch.cat([prompt, full], 1)).argmax(-1)[:, 206:-1]
@@ -3392,11 +3411,11 @@ def test_generate_counts_are_a_recount(baby, tmp_path, capsys):
     out = tmp_path / "gen.json"
     args = f"{base} --budgets 48,40 --policies full,h2o --scorer baby/scorers/cue-helpful/kvpop-window --json {out}"
     rows, samples = bench.cmd_generate(args.split())
-    assert json.loads(out.read_text()) == rows and "| cue | h2o | 40 |" in capsys.readouterr().out
+    assert json.loads(out.read_text()) == rows and "| cue | - | h2o | 40 |" in capsys.readouterr().out
     word = {i: w for w, i in tasks.task_ids(tok)[0].items()}
     acc = {}
     for r in rows:
-        prompt, ids = samples["cue", r["policy"], r["budget"]]
+        prompt, ids = samples["cue", r["target"], r["policy"], r["budget"]]
         texts = [[word.get(i) for i in x] for x in torch.cat([prompt, ids], 1).tolist()]
         # far: bound at least S back, the larger budget's S = 48
         marks = [m for t in texts for m in _ref_far(t, 207, 48)]
@@ -3421,6 +3440,40 @@ def test_generate_counts_are_a_recount(baby, tmp_path, capsys):
     assert [(r["policy"], r["budget"]) for r in rows] == [("full", 1)]
     bad = run("bench.py", "generate", "--tokens", "511")
     assert bad.returncode != 0 and "--tokens 511: use 1 .. T - 2" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_generate_far_is_beyond_the_largest_budgets_window(baby):
+    """bench.py generate's far answers: bound at least S back, S the largest budget's (the same bar at every budget,
+    one no budget's window reaches): with budgets 40 and 128, full's far answers are a recount at 128 (_ref_far), which
+    here differs from one at 40."""
+    tok = baby[1]
+    args = "--task cue --T 256 --tokens 48 --prompts 6 --budgets 40,128 --policies full --scorer"
+    rows, samples = bench.cmd_generate(args.split() + [""])
+    prompt, ids = samples["cue", "-", "full", 1]
+    word = {i: w for w, i in tasks.task_ids(tok)[0].items()}
+    texts = [[word.get(i) for i in x] for x in torch.cat([prompt, ids], 1).tolist()]
+    far = {S: sum(f for t in texts for _, f in _ref_far(t, 207, S)) for S in (40, 128)}
+    assert far[40] > far[128] > 0 and [r["far_answers"] for r in rows] == [far[128]], (far, rows)
+
+
+def test_generate_keeps_a_row_per_target(baby, capsys):
+    """bench.py generate --target helpful,max: the shipped scorers of one kind, one trained for each target, keep a
+    row and samples each, named by target in the table too; max's equal those of a run of --target max alone."""
+    base = "--task cue --T 256 --tokens 48 --prompts 2 --budgets 64 --policies full".split()
+    rows, samples = bench.cmd_generate(base + ["--target", "helpful,max"])
+    assert "| cue | max | kvpop-window | 64 |" in capsys.readouterr().out
+    # a row and a sample for each shipped scorer folder
+    folder = lambda r, k: os.path.join(HERE, "baby", "scorers", f"cue-{r}", k, "scorer.json")
+    kinds = {r: [k for k in kvpop.SCORERS if os.path.isfile(folder(r, k))] for r in ("helpful", "max")}
+    want = [("-", "full", 1)] + [(r, k, 64) for r in ("helpful", "max") for k in kinds[r]]
+    assert sorted((r["target"], r["policy"], r["budget"]) for r in rows) == sorted(want)
+    assert sorted(samples) == sorted(("cue", *key) for key in want)
+    # the two kvpop-window scorers write differently: neither stands in for the other
+    assert not torch.equal(*(samples["cue", r, "kvpop-window", 64][1] for r in ("helpful", "max")))
+    alone, alone_samples = bench.cmd_generate(base + ["--target", "max"])
+    assert [r for r in rows if r["target"] in ("-", "max")] == alone
+    for key in alone_samples:
+        assert all(torch.equal(a, b) for a, b in zip(samples[key], alone_samples[key])), key
 
 
 def test_retained_interval_by_hand():

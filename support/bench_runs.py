@@ -61,15 +61,16 @@ def continue_prompts(model, prompt, policy, budget, sinks, window, tokens, tempe
 
 
 def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperature, seed):
-    """Each (policy, budget) of runs, full's first, continues the same prompts (N, P) (continue_prompts) -> rows
-    (answers, accuracy, far accuracy, retained = accuracy / full's with its paired bootstrap interval, the longest run
-    of one word, distinct words a sample), samples {(policy, budget): (prompt, ids)}."""
+    """Each (target, policy, budget) of runs (target "-": full and the heuristics), full's first, continues the same
+    prompts (N, P) (continue_prompts) -> rows (answers, accuracy, far accuracy, retained = accuracy / full's with its
+    paired bootstrap interval, the longest run of one word, distinct words a sample), samples {(target, policy,
+    budget): (prompt, ids)}: two scorers of one kind, trained for two targets, keep a row each."""
     rows, samples = [], {}
     word = {i: w for w, i in task_ids(tok)[0].items()}  # token id -> task word
-    for p, b in runs:
+    for target, p, b in runs:
         out = continue_prompts(model, prompt, p, b, sinks, window, tokens, temperature, seed)
         name = p if isinstance(p, str) else p.kind
-        samples[name, b] = prompt, out
+        samples[target, name, b] = prompt, out
         # each prompt's scoreboard
         seqs = torch.cat([prompt, out], 1).tolist()
         board = [scoreboard([word.get(i) for i in x], prompt.shape[1], far) for x in seqs]
@@ -77,7 +78,7 @@ def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperat
         hits, n, far_hits, far_n, run, distinct = board.unbind(1)
         full = (hits, n) if p == "full" else full
         ratio, low, high = retained(hits, n, *full, seed)
-        row = dict(policy=name, budget=b, answers=int(n.sum()), accuracy=hits.sum() / n.sum())
+        row = dict(target=target, policy=name, budget=b, answers=int(n.sum()), accuracy=hits.sum() / n.sum())
         row.update(far_answers=int(far_n.sum()), far_accuracy=far_hits.sum() / far_n.sum())
         row.update(retained=ratio, retained_low=low, retained_high=high)
         row.update(longest_run=int(run.max()), distinct=distinct.mean())
@@ -88,10 +89,10 @@ def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperat
 
 
 def generate_table(rows):  # a markdown table of bench.py generate's rows
-    columns = "task policy budget answers accuracy far_accuracy_(answers) retained_[95%] longest_run distinct"
-    lines = ["| " + " | ".join(columns.split()).replace("_", " ") + " |", "|---" * 9 + "|"]
+    columns = "task target policy budget answers accuracy far_accuracy_(answers) retained_[95%] longest_run distinct"
+    lines = ["| " + " | ".join(columns.split()).replace("_", " ") + " |", "|---" * 10 + "|"]
     for r in rows:
-        cells = [r["task"], r["policy"], f"{r['budget']:g}", r["answers"], f"{r['accuracy']:.1%}"]
+        cells = [r["task"], r["target"], r["policy"], f"{r['budget']:g}", r["answers"], f"{r['accuracy']:.1%}"]
         cells += [f"{r['far_accuracy']:.1%} ({r['far_answers']})"]
         cells += [f"{r['retained']:.3f} [{r['retained_low']:.3f}, {r['retained_high']:.3f}]"]
         cells += [r["longest_run"], f"{r['distinct']:.1f}"]

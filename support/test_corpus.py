@@ -243,3 +243,25 @@ def test_code_corpus_missing_or_too_small_is_one_line(tmp_path, monkeypatch):
     one_line_error(_main(monkeypatch, "bench.py", "--task", "recall,code"), "code runs alone")
 
 
+def test_code_files_each_begin_with_end_of_text(tmp_path):
+    """code_sequences packs the training files in path order, each as <|endoftext|> then its text's tokens (so no
+    file runs into the one before it); code_held_out's rows are the held-out files' first T tokens, <|endoftext|>
+    first, in the order of their paths' sha256."""
+    root, T = _code_corpus(tmp_path / "c"), 128
+    tok = tokenizer.Tokenizer.from_pretrained(os.path.join(HERE, "codebaby"))
+    eot = tok.special["<|endoftext|>"]
+    tokens = lambda name: [eot] + tok.encode((root / name).read_text())
+    # the training files: all but mod7.py and mod25.py, sorted by path
+    ids = [t for name in sorted(f"mod{i}.py" for i in range(26) if i not in (7, 25)) for t in tokens(name)]
+    n = len(ids) // T
+    assert torch.equal(corpus.code_sequences(tok, str(root), T), torch.tensor(ids[: n * T]).view(n, T))
+    held = sorted(["mod7.py", "mod25.py"], key=lambda p: int(hashlib.sha256(p.encode()).hexdigest(), 16))
+    assert corpus.code_held_out(tok, str(root), T, 4).tolist() == [tokens(name)[:T] for name in held]
+
+
+def test_code_budget_that_keeps_every_token_is_one_line(tmp_path, monkeypatch):
+    """bench.py quality --task code --budgets 1: a budget that keeps all T tokens of a file evicts nothing and leaves
+    no position to measure: one line naming it."""
+    root = str(_code_corpus(tmp_path / "c"))
+    args = ["--task", "code", "--corpus", root, "--T", "256", "--scorer", "", "--budgets", "1"]
+    one_line_error(_main(monkeypatch, "bench.py", *args), "--budgets 1 keeps all 256 tokens of a file", "use less")
