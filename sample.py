@@ -2,6 +2,8 @@
 
 # offline: the shipped baby, its recall prompt, its delayed scorer
 python sample.py --budget 0.25 --show
+# offline: the code baby continues a held-out torch file, its far copies marked
+python sample.py --model codebaby --budget 0.125
 # a real Qwen3 (the Hugging Face cache, else downloaded)
 python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25
 """
@@ -21,45 +23,46 @@ from support import checks, scorer_files
 from support.checkpoint import checkpoint_dir, read_json
 from support.flags import auto_dtype, configure, fail, need
 from support.tokenizer import Tokenizer
-from tasks import recall_marks, recall_score, task_ids
+from support.corpus import code_held_out, key_tokens
+from tasks import evaluate, recall_marks, recall_score, task_ids
 
 # --- model
-model = "baby"  # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby: the demo
+model = "baby"  # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby, codebaby: the demos
 device = "cuda" if torch.cuda.is_available() else "cpu"  # where the model runs
 dtype = "auto"  # float32 / bfloat16 / float16; auto = the checkpoint's on cuda, float32 on cpu
 threads = 0  # CPU threads; 0: one for a model under 100M parameters (threads wait on each other), else torch's
 compile = False  # decode with the step compiled, one graph (torch.compile: CUDA graphs on a GPU, inductor on a CPU)
 # --- prompt
-prompt = ""  # the text, or FILE:path; empty: the baby's recall prompt, or a sentence
+prompt = ""  # the text, or FILE:path; empty: the baby's recall prompt, codebaby's held-out file, or a sentence
 chat = False  # wrap the prompt in Qwen3's chat template
 think = False  # with --chat: let the model think first (<think> ... </think>)
 # --- sampling
 num_samples = 0  # samples drawn one after another; 0: 4 (baby, for its recall scoreboard), else 1
-max_new_tokens = 0  # tokens per sample (fewer if the model stops); 0: 112 (baby), else 2048
-temperature = -1.0  # 0 = greedy; -1: 1 for the baby (its own distribution), else Qwen3's 0.7 (0.6 thinking)
+max_new_tokens = 0  # tokens per sample (fewer if the model stops); 0: 112 (baby), 256 (codebaby), else 2048
+temperature = -1.0  # 0 = greedy; -1: 1 for the baby (its own distribution), 0 codebaby, else Qwen3's 0.7 (0.6 thinking)
 top_k = -1  # keep the k most likely tokens (0 = off); -1: off for the baby, else Qwen3's 20
 top_p = -1.0  # nucleus sampling (1 = off); -1: off for the baby, else Qwen3's 0.8 (0.95 thinking)
 seed = 1337  # random seed
 # --- KV budget (README, Method: budget)
 budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer S; 1 = full cache
 policy = ""  # kvpop-window, kvpop, kvpop-mlp, streaming, knorm, random, h2o, tova, full
-scorer = ""  # a learned scorer's folder; empty: out/ if it holds --policy's kind, else the baby's
+scorer = ""  # a learned scorer's folder; empty: out/ if it holds --policy's kind, else the (code)baby's
 sinks = 4  # first tokens never evicted
-window = 0  # recent tokens never evicted; 0: the learned scorer's, else 32 (baby) or 256
+window = 0  # recent tokens never evicted; 0: the learned scorer's, else 32 (baby), 128 (codebaby) or 256
 show = False  # print the text again, each token shaded by how many (layer, head) caches hold it
 configure(globals())
-# the demo: the baby's recall prompt (399 tokens) and 112 new ones, the task's length
-baby = model == "baby"
-prompt = prompt or ("FILE:baby/prompt.txt" if baby else "The capital of France is")
+# the demos: the baby's recall prompt (399 tokens) and 112 new ones, the task's length; codebaby's file, 2048 tokens
+baby, code = model == "baby", model == "codebaby"
+prompt = prompt or ("FILE:baby/prompt.txt" if baby else "" if code else "The capital of France is")
 # a scorer folder names its kind (a --scorer without scorer.json: said below)
 kind_file = os.path.join(scorer, "scorer.json")
 if not policy and scorer and os.path.isfile(kind_file):
     policy = str(read_json(kind_file).get("kind", ""))
-policy = policy or ("kvpop-window" if baby or scorer else "streaming")
-max_new_tokens = max_new_tokens or (112 if baby else 2048)
+policy = policy or ("kvpop-window" if baby or code or scorer else "streaming")
+max_new_tokens = max_new_tokens or (112 if baby else 256 if code else 2048)
 num_samples = num_samples or (4 if baby else 1)
-# the baby samples its own distribution (a nucleus would cut its rare keys); Qwen3's advice otherwise
-temperature = (1.0 if baby else 0.6 if think else 0.7) if temperature == -1 else temperature
+# the baby samples its own distribution (a nucleus would cut its rare keys), codebaby its likeliest; Qwen3's advice
+temperature = (1.0 if baby else 0.0 if code else 0.6 if think else 0.7) if temperature == -1 else temperature
 top_k = (0 if baby else 20) if top_k == -1 else top_k
 top_p = (1.0 if baby else 0.95 if think else 0.8) if top_p == -1 else top_p
 
@@ -69,10 +72,11 @@ checks.sample(types.SimpleNamespace(**globals()))
 try:
     pol = policy
     if policy in SCORERS:
-        need(scorer or baby, f"--policy {policy} needs --scorer DIR, a scorer trained for this model by train.py")
+        need(scorer or baby or code, f"--policy {policy} needs --scorer DIR, a scorer trained for this model by train.py")
         if not scorer:
             out = os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy
-            scorer = "out" if out else f"baby/scorers/recall-helpful/{policy}"
+            shipped = f"codebaby/scorers/code-helpful" if code else "baby/scorers/recall-helpful"
+            scorer = "out" if out else f"{shipped}/{policy}"
         pol = scorer_files.load(scorer).to(device)
         need(policy == pol.kind, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
         need(not pol.arrival, f"--scorer {scorer} reads on arrival (the delay ablation): bench.py quality runs it")
@@ -80,7 +84,7 @@ try:
     rule = resolve(pol)[0]
 except (OSError, ValueError) as e:
     fail(f"--policy {policy}: {e}")
-window = window or (32 if baby else 256)
+window = window or (32 if baby else 128 if code else 256)
 need(rule != "full" or budget == 1, "--policy full never evicts; use --budget 1 or an evicting --policy")
 try:
     text = open(prompt[5:], encoding="utf-8").read() if prompt.startswith("FILE:") else prompt
@@ -93,6 +97,10 @@ try:
     config = Qwen3Config.from_json(os.path.join(folder, "config.json"))
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode(tok.chat(text, think) if chat else text)
+    # codebaby: the opening of the first held-out torch file (support/corpus.py) that has 2048 tokens
+    if code and not text:
+        ids = code_held_out(tok, "torch", 2048, 2)[0, : 2048 - max_new_tokens].tolist()
+        text = tok.decode(ids)
     total, limit = len(ids) + max_new_tokens, config.max_position_embeddings
     need(ids, "--prompt is empty; give some text or FILE:path")
     asked = f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's {limit} positions"
@@ -130,7 +138,8 @@ def draw(pol, size, echo):
     torch.manual_seed(seed)
     x, outs = torch.tensor([ids], device=device), []
     if echo:
-        print(tok.decode(ids) if chat else text, end="\n" + "=" * 80 + "\n", flush=True)
+        shown = "...\n" + "\n".join(text.splitlines()[-12:]) if code else tok.decode(ids) if chat else text
+        print(shown, end="\n" + "=" * 80 + "\n", flush=True)
     # the policy's own samples: each step through the compiled model, if --compile
     step = compiled if echo else None
     for _ in range(num_samples):
@@ -142,19 +151,38 @@ def draw(pol, size, echo):
             t.append(time.time())
             if out[-1] in tok.stop:
                 break
-            if echo and not baby:
+            if echo and not (baby or code):
                 print(dec(out[-1]), end="", flush=True)
         if echo:
-            print(marked(out) if baby else "", end="")
+            print(marked(out) if baby or code else "", end="")
             report(cache, out, t, dec)
     return outs
 
 
+def far_copies(out):
+    """codebaby: where the full cache, on the sample's own text, writes a key token (README, Real text: the far
+    context makes it likely, streaming at this budget does not) -> {j: whether out[j] is that token}."""
+    seq = torch.tensor([ids + out], device=device)
+    full = evaluate(net, seq, "full", 1, online=False).float().log_softmax(-1)  # (1, T, V)
+    local = evaluate(net, seq, "streaming", S, sinks, S - sinks, online=False).float().log_softmax(-1)
+    choice = torch.cat([seq[:, :1], full[:, :-1].argmax(-1)], 1)  # (1, T): the full cache's choice at each position
+    key = key_tokens(full, local, choice, len(ids) - 1)[0]  # (len(out),)
+    return {j: out[j] == int(choice[0, len(ids) + j]) for j in key.nonzero()[:, 0].tolist()}
+
+
+def marks(out):
+    """The tokens of a sample the scoreboard counts -> {j: right}. The baby: the recalled words (its key's current
+    value); codebaby: the far copies."""
+    if code:
+        return far_copies(out)
+    found = recall_marks([word.get(i) for i in ids + out], len(ids))
+    return {k - len(ids): right for k, right in found.items()}
+
+
 def marked(out):
-    """The baby's sample, each word the scoreboard counts marked: ✓ its key's current value, ✗ another."""
-    marks = recall_marks([word.get(i) for i in ids + out], len(ids))
-    dec, sign = tok.decode_stream(), {True: "✓", False: "✗", None: ""}
-    text = [dec(i) + sign[marks.get(len(ids) + j)] for j, i in enumerate(out) if i not in tok.stop]
+    """The sample, each token the scoreboard counts marked: ✓ right, ✗ wrong."""
+    found, dec, sign = marks(out), tok.decode_stream(), {True: "✓", False: "✗", None: ""}
+    text = [dec(i) + sign[found.get(j)] for j, i in enumerate(out) if i not in tok.stop]
     return "".join(text) + dec()
 
 
@@ -194,3 +222,12 @@ if baby:
         scores = [recall_score([word.get(i) for i in ids + o], len(ids)) for o in samples]
         R, N = map(sum, zip(*scores))
         print(f"recall {p} {budget:g}: {R}/{N}")
+# codebaby: the same file under streaming, its far copies marked; each policy's count
+if code:
+    board = {name: outs[0]}
+    if S < total:
+        board["streaming"] = draw("streaming", S, False)[0]
+        print(f"streaming:\n{marked(board['streaming'])}\n" + "=" * 80)
+    for p, out in board.items():
+        found = marks(out).values()
+        print(f"far copies {p} {budget:g}: {sum(found)}/{len(found)} as the full cache writes them")

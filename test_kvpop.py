@@ -3083,6 +3083,7 @@ def test_pretrain_refuses_torchrun(monkeypatch):
 
 README_SMALL = {  # each README command -> the flags appended to run it here (a later flag wins)
     "python sample.py --budget 0.25 --show": [],
+    "python sample.py --model codebaby --budget 0.125": ["--max_new_tokens", "16"],
     "python bench.py quality": ["--n", "2"],
     "python train.py": ["--max_iters", "2", "--final_seqs", "2", "--eval_seqs", "2", "--out_dir", "{tmp}/a"],
     "python bench.py quality --task recall,cue --target mean,helpful --policies full,oracle,streaming,h2o": [
@@ -3304,7 +3305,9 @@ def test_readme_command_runs(cmd, tmp_path, baby):
                     d = os.path.join(HERE, "baby", "scorers", f"{task}-{target}", kind)
                     runs += [(kind, scorer_files.load(d), target)] if os.path.isdir(d) else []
             _check_quality_table(r.stdout, _ref_quality(net, seqs, runs, [0.25, 0.125]), task)
-    if cmd.startswith("python sample.py"):  # B = ceil(0.25 (399 + 112)) entries, no state
+    if cmd.startswith("python sample.py --model codebaby"):  # the scoreboard: both policies' far copies
+        assert re.search(r"far copies kvpop-window 0.125: \d+/\d+ .*\nfar copies streaming 0.125: \d+/\d+", r.stdout)
+    elif cmd.startswith("python sample.py"):  # B = ceil(0.25 (399 + 112)) entries, no state
         assert re.search(
             r"KV cache: 128 entries kept per head of 510 tokens; .* full \(25.0%\), "
             r"policy kvpop-window",

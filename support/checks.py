@@ -58,7 +58,9 @@ def train(opts, given, world):
         (f"--kind {kind}", not issubclass(kvpop.SCORERS[kind], kvpop.MemoryScorer), "d_mem arrival"),
         ("--init_from (the folder's sizes)", bool(opts.init_from), "d_mem d_hidden gamma arrival"),
         (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
-        ("--task code (no baby's task)", task == "code", "keys final_seqs"),
+        ("--task code (no baby's task)", task == "code", "keys"),
+        ("--task code without --finetune", task == "code" and not opts.finetune, "final_seqs"),
+        ("--finetune (a frozen run's)", opts.finetune, "fit_recency"),
         (f"--task {task}", task != "code", "corpus"),
         (f"--task {task}", task != "cue", "p_cue_min p_cue_max"),
     ]

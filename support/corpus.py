@@ -118,22 +118,23 @@ def interval(x):
     return x.mean().item(), 1.96 * x.std().item() / math.sqrt(len(x))
 
 
-def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target="mean"):
+def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target="mean", ref=None):
     """Every (policy, budget) on held-out files idx (files, T), teacher-forced through evaluate -> rows of each
     file_metrics' mean over files and 95% half-width (_ci), and the perplexity ratio exp(log_ppl) with its interval
     (ppl_lo, ppl_hi). Key tokens at a budget are streaming's there; `full` first, a row a budget (its key top-1 is
-    the bar)."""
+    the bar). ref: the dense model full's rows and the key tokens are of (a fine-tune's model before; default net)."""
+    ref = ref or net
     size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]
     runs = [("full", b) for b in budgets] + [(p, b) for p in policies if p != "full" for b in budgets]
     per = {r: [] for r in runs}
     # a chunk of files: full's log-probs, each budget's key tokens, then every run on it
     for c in range(0, len(idx), chunk):
         x = idx[c : c + chunk]
-        logp = lambda p, b, online=False: evaluate(net, x, p, b, sinks, window, online, target).float().log_softmax(-1)
-        full = logp("full", 1)
-        key = {b: key_tokens(full, logp("streaming", b), x, size(b)) for b in budgets}
+        logp = lambda m, p, b, online=False: evaluate(m, x, p, b, sinks, window, online, target).float().log_softmax(-1)
+        full = logp(ref, "full", 1)
+        key = {b: key_tokens(full, logp(ref, "streaming", b), x, size(b)) for b in budgets}
         for p, b in runs:
-            lp = full if p == "full" else logp(p, b, policy_name(p) in kvpop.DYNAMIC)
+            lp = full if p == "full" else logp(net, p, b, policy_name(p) in kvpop.DYNAMIC)
             per[p, b].append(file_metrics(full, lp, x, size(b), key[b]))
     rows, num = [], lambda x: None if math.isnan(x) else round(x, 5)  # nan (no file to average): None
     for (p, b), parts in per.items():
