@@ -2,7 +2,7 @@
 
 # offline: the shipped baby, its recall prompt, its delayed scorer
 python sample.py --budget 0.25 --show
-# offline: the code baby continues a held-out torch file, its far copies marked
+# offline: the code baby reads on in a held-out torch file; each token that needs the far context marked
 python sample.py --model codebaby --budget 0.125
 # a real Qwen3 (the Hugging Face cache, else downloaded)
 python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25
@@ -38,8 +38,8 @@ chat = False  # wrap the prompt in Qwen3's chat template
 think = False  # with --chat: let the model think first (<think> ... </think>)
 # --- sampling
 num_samples = 0  # samples drawn one after another; 0: 4 (baby, for its recall scoreboard), else 1
-max_new_tokens = 0  # tokens per sample (fewer if the model stops); 0: 112 (baby), 256 (codebaby), else 2048
-temperature = -1.0  # 0 = greedy; -1: 1 for the baby (its own distribution), 0 codebaby, else Qwen3's 0.7 (0.6 thinking)
+max_new_tokens = 0  # tokens per sample (fewer if the model stops); 0: 112 (baby), 256 (codebaby: read), else 2048
+temperature = -1.0  # 0 = greedy; -1: 1 for the baby (its own distribution), else Qwen3's 0.7 (0.6 thinking)
 top_k = -1  # keep the k most likely tokens (0 = off); -1: off for the baby, else Qwen3's 20
 top_p = -1.0  # nucleus sampling (1 = off); -1: off for the baby, else Qwen3's 0.8 (0.95 thinking)
 seed = 1337  # random seed
@@ -61,8 +61,8 @@ if not policy and scorer and os.path.isfile(kind_file):
 policy = policy or ("kvpop-window" if baby or code or scorer else "streaming")
 max_new_tokens = max_new_tokens or (112 if baby else 256 if code else 2048)
 num_samples = num_samples or (4 if baby else 1)
-# the baby samples its own distribution (a nucleus would cut its rare keys), codebaby its likeliest; Qwen3's advice
-temperature = (1.0 if baby else 0.0 if code else 0.6 if think else 0.7) if temperature == -1 else temperature
+# the baby samples its own distribution (a nucleus would cut its rare keys); Qwen3's advice otherwise
+temperature = (1.0 if baby else 0.6 if think else 0.7) if temperature == -1 else temperature
 top_k = (0 if baby else 20) if top_k == -1 else top_k
 top_p = (1.0 if baby else 0.95 if think else 0.8) if top_p == -1 else top_p
 
@@ -75,7 +75,7 @@ try:
         need(scorer or baby or code, f"--policy {policy} needs --scorer DIR, a scorer trained for this model by train.py")
         if not scorer:
             out = os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy
-            shipped = f"codebaby/scorers/code-helpful" if code else "baby/scorers/recall-helpful"
+            shipped = "codebaby/scorers/code-helpful" if code else "baby/scorers/recall-helpful"
             scorer = "out" if out else f"{shipped}/{policy}"
         pol = scorer_files.load(scorer).to(device)
         need(policy == pol.kind, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
@@ -97,10 +97,10 @@ try:
     config = Qwen3Config.from_json(os.path.join(folder, "config.json"))
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode(tok.chat(text, think) if chat else text)
-    # codebaby: the opening of the first held-out torch file (support/corpus.py) that has 2048 tokens
+    # codebaby: the first held-out torch file (support/corpus.py) with 2048 tokens, its opening the prompt
     if code and not text:
-        ids = code_held_out(tok, "torch", 2048, 2)[0, : 2048 - max_new_tokens].tolist()
-        text = tok.decode(ids)
+        read = code_held_out(tok, "torch", 2048, 2)[0].tolist()
+        ids, text = read[: 2048 - max_new_tokens], tok.decode(read[: 2048 - max_new_tokens])
     total, limit = len(ids) + max_new_tokens, config.max_position_embeddings
     need(ids, "--prompt is empty; give some text or FILE:path")
     asked = f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's {limit} positions"
@@ -138,8 +138,7 @@ def draw(pol, size, echo):
     torch.manual_seed(seed)
     x, outs = torch.tensor([ids], device=device), []
     if echo:
-        shown = "...\n" + "\n".join(text.splitlines()[-12:]) if code else tok.decode(ids) if chat else text
-        print(shown, end="\n" + "=" * 80 + "\n", flush=True)
+        print(tok.decode(ids) if chat else text, end="\n" + "=" * 80 + "\n", flush=True)
     # the policy's own samples: each step through the compiled model, if --compile
     step = compiled if echo else None
     for _ in range(num_samples):
@@ -151,37 +150,22 @@ def draw(pol, size, echo):
             t.append(time.time())
             if out[-1] in tok.stop:
                 break
-            if echo and not (baby or code):
+            if echo and not baby:
                 print(dec(out[-1]), end="", flush=True)
         if echo:
-            print(marked(out) if baby or code else "", end="")
+            print(marked(out, marks(out)) if baby else "", end="")
             report(cache, out, t, dec)
     return outs
 
 
-def far_copies(out):
-    """codebaby: where the full cache, on the sample's own text, writes a key token (README, Real text: the far
-    context makes it likely, streaming at this budget does not) -> {j: whether out[j] is that token}."""
-    seq = torch.tensor([ids + out], device=device)
-    full = evaluate(net, seq, "full", 1, online=False).float().log_softmax(-1)  # (1, T, V)
-    local = evaluate(net, seq, "streaming", S, sinks, S - sinks, online=False).float().log_softmax(-1)
-    choice = torch.cat([seq[:, :1], full[:, :-1].argmax(-1)], 1)  # (1, T): the full cache's choice at each position
-    key = key_tokens(full, local, choice, len(ids) - 1)[0]  # (len(out),)
-    return {j: out[j] == int(choice[0, len(ids) + j]) for j in key.nonzero()[:, 0].tolist()}
-
-
-def marks(out):
-    """The tokens of a sample the scoreboard counts -> {j: right}. The baby: the recalled words (its key's current
-    value); codebaby: the far copies."""
-    if code:
-        return far_copies(out)
+def marks(out):  # the baby's sample -> {j: right} at each recalled word (its key's current value)
     found = recall_marks([word.get(i) for i in ids + out], len(ids))
     return {k - len(ids): right for k, right in found.items()}
 
 
-def marked(out):
-    """The sample, each token the scoreboard counts marked: ✓ right, ✗ wrong."""
-    found, dec, sign = marks(out), tok.decode_stream(), {True: "✓", False: "✗", None: ""}
+def marked(out, found):
+    """The tokens out, each the scoreboard counts (found: {j: right}) marked ✓ right, ✗ wrong."""
+    dec, sign = tok.decode_stream(), {True: "✓", False: "✗", None: ""}
     text = [dec(i) + sign[found.get(j)] for j, i in enumerate(out) if i not in tok.stop]
     return "".join(text) + dec()
 
@@ -211,6 +195,26 @@ def report(cache, out, t, dec):
     print("=" * 80)
 
 
+def read_on():
+    """codebaby: the file's next max_new_tokens tokens read (teacher-forced, as bench.py quality measures) under the
+    policy and under streaming; each key token (README, Real text: it needs what streaming evicts) marked ✓ where the
+    policy's likeliest next token is it, ✗ where not."""
+    seq = torch.tensor([read], device=device)
+    rest, n = read[len(ids) :], len(ids) - 1  # the tokens read, and the position that predicts the first
+    full = evaluate(net, seq, "full", 1, online=False).float().log_softmax(-1)  # (1, T, V)
+    local = evaluate(net, seq, "streaming", S, sinks, S - sinks, online=False).float().log_softmax(-1)
+    key = key_tokens(full, local, seq, n)[0].nonzero()[:, 0].tolist()  # indices into rest
+    print("...\n" + "\n".join(text.splitlines()[-20:]), end="\n" + "=" * 80 + "\n")  # the prompt's last lines
+    for p in (pol, "streaming"):
+        guess = evaluate(net, seq, p, S, sinks, window).argmax(-1)[0, n:-1].tolist()  # the online cache's
+        found = {j: guess[j] == rest[j] for j in key}
+        print(marked(rest, found), end="\n" + "=" * 80 + "\n")
+        print(f"far copies {name if p is pol else p} {budget:g}: {sum(found.values())}/{len(found)}")
+
+
+if code and S < total:
+    read_on()
+    raise SystemExit
 outs = draw(pol if S < total else "full", entries(S, charge, total), True)
 # the baby: its recall scoreboard, the same prompt and seed under the policy, full and streaming
 if baby:
@@ -222,12 +226,3 @@ if baby:
         scores = [recall_score([word.get(i) for i in ids + o], len(ids)) for o in samples]
         R, N = map(sum, zip(*scores))
         print(f"recall {p} {budget:g}: {R}/{N}")
-# codebaby: the same file under streaming, its far copies marked; each policy's count
-if code:
-    board = {name: outs[0]}
-    if S < total:
-        board["streaming"] = draw("streaming", S, False)[0]
-        print(f"streaming:\n{marked(board['streaming'])}\n" + "=" * 80)
-    for p, out in board.items():
-        found = marks(out).values()
-        print(f"far copies {p} {budget:g}: {sum(found)}/{len(found)} as the full cache writes them")

@@ -27,7 +27,7 @@ import qwen3
 from cache import resolve
 from support import checkpoint, checks, flags, processes, scorer_files, tokenizer
 from support.corpus import code_held_out, code_runs, code_sequences, code_table, pack_files
-from tasks import TASKS, evaluate, quality_runs, quality_table, task_batch
+from tasks import TASKS, quality_runs, quality_table, task_batch
 
 # --- what to run
 finetune = False  # the model trains too, under the eviction, by KL to the dense model
@@ -46,7 +46,6 @@ d_hidden = 64  # the read-out's hidden width (every kind)
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
 arrival = False  # kvpop, kvpop-shifted: read tokens on arrival, not on leaving the window (delay ablation)
 init_from = ""  # a trained scorer's folder to start from (its sizes), e.g. a frozen run's
-fit_recency = False  # after training: every gamma_h x the least c of 1..8 at which KL is at most streaming's (LOG.md)
 target = "helpful"  # the teacher's future attention: helpful, max (ours) or mean (the paper's)
 # --- data
 data = "baby"  # baby: a baby task (tasks.py); else .txt/.jsonl files (folder, glob), packed
@@ -272,26 +271,6 @@ def final_table(folder, tok, net, scorer):
     print(quality_table(rows))
 
 
-def recency_fit(net, scorer, idx):
-    """--fit_recency: the scorer's recency against the model's loss: every gamma_h times the least c of 1, 1.5, 2, 3,
-    4, 6, 8 at which the KL to the dense model at --budget, on training sequences idx (B, T) past the last step's, is
-    at most streaming's -> c, the scorer changed in place."""
-    S = kvpop.budget_size(budget, seq_len, sinks, window)[0]
-    full = evaluate(net, idx, "full", 1, online=False).float().log_softmax(-1)  # (B, T, V)
-
-    def kl(policy):  # mean KL(full || policy) at the positions t >= S
-        lp = evaluate(net, idx, policy, budget, sinks, window, online=False).float().log_softmax(-1)
-        return (full.exp() * (full - lp)).sum(-1)[:, S:].mean().item()
-
-    bar, gamma = kl("streaming"), torch.nn.functional.softplus(scorer.theta.detach())
-    for c in (1, 1.5, 2, 3, 4, 6, 8):
-        # theta = softplus^-1(c gamma)
-        scorer.theta.data = torch.log(torch.expm1(c * gamma))
-        if kl(scorer) <= bar:
-            break
-    return c
-
-
 # step it's scorer rate: linear warmup times a cosine from --lr down to --min_lr
 def learning_rate(it):
     warm = min(1, (it + 1) / max(warmup, 1))
@@ -352,10 +331,6 @@ def train():
                 evaluated = qwen3.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
                 log(f"step {it + 1}: {held_out(evaluated, tok, scorer or 'streaming', texts, pools)}; saved {out_dir}/")
     log(f"trained in {time.time() - t0:.0f}s")
-    if fit_recency and rank == 0:
-        idx = torch.cat([batch(tok, texts, max_iters + i) for i in range(-(-8 // batch_size))])[:8].to(device)
-        log(f"recency fit: gamma x {recency_fit(net, scorer, idx):g}")
-        save(max_iters, folder, scorer, opts.get(scorer), student, opts.get(student))
     if data == "baby" and task != "code" and final_seqs and rank == 0:
         final_table(folder, tok, net, scorer)
     if task == "code" and finetune and final_seqs and rank == 0:

@@ -60,7 +60,6 @@ def train(opts, given, world):
         (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
         ("--task code (no baby's task)", task == "code", "keys"),
         ("--task code without --finetune", task == "code" and not opts.finetune, "final_seqs"),
-        ("--finetune (a frozen run's)", opts.finetune, "fit_recency"),
         (f"--task {task}", task != "code", "corpus"),
         (f"--task {task}", task != "cue", "p_cue_min p_cue_max"),
     ]

@@ -14,7 +14,7 @@ import torch
 import bench
 import qwen3
 import tasks
-from support import corpus, scorer_files, tokenizer
+from support import corpus, tokenizer
 
 
 from test_kvpop import HERE, one_line_error
@@ -228,31 +228,6 @@ def test_pretrain_data_copies_spans_far_back(tmp_path, monkeypatch):
             moved = [(t, new[t] - row[0]) for t in range(T) if new[t] != row[t]]  # (where, where it was)
             assert (len(moved) > 0) == bool(share) and len(moved) <= 2 * T // 8
             assert all(0 <= was <= t - T // 8 for t, was in moved), moved
-
-
-def test_recency_fit_is_the_least_factor_at_streamings_kl(monkeypatch):
-    """train.py --fit_recency: every gamma_h times the least c of the grid at which the KL to the dense model (at the
-    budget, positions t >= S) is at most streaming's, the KL recomputed here by corpus.file_metrics: codebaby and its
-    shipped scorer on 4 training sequences' first 1,024 tokens at 0.25, where c = 1 loses to streaming."""
-    import train
-
-    monkeypatch.chdir(HERE)
-    net = qwen3.Qwen3.from_pretrained("codebaby").eval()
-    idx = corpus.code_sequences(tokenizer.Tokenizer.from_pretrained("codebaby"), "torch", 2048)[:4, :1024]
-    for name, value in dict(budget=0.25, seq_len=1024, sinks=4, window=128).items():
-        monkeypatch.setattr(train, name, value)
-    scorer = scorer_files.load("codebaby/scorers/code-helpful/kvpop-window")
-    gamma = torch.nn.functional.softplus(scorer.theta.detach()).clone()
-    c = train.recency_fit(net, scorer, idx)
-    assert torch.allclose(torch.nn.functional.softplus(scorer.theta.detach()), c * gamma, rtol=1e-4)
-    full = tasks.evaluate(net, idx, "full", 1, online=False).log_softmax(-1)
-    none = torch.zeros(4, 1024 - 256 - 1, dtype=torch.bool)  # no key tokens: KL alone is read
-    kl = lambda p: corpus.file_metrics(full, tasks.evaluate(net, idx, p, 0.25, 4, 128, online=False).log_softmax(-1),
-        idx, 256, none)["kl"].mean().item()
-    bar, grid = kl("streaming"), [1, 1.5, 2, 3, 4, 6, 8]
-    assert c > 1 and kl(scorer) <= bar, (c, kl(scorer), bar)
-    scorer.theta.data = torch.log(torch.expm1(grid[grid.index(c) - 1] * gamma))  # the factor before c loses
-    assert kl(scorer) > bar
 
 
 def test_code_corpus_missing_or_too_small_is_one_line(tmp_path, monkeypatch):
