@@ -238,7 +238,7 @@ def cmd_quality(argv):
     what = f"{len(files)} held-out files, the first" if code else f"{opts.n} held-out sequences of"
     title = f"{opts.model}: {what} {opts.T} tokens (seed {opts.seed}), {'; '.join(counts)}"
     print(f"{title}; sinks {opts.sinks}, window {opts.window}\n")
-    table = code_table if code else tasks.quality_table
+    table = code_table if code else bench_runs.quality_table
     print(f"{table(rows)}\n\n{time.time() - t0:.0f}s")
     if opts.json:
         checkpoint.write_json(rows, opts.json)

@@ -60,9 +60,10 @@ answer_weight = 4.0  # weight of the answers' loss on top of every position's ne
 flags.configure(globals())
 # the defaults that differ with --data
 pick = lambda value, tasks, code: value or (code if data else tasks)
-n_embd, n_head, n_kv_head, n_ff = pick(n_embd, 128, 256), pick(n_head, 2, 4), pick(n_kv_head, 1, 2), pick(n_ff, 256, 512)
-rope_theta, seq_len, tokens = pick(rope_theta, 1e4, 1e6), pick(seq_len, 512, 2048), pick(tokens, 4096, 8192)
-final_steps = pick(final_steps, 600, 300)
+n_embd, n_head = pick(n_embd, 128, 256), pick(n_head, 2, 4)
+n_kv_head, n_ff = pick(n_kv_head, 1, 2), pick(n_ff, 256, 512)
+rope_theta, seq_len = pick(rope_theta, 1e4, 1e6), pick(seq_len, 512, 2048)
+tokens, final_steps = pick(tokens, 4096, 8192), pick(final_steps, 600, 300)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -190,14 +191,14 @@ def copy_spans(idx, g):
     """--data's curriculum: in a --copies share of the sequences idx (B, T), 2 spans of T/32 to T/8 tokens each written
     again at least T/8 tokens later (64-256 tokens, 256 later, at T = 2048), as code repeats its names -> a copy."""
     idx, T = idx.clone(), idx.shape[1]
-    shortest, longest, gap = T // 32, T // 8, T // 8
+    shortest, longest = T // 32, T // 8  # a span's length, and the least distance to its copy
     for row in idx:
         if torch.rand((), generator=g) >= copies:
             continue
         for _ in range(2):
             n = int(torch.randint(shortest, longest + 1, (), generator=g))
-            start = int(torch.randint(1, T - gap - 2 * n, (), generator=g))
-            to = int(torch.randint(start + max(gap, n), T - n + 1, (), generator=g))
+            start = int(torch.randint(1, T - longest - 2 * n, (), generator=g))
+            to = int(torch.randint(start + max(longest, n), T - n + 1, (), generator=g))
             row[to : to + n] = row[start : start + n]
     return idx
 
@@ -245,7 +246,8 @@ def key_check(model, files):
         S = int(b * seq_len)
         local = evaluate(model, files, "streaming", b, 4, S - 4, online=False).float().log_softmax(-1)  # sinks, window
         key = key_tokens(full, local, files, S)  # (B, T - S - 1)
-        found.append(f"key tokens at {b:g} {key.float().mean():.2%} (full right on {right[:, S:][key].float().mean():.3f})")
+        hit = right[:, S:][key].float().mean()
+        found.append(f"key tokens at {b:g} {key.float().mean():.2%} (full right on {hit:.3f})")
     return ", ".join(found)
 
 

@@ -2,8 +2,6 @@
 
 # offline: the shipped baby, its recall prompt, its delayed scorer
 python sample.py --budget 0.25 --show
-# offline: the code baby reads on in a held-out torch file; each token that needs the far context marked
-python sample.py --model codebaby --budget 0.125
 # a real Qwen3 (the Hugging Face cache, else downloaded)
 python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25
 """
@@ -23,8 +21,8 @@ from support import checks, scorer_files
 from support.checkpoint import checkpoint_dir, read_json
 from support.flags import auto_dtype, configure, fail, need
 from support.tokenizer import Tokenizer
-from support.corpus import code_held_out, key_tokens
-from tasks import evaluate, recall_marks, recall_score, task_ids
+from support.corpus import code_held_out, read_on
+from tasks import recall_marks, recall_score, task_ids
 
 # --- model
 model = "baby"  # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby, codebaby: the demos
@@ -72,7 +70,7 @@ checks.sample(types.SimpleNamespace(**globals()))
 try:
     pol = policy
     if policy in SCORERS:
-        need(scorer or baby or code, f"--policy {policy} needs --scorer DIR, a scorer trained for this model by train.py")
+        need(scorer or baby or code, f"--policy {policy} needs --scorer DIR, a scorer train.py trained for this model")
         if not scorer:
             out = os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy
             shipped = "codebaby/scorers/code-helpful" if code else "baby/scorers/recall-helpful"
@@ -97,9 +95,9 @@ try:
     config = Qwen3Config.from_json(os.path.join(folder, "config.json"))
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode(tok.chat(text, think) if chat else text)
-    # codebaby: the first held-out torch file (support/corpus.py) with 2048 tokens, its opening the prompt
-    if code and not text:
-        read = code_held_out(tok, "torch", 2048, 2)[0].tolist()
+    # codebaby: the first held-out torch file (support/corpus.py) with 2048 tokens, read on from its opening
+    read = code_held_out(tok, "torch", 2048, 2)[0].tolist() if code and not text else []
+    if read:
         ids, text = read[: 2048 - max_new_tokens], tok.decode(read[: 2048 - max_new_tokens])
     total, limit = len(ids) + max_new_tokens, config.max_position_embeddings
     need(ids, "--prompt is empty; give some text or FILE:path")
@@ -153,20 +151,16 @@ def draw(pol, size, echo):
             if echo and not baby:
                 print(dec(out[-1]), end="", flush=True)
         if echo:
-            print(marked(out, marks(out)) if baby else "", end="")
+            print(marked(out) if baby else "", end="")
             report(cache, out, t, dec)
     return outs
 
 
-def marks(out):  # the baby's sample -> {j: right} at each recalled word (its key's current value)
-    found = recall_marks([word.get(i) for i in ids + out], len(ids))
-    return {k - len(ids): right for k, right in found.items()}
-
-
-def marked(out, found):
-    """The tokens out, each the scoreboard counts (found: {j: right}) marked ✓ right, ✗ wrong."""
+def marked(out):
+    """The baby's sample, each word the scoreboard counts marked: ✓ its key's current value, ✗ another."""
+    marks = recall_marks([word.get(i) for i in ids + out], len(ids))
     dec, sign = tok.decode_stream(), {True: "✓", False: "✗", None: ""}
-    text = [dec(i) + sign[found.get(j)] for j, i in enumerate(out) if i not in tok.stop]
+    text = [dec(i) + sign[marks.get(len(ids) + j)] for j, i in enumerate(out) if i not in tok.stop]
     return "".join(text) + dec()
 
 
@@ -195,25 +189,10 @@ def report(cache, out, t, dec):
     print("=" * 80)
 
 
-def read_on():
-    """codebaby: the file's next max_new_tokens tokens read (teacher-forced, as bench.py quality measures) under the
-    policy and under streaming; each key token (README, Real text: it needs what streaming evicts) marked ✓ where the
-    policy's likeliest next token is it, ✗ where not."""
-    seq = torch.tensor([read], device=device)
-    rest, n = read[len(ids) :], len(ids) - 1  # the tokens read, and the position that predicts the first
-    full = evaluate(net, seq, "full", 1, online=False).float().log_softmax(-1)  # (1, T, V)
-    local = evaluate(net, seq, "streaming", S, sinks, S - sinks, online=False).float().log_softmax(-1)
-    key = key_tokens(full, local, seq, n)[0].nonzero()[:, 0].tolist()  # indices into rest
+# codebaby: the file read on under the policy and streaming, each key token marked (support/corpus.py)
+if code and read:
     print("...\n" + "\n".join(text.splitlines()[-20:]), end="\n" + "=" * 80 + "\n")  # the prompt's last lines
-    for p in (pol, "streaming"):
-        guess = evaluate(net, seq, p, S, sinks, window).argmax(-1)[0, n:-1].tolist()  # the online cache's
-        found = {j: guess[j] == rest[j] for j in key}
-        print(marked(rest, found), end="\n" + "=" * 80 + "\n")
-        print(f"far copies {name if p is pol else p} {budget:g}: {sum(found.values())}/{len(found)}")
-
-
-if code and S < total:
-    read_on()
+    read_on(net, tok, read, len(ids), {name: pol, "streaming": "streaming"}, S, sinks, window, budget)
     raise SystemExit
 outs = draw(pol if S < total else "full", entries(S, charge, total), True)
 # the baby: its recall scoreboard, the same prompt and seed under the policy, full and streaming

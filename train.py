@@ -2,7 +2,7 @@
 
   python train.py                                     # the default delayed scorer (kvpop-window) on the frozen baby
   python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25  # a real Qwen3
-  python train.py --task code --batch_size 4 --max_iters 200 --out_dir codebaby/scorers/code-helpful/kvpop-window
+  python train.py --task code --batch_size 2 --max_iters 200 --out_dir codebaby/scorers/code-helpful/kvpop-window
   python train.py --finetune --out_dir out-ft         # the paper's recipe: the model trains too, under eviction
   python train.py --finetune --policy streaming       # its control, StreamingLLM+ (recency eviction, no scorer)
   torchrun --nproc_per_node=2 train.py ...            # several processes: DDP (scorer), FSDP2 (--finetune)
@@ -25,9 +25,9 @@ import kernels
 import kvpop
 import qwen3
 from cache import resolve
-from support import checkpoint, checks, flags, processes, scorer_files, tokenizer
-from support.corpus import code_held_out, code_runs, code_sequences, code_table, pack_files
-from tasks import TASKS, quality_runs, quality_table, task_batch
+from support import bench_runs, checkpoint, checks, flags, processes, scorer_files, tokenizer
+from support.corpus import code_held_out, code_sequences, finetune_table, pack_files
+from tasks import TASKS, quality_runs, task_batch
 
 # --- what to run
 finetune = False  # the model trains too, under the eviction, by KL to the dense model
@@ -240,24 +240,12 @@ def held_out(evaluated, tok, pol, texts, pools):
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
 
-def code_final_table(folder, tok, scorer):
-    """--task code --finetune: on --final_seqs held-out files, the policy before (the frozen model, --init_from's scorer)
-    and after (the fine-tuned model as saved, its scorer), each against the frozen dense model."""
-    files = code_held_out(tok, corpus, seq_len, final_seqs)
-    ref, tuned = qwen3.Qwen3.from_pretrained(folder, dtype="float32"), qwen3.Qwen3.from_pretrained(out_dir)
-    # before: --init_from's scorer (none: a fresh scorer has no row) or streaming
-    frozen = [scorer_files.load(init_from)] if init_from else [] if scorer is not None else ["streaming"]
-    before = code_runs(ref, files, frozen, [0.25, 0.125], sinks, window, target=target)
-    after = code_runs(tuned, files, [scorer or "streaming"], [0.25, 0.125], sinks, window, target=target, ref=ref)
-    for r in after:
-        r["policy"] = f"{r['policy']} (fine-tuned)" if scorer is not None else "StreamingLLM+"
-    print(f"\n{len(files)} held-out files (bench.py quality --task code's), frozen -> fine-tuned\n")
-    print(code_table([r for r in before + after if r["policy"] != "full"]))
-
-
 def final_table(folder, tok, net, scorer):
-    """The quality table on bench.py quality's held-out sequences: the trained scorer beside the oracle, streaming and
-    h2o, or (--finetune) the fine-tuned model as saved, under its eviction, against the dense model it started from."""
+    """The quality table on bench.py quality's held-out sequences: the scorer beside the oracle, streaming and h2o, or
+    (--finetune) the fine-tuned model as saved under its eviction, against the dense model before (code: files)."""
+    if task == "code":
+        held = code_held_out(tok, corpus, seq_len, final_seqs)
+        return print(finetune_table(folder, out_dir, held, init_from, scorer, sinks, window, target))
     seqs = task_batch(tok, final_seqs, seq_len, random.Random("test-0"), **TASKS[task])
     ref, evaluated, pols = None, net, ["oracle", "streaming", "h2o", scorer]
     if finetune:
@@ -268,7 +256,7 @@ def final_table(folder, tok, net, scorer):
     for r in rows[1:] if finetune else []:
         r["policy"] = f"{r['policy']} (fine-tuned)" if scorer is not None else "StreamingLLM+"
     print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
-    print(quality_table(rows))
+    print(bench_runs.quality_table(rows))
 
 
 # step it's scorer rate: linear warmup times a cosine from --lr down to --min_lr
@@ -331,10 +319,8 @@ def train():
                 evaluated = qwen3.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
                 log(f"step {it + 1}: {held_out(evaluated, tok, scorer or 'streaming', texts, pools)}; saved {out_dir}/")
     log(f"trained in {time.time() - t0:.0f}s")
-    if data == "baby" and task != "code" and final_seqs and rank == 0:
+    if data == "baby" and (task != "code" or finetune) and final_seqs and rank == 0:
         final_table(folder, tok, net, scorer)
-    if task == "code" and finetune and final_seqs and rank == 0:
-        code_final_table(folder, tok, scorer)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -88,6 +88,18 @@ def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperat
     return rows, samples
 
 
+def quality_table(rows):  # a markdown table of tasks.quality_runs' rows; task and target columns when they have them
+    cols = [col for col in ("task", "target") if col in rows[0]]
+    columns = cols + ["policy", "budget", "accuracy", "far accuracy", "relative", "KL"]
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for row in rows:
+        cells = [row[col] for col in cols] + [row["policy"], f"{row['budget']:g}"]
+        cells += [f"{row['accuracy']:.1%}", f"{row['far_accuracy']:.1%}"]
+        cells += [f"{row['relative']:.3f}", f"{row['kl']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def generate_table(rows):  # a markdown table of bench.py generate's rows
     columns = "task target policy budget answers accuracy far_accuracy_(answers) retained_[95%] longest_run distinct"
     lines = ["| " + " | ".join(columns.split()).replace("_", " ") + " |", "|---" * 10 + "|"]
@@ -147,7 +159,8 @@ def baby_setup(opts, need, policies, spare=0):
         # code: a budget must leave a file's last positions to measure
         for b in budgets if code else ():
             kept = kvpop.budget_size(b, opts.T, opts.sinks, opts.window)[0]
-            need(kept < opts.T - 1, f"--budgets {b:g} keeps all {opts.T} tokens of a file: nothing is evicted, use less")
+            why = f"keeps all {opts.T} tokens of a file: nothing is evicted, use less"
+            need(kept < opts.T - 1, f"--budgets {b:g} {why}")
         most = config.max_position_embeddings  # checked before the weights load
         need(opts.T <= most, f"--T {opts.T}: the model has {most} positions; lower --T")
         tok = tokenizer.Tokenizer.from_pretrained(folder)

@@ -14,6 +14,8 @@ import os
 import torch
 
 import kvpop
+from qwen3 import Qwen3
+from support import scorer_files
 from tasks import evaluate, policy_name
 
 HELD_OUT = 10  # one file in about this many is held out: sha256 of its relative path = 0 mod HELD_OUT
@@ -124,18 +126,20 @@ def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target="mean
     (ppl_lo, ppl_hi). Key tokens at a budget are streaming's there; `full` first, a row a budget (its key top-1 is
     the bar). ref: the dense model full's rows and the key tokens are of (a fine-tune's model before; default net)."""
     ref = ref or net
-    size = lambda b: kvpop.budget_size(b, idx.shape[1], sinks, window)[0]
+    size = lambda budget: kvpop.budget_size(budget, idx.shape[1], sinks, window)[0]
     runs = [("full", b) for b in budgets] + [(p, b) for p in policies if p != "full" for b in budgets]
-    per = {r: [] for r in runs}
+    per = {run: [] for run in runs}
     # a chunk of files: full's log-probs, each budget's key tokens, then every run on it
-    for c in range(0, len(idx), chunk):
-        x = idx[c : c + chunk]
-        logp = lambda m, p, b, online=False: evaluate(m, x, p, b, sinks, window, online, target).float().log_softmax(-1)
+    for start in range(0, len(idx), chunk):
+        files = idx[start : start + chunk]
+        logp = lambda model, policy, budget, online=False: evaluate(
+            model, files, policy, budget, sinks, window, online, target).float().log_softmax(-1)
         full = logp(ref, "full", 1)
-        key = {b: key_tokens(full, logp(ref, "streaming", b), x, size(b)) for b in budgets}
-        for p, b in runs:
-            lp = full if p == "full" else logp(net, p, b, policy_name(p) in kvpop.DYNAMIC)
-            per[p, b].append(file_metrics(full, lp, x, size(b), key[b]))
+        key = {budget: key_tokens(full, logp(ref, "streaming", budget), files, size(budget)) for budget in budgets}
+        for policy, budget in runs:
+            online = policy_name(policy) in kvpop.DYNAMIC
+            got = full if policy == "full" else logp(net, policy, budget, online)
+            per[policy, budget].append(file_metrics(full, got, files, size(budget), key[budget]))
     rows, num = [], lambda x: None if math.isnan(x) else round(x, 5)  # nan (no file to average): None
     for (p, b), parts in per.items():
         row = dict(policy=policy_name(p), budget=b, files=len(idx))
@@ -151,15 +155,46 @@ def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target="mean
 
 
 def code_table(rows):  # a markdown table of code_runs' rows, each mean with its 95% half-width ("-": no key token)
-    columns = ["target", "policy", "budget", "KL", "top-1", "key share", "key top-1", "key loss rise", "perplexity ratio"]
+    columns = "target|policy|budget|KL|top-1|key share|key top-1|key loss rise|perplexity ratio".split("|")
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
-    pm = lambda r, name, form: "-" if r[name + "_ci"] is None else f"{r[name]:{form}} ± {r[name + '_ci']:{form}}"
-    for r in rows:
-        cells = [r.get("target", "-"), r["policy"], f"{r['budget']:g}", pm(r, "kl", ".4f"), pm(r, "top1", ".1%")]
-        cells += [pm(r, "key_share", ".2%"), pm(r, "key_top1", ".1%"), pm(r, "key_loss", ".2f")]
-        cells.append(f"{r['ppl_ratio']:.3f} ({r['ppl_lo']:.3f}-{r['ppl_hi']:.3f})")
+    cell = lambda row, name, form: "-" if row[f"{name}_ci"] is None else f"{row[name]:{form}} ± {row[f'{name}_ci']:{form}}"
+    for row in rows:
+        cells = [row.get("target", "-"), row["policy"], f"{row['budget']:g}", cell(row, "kl", ".4f")]
+        cells += [cell(row, "top1", ".1%"), cell(row, "key_share", ".2%"), cell(row, "key_top1", ".1%")]
+        cells += [cell(row, "key_loss", ".2f"), f"{row['ppl_ratio']:.3f} ({row['ppl_lo']:.3f}-{row['ppl_hi']:.3f})"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def finetune_table(folder, out_dir, files, init_from, scorer, sinks, window, target):
+    """train.py --task code --finetune's table: on held-out files, the policy before (the model in folder with
+    init_from's scorer, none for a fresh one, or streaming) and after (the fine-tuned model in out_dir under its
+    scorer, or StreamingLLM+), each against the dense model before."""
+    ref, tuned = Qwen3.from_pretrained(folder, dtype="float32"), Qwen3.from_pretrained(out_dir)
+    frozen = [scorer_files.load(init_from)] if init_from else [] if scorer is not None else ["streaming"]
+    before = code_runs(ref, files, frozen, [0.25, 0.125], sinks, window, target=target)
+    after = code_runs(tuned, files, [scorer or "streaming"], [0.25, 0.125], sinks, window, target=target, ref=ref)
+    for row in after:
+        row["policy"] = "StreamingLLM+" if scorer is None else f"{row['policy']} (fine-tuned)"
+    table = code_table([row for row in before + after if row["policy"] != "full"])
+    return f"\n{len(files)} held-out files (bench.py quality --task code's), frozen -> fine-tuned\n\n{table}"
+
+
+def read_on(net, tok, read, n, policies, S, sinks, window, budget):
+    """sample.py --model codebaby: the file read (token ids) read on from its n-th token, teacher-forced, under each of
+    policies {name: policy} (the online cache) at S entries; printed with each key token (it needs what streaming
+    evicts) marked ✓ where the policy's likeliest next token is it, ✗ where not, then each policy's count."""
+    seq = torch.tensor([read], device=next(net.parameters()).device)
+    full = evaluate(net, seq, "full", 1, online=False).float().log_softmax(-1)  # (1, T, V)
+    local = evaluate(net, seq, "streaming", S, sinks, S - sinks, online=False).float().log_softmax(-1)
+    key = key_tokens(full, local, seq, n - 1)[0].tolist()  # (T - n,)
+    for name, policy in policies.items():
+        guess = evaluate(net, seq, policy, S, sinks, window).argmax(-1)[0, n - 1 : -1].tolist()
+        right = [guess[j] == read[n + j] for j in range(len(key)) if key[j]]
+        dec, sign = tok.decode_stream(), {True: "✓", False: "✗"}
+        marked = [dec(i) + (sign[guess[j] == i] if key[j] else "") for j, i in enumerate(read[n:])]
+        print("".join(marked) + dec(), end="\n" + "=" * 80 + "\n")
+        print(f"far copies {name} {budget:g}: {sum(right)}/{len(right)}")
 
 
 def pack_files(tok, data, seq_len, held):

@@ -21,8 +21,8 @@ from test_kvpop import HERE, one_line_error
 
 
 # ----------------------------------------------------------------------------------------------------------
-# code: real text nobody here wrote (support/corpus.py: the corpus and its metrics; pretrain.py --data, train.py --task code, bench.py
-# quality --task code), on a tiny corpus made here
+# code: real text nobody here wrote (support/corpus.py: the corpus and its metrics; pretrain.py --data, train.py
+# --task code, bench.py quality --task code), on a tiny corpus made here
 
 
 def _code_corpus(folder, files=26, lines=30):
@@ -148,7 +148,8 @@ def test_code_commands_run_on_a_tiny_corpus(tmp_path, monkeypatch, capsys):
     assert sha(scorer / "scorer.safetensors") == sha(tmp_path / "s2" / "scorer.safetensors")
     # the fine-tune (default kind from that scorer, and StreamingLLM+): a row before and after at each budget
     tune = ["--task", "code", "--corpus", root, "--model", str(model), *small, "--finetune", "--final_seqs", "2"]
-    for extra, name in [(["--init_from", str(scorer)], "kvpop-window (fine-tuned)"), (["--policy", "streaming"], "StreamingLLM+")]:
+    runs = [(["--init_from", str(scorer)], "kvpop-window (fine-tuned)"), (["--policy", "streaming"], "StreamingLLM+")]
+    for extra, name in runs:
         assert _main(monkeypatch, "train.py", *tune, *extra, "--out_dir", str(tmp_path / "ft")) is None
         table = capsys.readouterr().out.split("frozen -> fine-tuned")[1]
         before = "kvpop-window" if "init_from" in extra[0] else "streaming"
@@ -212,7 +213,8 @@ def test_pretrain_data_step_learns_the_next_token(tmp_path, monkeypatch):
     assert torch.allclose(seen["grad"], want, atol=1e-7), (seen["grad"] - want).abs().max()
     # the embedding learns but for the seeded head's columns (0, and 64 onwards)
     E = model.model.embed_tokens.weight
-    assert E.requires_grad and E.grad[:, 1:64].abs().sum() > 0 and E.grad[:, 0].eq(0).all() and E.grad[:, 64:].eq(0).all()
+    assert E.requires_grad and E.grad[:, 1:64].abs().sum() > 0
+    assert E.grad[:, 0].eq(0).all() and E.grad[:, 64:].eq(0).all()
 
 
 def test_pretrain_data_copies_spans_far_back(tmp_path, monkeypatch):
@@ -221,7 +223,8 @@ def test_pretrain_data_copies_spans_far_back(tmp_path, monkeypatch):
     T, out = 256, str(tmp_path / "o")
     idx = torch.arange(4 * T).view(4, T)
     for share in (1, 0):
-        g = _pretrain_globals(monkeypatch, "--data", "torch", "--copies", str(share), "--seq_len", str(T), "--out_dir", out)
+        flags = ["--data", "torch", "--copies", str(share), "--seq_len", str(T), "--out_dir", out]
+        g = _pretrain_globals(monkeypatch, *flags)
         got = g["copy_spans"](idx, torch.Generator().manual_seed(0))
         assert torch.equal(idx, torch.arange(4 * T).view(4, T))  # the input is left alone
         for row, new in zip(idx.tolist(), got.tolist()):
