@@ -174,9 +174,10 @@ def finetune_table(folder, out_dir, files, init_from, scorer, sinks, window, tar
     frozen = [scorer_files.load(init_from)] if init_from else [] if scorer is not None else ["streaming"]
     before = code_runs(ref, files, frozen, [0.25, 0.125], sinks, window, target=target)
     after = code_runs(tuned, files, [scorer or "streaming"], [0.25, 0.125], sinks, window, target=target, ref=ref)
+    before, after = [[row for row in rows if row["policy"] != "full"] for rows in (before, after)]
     for row in after:
         row["policy"] = "StreamingLLM+" if scorer is None else f"{row['policy']} (fine-tuned)"
-    table = code_table([row for row in before + after if row["policy"] != "full"])
+    table = code_table(before + after)
     return f"\n{len(files)} held-out files (bench.py quality --task code's), frozen -> fine-tuned\n\n{table}"
 
 
