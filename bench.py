@@ -229,17 +229,14 @@ def cmd_quality(argv):
         for target in targets:
             learned = ["oracle"] * ("oracle" in policies) + [scorers[d] for d in folders[task, target]]
             runs = measure(*batch, learned, *cache, target=target)
-            learned_rows = [r for r in (runs if code else runs[0]) if r["policy"] != "full"]  # full's are above
-            rows += [dict(task=task, target=target, **r) for r in learned_rows]
+            rows += [dict(task=task, target=target, **r) for r in (runs if code else runs[0]) if r["policy"] != "full"]
         # code: the share of key tokens at each budget (full's rows); a task: its queries and the far ones
-        keys = [f"{r['key_share']:.2%} at {r['budget']:g}" for r in found if r["policy"] == "full"] if code else []
-        far = f"{found[2]} queries ({found[1]:.0%} far)" if not code else "key tokens " + ", ".join(keys)
-        counts.append(f"{task}: {far}")
+        keys = ", ".join(f"{r['key_share']:.2%} at {r['budget']:g}" for r in found if code and r["policy"] == "full")
+        counts.append(f"{task}: " + (f"key tokens {keys}" if code else f"{found[2]} queries ({found[1]:.0%} far)"))
     what = f"{len(files)} held-out files, the first" if code else f"{opts.n} held-out sequences of"
     title = f"{opts.model}: {what} {opts.T} tokens (seed {opts.seed}), {'; '.join(counts)}"
     print(f"{title}; sinks {opts.sinks}, window {opts.window}\n")
-    table = code_table if code else bench_runs.quality_table
-    print(f"{table(rows)}\n\n{time.time() - t0:.0f}s")
+    print(f"{(code_table if code else bench_runs.quality_table)(rows)}\n\n{time.time() - t0:.0f}s")
     if opts.json:
         checkpoint.write_json(rows, opts.json)
 
