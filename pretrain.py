@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import qwen3
 from support import checks, flags, tokenizer
-from support.corpus import code_held_out, code_sequences, key_tokens
+from support.corpus import code_held_out, code_runs, code_sequences
 from tasks import TASKS, evaluate, task_batch
 
 # --- run
@@ -238,16 +238,13 @@ def task_check(model, tok):
 
 def key_check(model, files):
     """--data: on the held-out files (B, T), full's next-token accuracy, and at budgets 0.25 and 0.125 the share of
-    next tokens that are key (README, Real text: they need what streaming evicts) with full's accuracy on them."""
-    full = evaluate(model, files, "full", 1, online=False).float().log_softmax(-1)  # (B, T, V)
-    right = full[:, :-1].argmax(-1) == files[:, 1:]  # (B, T - 1)
+    next tokens that are key (README, Real text: they need what streaming evicts) with full's accuracy on them, means
+    over files as bench.py quality --task code's (streaming's window: any, it keeps the latest tokens)."""
+    right = evaluate(model, files, "full", 1, online=False).argmax(-1)[:, :-1] == files[:, 1:]  # (B, T - 1)
     found = [f"held-out accuracy {right.float().mean():.3f}"]
-    for b in (0.25, 0.125):
-        S = int(b * seq_len)
-        local = evaluate(model, files, "streaming", b, 4, S - 4, online=False).float().log_softmax(-1)  # sinks, window
-        key = key_tokens(full, local, files, S)  # (B, T - S - 1)
-        hit = right[:, S:][key].float().mean()
-        found.append(f"key tokens at {b:g} {key.float().mean():.2%} (full right on {hit:.3f})")
+    for row in code_runs(model, files, [], [0.25, 0.125], 4, 1):  # full's row at each budget
+        hit = "-" if row["key_top1"] is None else f"{row['key_top1']:.3f}"  # None: no file has a key token
+        found.append(f"key tokens at {row['budget']:g} {row['key_share']:.2%} (full right on {hit})")
     return ", ".join(found)
 
 
