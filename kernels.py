@@ -265,3 +265,39 @@ def _evict_torch(priority, sinks, window, pool):
         ones = torch.ones(heads, width * cells.shape[1], dtype=torch.long, device=device)
         tree.scatter_add_(1, cells[t].view(heads, -1), ones)
     return e.view(batch, H, T)
+
+
+# ------------------------------------------------------------------------------------------------------------- boundary
+def boundary(pi, e, q, sinks, window):
+    """kvpop.boundary's (keep, t_bnd) (B, H, Q) by one sweep over the steps, O(B H T), no (Q, T) mask. From the first
+    full step on, each step p evicts one token, ev[p] (e == p). The pool at q loses its worst token at the first later
+    step p that evicts a pool token rather than the newcomer p - window; till then it is unchanged, so that token is
+    its worst at q. The best dropped by q is the running max of the order over ev[..q]."""
+    batch, H, T = pi.shape
+    u = torch.arange(T, device=pi.device)
+    # each token's place in the order of (pi, t), and the token at each place
+    ranked = pi.sort(stable=True).indices  # (B, H, T)
+    order = torch.empty_like(ranked)
+    order.scatter_(-1, ranked, u.expand_as(ranked))
+    # ev[p]: the token step p evicts, -1 where none; slot T gathers the never-evicted
+    ev = torch.full((batch, H, T + 1), -1, dtype=torch.long, device=pi.device)
+    ev.scatter_(-1, e, u.expand_as(e))
+    ev = ev[..., :T]
+    # steps that evict a pool token, not the newcomer: the pool's worst until then
+    from_pool = (ev >= 0) & (ev != u - window)
+    step = torch.where(from_pool, u, T)
+    later = step.flip(-1).cummin(-1).values.flip(-1)  # the first such step >= p
+    later = torch.cat([later[..., 1:], later.new_full((batch, H, 1), T)], -1)  # > p
+    # the pool at the end (no such step left): the eligible tokens never evicted, its worst
+    final = (u >= sinks) & (u <= T - 1 - window) & (e >= T)
+    last_worst = torch.where(final, order, T).argmin(-1, keepdim=True)  # (B, H, 1)
+    worst = torch.where(later < T, ev.gather(-1, later.clamp(max=T - 1)), last_worst)
+    # the best dropped by step p: the running max of the order over the evicted tokens
+    dropped_order = torch.where(ev >= 0, order.gather(-1, ev.clamp(min=0)), -1)
+    best_order = dropped_order.cummax(-1).values
+    best_dropped = ranked.gather(-1, best_order.clamp(min=0))
+    # at the queries
+    t_new = (q - window).expand(batch, H, -1)
+    keep = e.gather(-1, t_new) > q
+    worst_q = worst[..., q]
+    return keep, torch.where(worst_q == t_new, best_dropped[..., q], worst_q)

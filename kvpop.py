@@ -527,7 +527,7 @@ def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
     for pool, q in zip(pools, qs):
         q = q.to(pi.device)
         e = kernels.eviction_times(teacher, sinks, window, pool)
-        y, t_bnd = boundary(teacher, e, q, sinks, window)
+        y, t_bnd = kernels.boundary(teacher, e, q, sinks, window)  # boundary's sweep
         t_new = (q - window).expand(*pi.shape[:2], -1)
         margin = pi.gather(-1, t_new) - pi.gather(-1, t_bnd)  # (B, H, Q)
         # keeps and drops, over the processes if split

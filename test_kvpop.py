@@ -2437,14 +2437,20 @@ def test_boundary_labels_equal_brute_force():
 
     g = torch.Generator().manual_seed(0)
     for trial in range(60):
-        T, sinks, window = random.Random(trial).choice([(40, 4, 8), (64, 0, 1), (50, 2, 16), (33, 4, 3)])
+        T, sinks, window = random.Random(trial).choice([(40, 4, 8), (64, 0, 1), (50, 2, 16), (33, 4, 3), (90, 4, 5)])
         k = 1 + trial % 7
         if sinks + window + k >= T:
             continue
         pi = torch.randint(0, 6, (2, 3, T), generator=g).float()  # few values: many ties
         e = kernels.eviction_times(pi, sinks, window, k)
         q = torch.arange(sinks + window + k, T)
+        if trial % 3 == 0:  # a target's -inf past T - window
+            pi[..., T - window :] = -math.inf
+        e = kernels.eviction_times(pi, sinks, window, k)
         y, bnd = kvpop.boundary(pi, e, q, sinks, window)
+        # the sweep training runs (kernels.boundary) gives the definition's labels and cutoffs
+        fast_y, fast_bnd = kernels.boundary(pi, e, q, sinks, window)
+        assert torch.equal(fast_y, y) and torch.equal(fast_bnd, bnd), trial
         for b in range(2):
             for h in range(3):
                 want = _simulate_boundary(pi[b, h].tolist(), sinks, window, k, T)
