@@ -170,7 +170,7 @@ class Scorer(Module):
     span = 1  # the tokens t .. t + span - 1 its decoding reads as t leaves the window
     chunk = 128  # the parallel forms' tokens a chunk: O(chunk (d_m + chunk)) memory
 
-    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False):
+    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False, norms=False):
         super().__init__()
         sizes = (window, d_mem, d_hidden)
         if not all(type(size) is int and size >= 1 for size in sizes):
@@ -182,7 +182,8 @@ class Scorer(Module):
         self.heads = config.num_key_value_heads
         self.shape = dict(num_hidden_layers=self.layers, num_key_value_heads=self.heads)
         self.shape["head_dim"] = config.head_dim
-        self.width = 2 * config.head_dim  # X: a token's features [k; v]
+        self.norms = norms  # the features keep the magnitudes: log |k|, log |v| beside the normalised [k; v]
+        self.width = 2 * config.head_dim + 2 * norms  # X: a token's features
         self.window, self.arrival = window, arrival
         self.d_mem, self.d_hidden = d_mem, d_hidden
         self.meta = {}  # what it was trained for (train.py)
@@ -218,10 +219,14 @@ class Scorer(Module):
             late = f"the delayed {self.kind} scorer reads each token {self.window} tokens late"
             raise ValueError(f"{late}: it needs window {self.window}, got {window} (use --window {self.window})")
 
-    # x (B, H, T, 2D) in the scorer's dtype (fp64 beside an fp64 model): the cached key and value, RMS-normalised
+    # x (B, H, T, X) in the scorer's dtype (fp64 beside an fp64 model): the cached key and value, RMS-normalised, and
+    # with norms their log-norms, which the normalising divides away
     def features(self, k, v):
-        x = torch.cat([k, v], -1).detach()
-        return rms(x.to(self.theta.dtype))
+        kv = torch.cat([k, v], -1).detach().to(self.theta.dtype)
+        if not self.norms:
+            return rms(kv)
+        magnitudes = torch.stack([k.norm(dim=-1), v.norm(dim=-1)], -1).detach()
+        return torch.cat([rms(kv), magnitudes.to(self.theta.dtype).clamp(min=EPS).log()], -1)
 
     # priorities (B, H, T) of one layer's keys and values at positions pos: a sequence from 0, or a span of it
     def forward(self, layer, k, v, pos):

@@ -1929,9 +1929,10 @@ class _Held:
         return self.k[..., u, :], self.v[..., u, :]
 
 
+@pytest.mark.parametrize("norms", [False, True])
 @pytest.mark.parametrize("prompt", [0, 20])
 @pytest.mark.parametrize("kind", ["kvpop-mlp", "kvpop-window", "kvpop", "kvpop-shifted"])
-def test_decoding_forms_equal_the_definition(kind, prompt):
+def test_decoding_forms_equal_the_definition(kind, prompt, norms):
     """Each kind's decoding forms, support/fast.py's (every layer at once; kvpop's RMS folded into the update, its
     reads prepared in blocks; kvpop-window's ring) and the plain one where the kind has it (kvpop.Decoder: the
     definition on the tokens the cache holds), against the definition in fp64 to 1e-10: the score each token gets
@@ -1941,7 +1942,7 @@ def test_decoding_forms_equal_the_definition(kind, prompt):
     c = qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=3, head_dim=16)
     torch.manual_seed(1)
     w, T = 7, 50
-    s = kvpop.SCORERS[kind](c, window=w, d_mem=12, d_hidden=8).double()
+    s = kvpop.SCORERS[kind](c, window=w, d_mem=12, d_hidden=8, norms=norms).double()
     memory = isinstance(s, kvpop.MemoryScorer)
     with torch.no_grad():  # every parameter off its start; memory gates that matter (input e^-6..e^6, forget far from 1)
         for p in s.parameters():
@@ -1950,6 +1951,11 @@ def test_decoding_forms_equal_the_definition(kind, prompt):
             s.wi.mul_(2), s.bf.fill_(1.0)
     k, v = torch.randn(2, 2, 3, T, 16, dtype=torch.float64) * 3, torch.randn(2, 2, 3, T, 16, dtype=torch.float64)
     pos = torch.arange(T)
+    # the features from their definition: [k; v] / RMS, then (norms) log |k|, log |v|
+    kv = torch.cat([k, v], -1)
+    x = kv / (kv.pow(2).mean(-1, keepdim=True) + kvpop.EPS).sqrt()
+    x = torch.cat([x, k.norm(dim=-1, keepdim=True).log(), v.norm(dim=-1, keepdim=True).log()], -1) if norms else x
+    assert (s.features(k, v) - x).abs().max().item() <= 1e-12
     plain = lambda i: s.recurrent(i, s.features(k[i], v[i])) + s.recency(i, pos.double())
     want = torch.stack([plain(i) if memory else s(i, k[i], v[i], pos) for i in range(2)])[..., : T - w]
     for form in [fast.decoder] + [kvpop.Decoder] * (not memory):

@@ -45,6 +45,7 @@ d_mem = 16  # kvpop, kvpop-shifted: memory d_mem x d_mem; sets the state charge 
 d_hidden = 64  # the read-out's hidden width (every kind)
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
 arrival = False  # kvpop, kvpop-shifted: read tokens on arrival, not on leaving the window (delay ablation)
+norms = False  # the features keep the magnitudes: log |k|, log |v| beside the normalised [k; v]
 init_from = ""  # a trained scorer's folder to start from (its sizes), e.g. a frozen run's
 target = "helpful"  # the teacher's future attention: helpful, max (ours) or mean (the paper's)
 # --- data
@@ -159,7 +160,7 @@ def load():
         texts = code_sequences(tok, corpus, seq_len), code_held_out(tok, corpus, seq_len, eval_seqs)
     # the scorer: a fresh one at --seed, or a trained one (--resume's own, or --init_from's)
     torch.manual_seed(seed)
-    scorer = kvpop.SCORERS[kind](config, window, d_mem, d_hidden, gamma, arrival).to(device) if learned else None
+    scorer = kvpop.SCORERS[kind](config, window, d_mem, d_hidden, gamma, arrival, norms).to(device) if learned else None
     saved = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
     if learned and (resume or init_from):
         scorer = scorer_files.load(out_dir if resume else init_from)

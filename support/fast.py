@@ -152,7 +152,11 @@ class FoldedMemory(kvpop.Decoder):
         biases = [torch.ones_like(scorer.bi), scorer.bi, scorer.bf]
         bias = torch.stack(biases, -1)
         bias = pad(bias, (2 * scorer.d_mem, 0))  # no bias on k', v'
-        weight = (weight * math.sqrt(scorer.width)).contiguous()
+        # rms's sqrt(2D) on the rows of [k; v]; the log-norms' rows (norms) as they are
+        both = 2 * scorer.shape["head_dim"]
+        scaled = torch.ones(scorer.width, 1, dtype=weight.dtype, device=weight.device)
+        scaled[:both] = math.sqrt(both)
+        weight = (weight * scaled).contiguous()
         return weight[:, None], bias[:, None, :, None]
 
     def project(self, k, v):
@@ -162,7 +166,12 @@ class FoldedMemory(kvpop.Decoder):
         x = torch.cat([k, v], -1).to(weight.dtype)  # (L, B, H, 1, 2D)
         square = (x * x).sum(-1, keepdim=True)
         inverse = torch.rsqrt(square + x.shape[-1] * EPS)
-        return torch.addcmul(bias, x @ weight, inverse)
+        z = torch.addcmul(bias, x @ weight[..., : x.shape[-1], :], inverse)
+        if not self.scorer.norms:
+            return z
+        # the log-norms' part of x^T W (norms)
+        magnitudes = self.scorer.features(k, v)[..., x.shape[-1] :]
+        return z + magnitudes @ weight[..., x.shape[-1] :, :]
 
     def remember(self, z, key, take):
         """The memories take one more token, its value and gates z (project's), under `key` k' (L, B, H, 1, M), in
