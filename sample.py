@@ -192,7 +192,7 @@ def report(cache, out, t, dec):
 # codebaby: the file read on under the policy and streaming, each key token marked (support/corpus.py)
 if code and read:
     print("...\n" + "\n".join(text.splitlines()[-20:]), end="\n" + "=" * 80 + "\n")  # the prompt's last lines
-    read_on(net, tok, read, len(ids), {name: pol, "streaming": "streaming"}, S, sinks, window, budget)
+    read_on(net, tok, read, len(ids), {name: pol, "streaming": "streaming", "full": "full"}, S, sinks, window, budget)
     raise SystemExit
 outs = draw(pol if S < total else "full", entries(S, charge, total), True)
 # the baby: its recall scoreboard, the same prompt and seed under the policy, full and streaming

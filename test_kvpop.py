@@ -3320,7 +3320,8 @@ def test_readme_command_runs(cmd, tmp_path, baby):
                     runs += [(kind, scorer_files.load(d), target)] if os.path.isdir(d) else []
             _check_quality_table(r.stdout, _ref_quality(net, seqs, runs, [0.25, 0.125]), task)
     if cmd.startswith("python sample.py --model codebaby"):  # the scoreboard: both policies' far copies
-        assert re.search(r"far copies kvpop-window 0.125: \d+/\d+\n(.*\n)*far copies streaming 0.125: \d+/\d+", r.stdout)
+        board = r"far copies kvpop-window 0.125: \d+/\d+\n(.*\n)*far copies streaming 0.125: \d+/\d+"
+        assert re.search(board + r"\n(.*\n)*far copies full 0.125: \d+/\d+", r.stdout)
     elif cmd.startswith("python sample.py"):  # B = ceil(0.25 (399 + 112)) entries, no state
         assert re.search(
             r"KV cache: 128 entries kept per head of 510 tokens; .* full \(25.0%\), "

@@ -184,13 +184,16 @@ def finetune_table(folder, out_dir, files, init_from, scorer, sinks, window, tar
 def read_on(net, tok, read, n, policies, S, sinks, window, budget):
     """sample.py --model codebaby: the file read (token ids) read on from its n-th token, teacher-forced, under each of
     policies {name: policy} (the online cache) at S entries; printed with each key token (it needs what streaming
-    evicts) marked ✓ where the policy's likeliest next token is it, ✗ where not, then each policy's count."""
+    evicts) marked ✓ where the policy's likeliest next token is it, ✗ where not, then each policy's count ("full":
+    no eviction, the ceiling)."""
     seq = torch.tensor([read], device=next(net.parameters()).device)
     full = evaluate(net, seq, "full", 1, online=False).float().log_softmax(-1)  # (1, T, V)
     local = evaluate(net, seq, "streaming", S, sinks, S - sinks, online=False).float().log_softmax(-1)
     key = key_tokens(full, local, seq, n - 1)[0].tolist()  # (T - n,)
     for name, policy in policies.items():
-        guess = evaluate(net, seq, policy, S, sinks, window).argmax(-1)[0, n - 1 : -1].tolist()
+        # full: the whole cache, the ceiling
+        size = seq.shape[1] if policy == "full" else S
+        guess = evaluate(net, seq, policy, size, sinks, window).argmax(-1)[0, n - 1 : -1].tolist()
         right = [guess[j] == read[n + j] for j in range(len(key)) if key[j]]
         dec, sign = tok.decode_stream(), {True: "✓", False: "✗"}
         marked = [dec(i) + (sign[guess[j] == i] if key[j] else "") for j, i in enumerate(read[n:])]
