@@ -59,6 +59,9 @@ class KVCache:
         self.v = self.k.transpose(-1, -2).contiguous()
         self.pos = torch.full(shape, -1, device=param.device)
         self.score = torch.zeros(shape, dtype=dtype, device=param.device)
+        # a scorer that reads a[t]: the running max of the attention each window token received (kernels.window_received)
+        self.reads_received = learned and policy.received
+        self.received = torch.zeros(shape, device=param.device) if self.reads_received else None
         self.recent = self.pos.new_zeros(*shape[:3], window)
         # per-layer views, made once: a step indexes less
         layers = zip(self.k, self.v, self.score)
@@ -91,8 +94,9 @@ class KVCache:
         if self.rule == "static":
             pi = self.priority(layer, k, v, pos)
         # a learned policy's priorities: 0 for the tokens still in the window (not scored yet)
+        a = kernels.window_received(q, k, self.window) if self.reads_received else None
         if self.rule == "learned":
-            pi = self.decoder.prefill(layer, k, v, pos)
+            pi = self.decoder.prefill(layer, k, v, pos, a)
             pi = pi.masked_fill(pos > T - 1 - self.window, 0.0)
         # nothing is evicted yet
         if T <= self.slots:
@@ -112,6 +116,8 @@ class KVCache:
             keep = order.indices[..., : self.slots]
         pi = pi.gather(2, keep)
         self.store(layer, keep, k, v, pos[keep], pi)
+        if self.reads_received:
+            self.received[layer, :, :, : keep.shape[-1]] = a.gather(2, keep)
         # the last tokens, still in the window, fill the last of the kept slots (kept in position order)
         last = min(T, self.window)
         count = keep.shape[-1]
@@ -162,6 +168,8 @@ class KVCache:
         self.recent.index_copy_(-1, ring, slot)
         if self.rule in ("learned", "dynamic"):
             self.score.scatter_(-1, slot, 0.0)
+        if self.reads_received:
+            self.received.scatter_(-1, slot, 0.0)
         return slot
 
     def lowest(self, p):
@@ -191,6 +199,10 @@ class KVCache:
         values = self.v.gather(4, rows.mT)
         return keys, values.mT
 
+    # every layer's a (L, B, H, n) of the window tokens at positions u (a tensor), as received so far
+    def recent_received(self, u):
+        return self.received.gather(-1, self.slot_of(u))
+
     def put(self, layer, slot, k, v, pos):
         """One layer's newcomer key and value (and a static policy's priority) into its slot (B, H, 1)."""
         keys, values, score = self.layer[layer]  # (B, H, slots, D), (B, H, D, slots), (B, H, slots)
@@ -201,6 +213,16 @@ class KVCache:
         if self.rule == "static":
             pi = self.priority(layer, k, v, pos)
             score.scatter_(2, slot, pi)
+
+    def receive(self, layer, logits):
+        """The newcomer d's attention over its window (d - w, d] alone, softmax there, its group's max, into the
+        running max a of each window token (B, H, slots): kernels.window_received, a query at a time."""
+        held = self.pos[layer]
+        inside = (held > self.t - self.window) & (held >= 0)  # (B, H, slots): the window, the newcomer with it
+        probs = logits.masked_fill(~inside[:, :, None], -math.inf).softmax(-1)
+        probs = probs.amax(-2)  # (B, H, slots)
+        a = self.received[layer]
+        a.copy_(torch.where(inside, torch.maximum(a, probs), a))
 
     def attention(self, layer, q):
         """The newcomer's attention (B, Hq, 1, D) over one layer's slots, empty ones masked, in slot order, in the
@@ -216,6 +238,8 @@ class KVCache:
         attention = logits.softmax(-1)
         if self.rule == "dynamic":
             self.priority(score, attention.mean(-2))
+        if self.reads_received:
+            self.receive(layer, logits)
         attention = attention.to(values.dtype)
         out = attention @ values.mT  # (B, H, G, D)
         out = out.to(q.dtype)

@@ -194,6 +194,29 @@ def _future_torch(q, k, lse, window, eps, scale, reduce):
     return r
 
 
+# ---------------------------------------------------------------------------------------------- attention received
+def window_received(q, k, window):
+    """a[t] (B, Hkv, T) fp32: the most attention token t receives from a query of its window, d = t .. t + w - 1,
+    each query's softmax taken over its own window (d - w, d] alone (so no eviction changes it), the max over the
+    group's query heads. A delayed scorer reads it as t leaves the window (README, Method: scorers); the cache keeps
+    the running max (cache.py). 128 queries a time: memory O(B Hq 128 (128 + w))."""
+    _check_qk(q, k)
+    (batch, heads, T, D), kv_heads = q.shape, k.shape[1]
+    group = heads // kv_heads
+    keys = wide(k).repeat_interleave(group, 1)  # (B, Hq, T, D)
+    a = wide(q).new_zeros(batch, heads, T)
+    pos = torch.arange(T, device=q.device)
+    for d in range(0, T, BLOCK):
+        end = min(d + BLOCK, T)
+        first = max(d - window + 1, 0)  # the oldest key a query of the block sees in its window
+        scores = wide(q[:, :, d:end]) @ keys[:, :, first:end].mT * D**-0.5  # (B, Hq, M, N)
+        rows, cols = pos[d:end, None], pos[first:end]
+        inside = (cols <= rows) & (cols > rows - window)
+        probs = scores.masked_fill(~inside, -math.inf).softmax(-1)
+        a[..., first:end] = torch.maximum(a[..., first:end], probs.amax(2))
+    return a.view(batch, kv_heads, group, T).amax(2)
+
+
 # ------------------------------------------------------------------------------------------------------- eviction times
 def eviction_times(priority, sinks, window, pool):
     """plain_eviction_times' e[b, h, t], the first query that no longer sees token t (README, Method: eviction times),

@@ -127,9 +127,10 @@ def next_logp(logits, idx):
 
 
 @torch.no_grad()
-def dense_targets(model, idx, window, target="mean"):
+def dense_targets(model, idx, window, target="mean", received=False):
     """One dense pass: every layer's cached (k, v) and its target r* (B, H, T), one of TARGETS: the oracle's priorities
-    and the scorers' teacher."""
+    and the scorers' teacher. received: (k, v, a), a the attention each token receives from its window's queries
+    (kernels.window_received), for a scorer that reads it."""
     seen = []
 
     def attn(layer, q, k, v, pos):
@@ -142,6 +143,8 @@ def dense_targets(model, idx, window, target="mean"):
     weight = next_logp(logits, idx) if target == "helpful" else 0.0
     reduce = REDUCE[target]
     targets = [kernels.future_attention(q, k, lse - weight, window, reduce=reduce) for q, k, _, lse in seen]
+    if received:
+        return [(k, v, kernels.window_received(q, k, window)) for q, k, v, _ in seen], targets
     return [(k, v) for _, k, v, _ in seen], targets
 
 
@@ -166,15 +169,21 @@ class Scorer(Module):
 
     kind = None  # its name in SCORERS
     delayed = True  # reads the tokens after t: runs with the window it was trained with
+    receives = False  # can read a[t], the attention t received from its window's queries
     on_arrival = False  # can be read on arrival (the delay ablation)
     span = 1  # the tokens t .. t + span - 1 its decoding reads as t leaves the window
     chunk = 128  # the parallel forms' tokens a chunk: O(chunk (d_m + chunk)) memory
 
-    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False, norms=False):
+    def __init__(
+        self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False, received=False
+    ):
         super().__init__()
         sizes = (window, d_mem, d_hidden)
         if not all(type(size) is int and size >= 1 for size in sizes):
             raise ValueError(f"scorer window, d_mem and d_hidden: integers >= 1, got {sizes}")
+        if received and not self.receives:
+            can = ", ".join(name for name, cls in SCORERS.items() if cls.receives)
+            raise ValueError(f"received: only {can} reads the attention a token received, not {self.kind}")
         if arrival and not self.on_arrival:
             can = ", ".join(name for name, cls in SCORERS.items() if cls.on_arrival)
             raise ValueError(f"arrival: only {can} can be read on arrival (the delay ablation), not {self.kind}")
@@ -182,8 +191,8 @@ class Scorer(Module):
         self.heads = config.num_key_value_heads
         self.shape = dict(num_hidden_layers=self.layers, num_key_value_heads=self.heads)
         self.shape["head_dim"] = config.head_dim
-        self.norms = norms  # the features keep the magnitudes: log |k|, log |v| beside the normalised [k; v]
-        self.width = 2 * config.head_dim + 2 * norms  # X: a token's features
+        self.width = 2 * config.head_dim  # X: a token's features [k; v]
+        self.received = received  # the read-out also reads log a[t] (kernels.window_received)
         self.window, self.arrival = window, arrival
         self.d_mem, self.d_hidden = d_mem, d_hidden
         self.meta = {}  # what it was trained for (train.py)
@@ -203,7 +212,7 @@ class Scorer(Module):
 
     # the read-out's parameters (made last), for what a kind reads z of `width`
     def add_readout(self, width):
-        self.w1 = self.randn(self.width + width, self.d_hidden)
+        self.w1 = self.randn(self.width + self.received + width, self.d_hidden)
         self.b1 = self.const(0.0, self.d_hidden)
         self.w2 = self.randn(self.d_hidden)
         self.b2 = self.const()
@@ -219,18 +228,25 @@ class Scorer(Module):
             late = f"the delayed {self.kind} scorer reads each token {self.window} tokens late"
             raise ValueError(f"{late}: it needs window {self.window}, got {window} (use --window {self.window})")
 
-    # x (B, H, T, X) in the scorer's dtype (fp64 beside an fp64 model): the cached key and value, RMS-normalised, and
-    # with norms their log-norms, which the normalising divides away
+    # x (B, H, T, 2D) in the scorer's dtype (fp64 beside an fp64 model): the cached key and value, RMS-normalised
     def features(self, k, v):
-        kv = torch.cat([k, v], -1).detach().to(self.theta.dtype)
-        if not self.norms:
-            return rms(kv)
-        magnitudes = torch.stack([k.norm(dim=-1), v.norm(dim=-1)], -1).detach()
-        return torch.cat([rms(kv), magnitudes.to(self.theta.dtype).clamp(min=EPS).log()], -1)
+        x = torch.cat([k, v], -1).detach()
+        return rms(x.to(self.theta.dtype))
 
-    # priorities (B, H, T) of one layer's keys and values at positions pos: a sequence from 0, or a span of it
-    def forward(self, layer, k, v, pos):
-        r = self.parallel(layer, self.features(k, v))
+    # x with log a (B, H, T, X + 1) for the read-out, when the scorer reads a (received); else x
+    def with_received(self, x, a):
+        if not self.received:
+            return x
+        if a is None:
+            raise ValueError(f"this {self.kind} scorer reads the attention each token received: pass a")
+        log_a = a.to(x.dtype).clamp(min=EPS).log()
+        return torch.cat([x, log_a[..., None]], -1)
+
+    # priorities (B, H, T) of one layer's keys and values at positions pos: a sequence from 0, or a span of it; a
+    # (B, H, T): the attention each token received from its window's queries, for a scorer that reads it
+    def forward(self, layer, k, v, pos, a=None):
+        x = self.with_received(self.features(k, v), a)
+        r = self.parallel(layer, x)
         return r + self.recency(layer, pos.to(r.dtype))
 
     # gamma_h t = softplus(theta_h) t of one layer
@@ -255,18 +271,20 @@ class Decoder:
     def __init__(self, scorer, cache):
         self.scorer, self.cache = scorer, cache
 
-    # one layer's priorities (B, H, T) of a prompt, keys and values (B, H, T, D) at positions pos
-    def prefill(self, layer, k, v, pos):
-        return self.scorer(layer, k, v, pos)
+    # one layer's priorities (B, H, T) of a prompt, keys and values (B, H, T, D) at positions pos (a: received)
+    def prefill(self, layer, k, v, pos, a=None):
+        return self.scorer(layer, k, v, pos, a)
 
     # every layer's priority (L, B, H, 1) of token t = p - w (p a tensor; t < 0: a number the cache drops)
     def leaving(self, p):
         t = p - self.cache.window
         span = t + torch.arange(self.scorer.span, device=t.device)
         k, v = self.cache.recent_kv(span)  # (L, B, H, span, D)
+        # (L, B, H, span): t's a is complete, the later tokens' are not read
+        a = self.cache.recent_received(span) if self.scorer.received else [None] * len(k)
         scores = []
         for layer in range(len(k)):  # each layer's scorer on its tokens: t's score
-            scores.append(self.scorer(layer, k[layer], v[layer], span)[..., :1])
+            scores.append(self.scorer(layer, k[layer], v[layer], span, a[layer])[..., :1])
         return torch.stack(scores)
 
 
@@ -291,6 +309,7 @@ class WindowScorer(Scorer):
     z_a = sum_o alpha_a[o] (W_v x[t + o])_a; bo_0[o] starts at -(o - 1) (read 0 starts on the next token), bo_1 flat."""
 
     kind = "kvpop-window"
+    receives = True
     reads = 2  # A
     d_key = 16  # d: each read's width
     ahead = 32  # the most tokens after t a read sees (ours)
@@ -316,11 +335,12 @@ class WindowScorer(Scorer):
         return reads.transpose(2, 3)
 
     def look(self, layer, x, after, offsets):
-        """r (B, H, I) of tokens x (B, H, I, X) from the tokens `after` them (B, H, J, X), offsets (I, J) apart."""
-        n = self.bo.shape[-1]
-        q = self.split(x @ self.wq[layer])  # (B, H, A, I, d)
-        k = self.split(after @ self.wk[layer])  # (B, H, A, J, d)
-        v = self.split(after @ self.wv[layer])
+        """r (B, H, I) of tokens x (B, H, I, X) from the tokens `after` them (B, H, J, X), offsets (I, J) apart. The
+        reads see the features alone; log a (received), a last column, goes to the read-out."""
+        n, X = self.bo.shape[-1], self.width
+        q = self.split(x[..., :X] @ self.wq[layer])  # (B, H, A, I, d)
+        k = self.split(after[..., :X] @ self.wk[layer])  # (B, H, A, J, d)
+        v = self.split(after[..., :X] @ self.wv[layer])
         offset = offsets.clamp(1, n) - 1
         bias = self.bo[layer][:, :, offset]  # (H, A, I, J)
         hidden = (offsets < 1) | (offsets > n)

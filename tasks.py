@@ -10,6 +10,7 @@ import random
 
 import torch
 
+import kernels
 import kvpop
 from cache import KVCache, resolve
 
@@ -149,7 +150,9 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, targe
         return model(idx)
 
     def attn(i, q, k, v, pos):
-        return kvpop.masked_attention(q, k, v, priority(i, k, v, pos), sinks, window, pool)[0]
+        a = kernels.window_received(q, k, window) if getattr(policy, "received", False) else None
+        pi = priority(i, k, v, pos, a) if rule == "learned" else priority(i, k, v, pos)
+        return kvpop.masked_attention(q, k, v, pi, sinks, window, pool)[0]
 
     return model(idx, attn=attn)
 

@@ -1920,19 +1920,21 @@ class _Held:
     window, a position table for the shapes (KVCache holds the window's tokens only; before token 0, any token: never
     read)."""
 
-    def __init__(self, k, v, window):
-        self.k, self.v, self.window = k, v, window
+    def __init__(self, k, v, window, a=None):
+        self.k, self.v, self.window, self.a = k, v, window, a
         self.pos = torch.zeros(*k.shape[:3], 1, dtype=torch.long)
 
     def recent_kv(self, u):
         u = u.view(-1).clamp(min=0)
         return self.k[..., u, :], self.v[..., u, :]
 
+    def recent_received(self, u):  # a (L, B, H, n) as received by the time the first of u leaves
+        return self.a[..., u.view(-1).clamp(min=0)]
 
-@pytest.mark.parametrize("norms", [False, True])
+
 @pytest.mark.parametrize("prompt", [0, 20])
-@pytest.mark.parametrize("kind", ["kvpop-mlp", "kvpop-window", "kvpop", "kvpop-shifted"])
-def test_decoding_forms_equal_the_definition(kind, prompt, norms):
+@pytest.mark.parametrize("kind", ["kvpop-mlp", "kvpop-window", "kvpop", "kvpop-shifted", "kvpop-window received"])
+def test_decoding_forms_equal_the_definition(kind, prompt):
     """Each kind's decoding forms, support/fast.py's (every layer at once; kvpop's RMS folded into the update, its
     reads prepared in blocks; kvpop-window's ring) and the plain one where the kind has it (kvpop.Decoder: the
     definition on the tokens the cache holds), against the definition in fp64 to 1e-10: the score each token gets
@@ -1942,7 +1944,8 @@ def test_decoding_forms_equal_the_definition(kind, prompt, norms):
     c = qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=3, head_dim=16)
     torch.manual_seed(1)
     w, T = 7, 50
-    s = kvpop.SCORERS[kind](c, window=w, d_mem=12, d_hidden=8, norms=norms).double()
+    kind, received = kind.split()[0], kind.endswith("received")
+    s = kvpop.SCORERS[kind](c, window=w, d_mem=12, d_hidden=8, received=received).double()
     memory = isinstance(s, kvpop.MemoryScorer)
     with torch.no_grad():  # every parameter off its start; memory gates that matter (input e^-6..e^6, forget far from 1)
         for p in s.parameters():
@@ -1951,16 +1954,17 @@ def test_decoding_forms_equal_the_definition(kind, prompt, norms):
             s.wi.mul_(2), s.bf.fill_(1.0)
     k, v = torch.randn(2, 2, 3, T, 16, dtype=torch.float64) * 3, torch.randn(2, 2, 3, T, 16, dtype=torch.float64)
     pos = torch.arange(T)
-    # the features from their definition: [k; v] / RMS, then (norms) log |k|, log |v|
-    kv = torch.cat([k, v], -1)
-    x = kv / (kv.pow(2).mean(-1, keepdim=True) + kvpop.EPS).sqrt()
-    x = torch.cat([x, k.norm(dim=-1, keepdim=True).log(), v.norm(dim=-1, keepdim=True).log()], -1) if norms else x
-    assert (s.features(k, v) - x).abs().max().item() <= 1e-12
     plain = lambda i: s.recurrent(i, s.features(k[i], v[i])) + s.recency(i, pos.double())
-    want = torch.stack([plain(i) if memory else s(i, k[i], v[i], pos) for i in range(2)])[..., : T - w]
+    # the attention each token received (any positive numbers: the forms only carry it to the read-out)
+    a = torch.rand(2, 2, 3, T, dtype=torch.float64) + 0.01 if received else None
+    a_of = lambda i, n=T: a[i][..., :n] if received else None
+    want = torch.stack([plain(i) if memory else s(i, k[i], v[i], pos, a_of(i)) for i in range(2)])[..., : T - w]
+    if received:  # it reads a: another a, other scores
+        other = torch.stack([s(i, k[i], v[i], pos, a_of(i) * 2) for i in range(2)])[..., : T - w]
+        assert (other - want).abs().max().item() > 1e-3
     for form in [fast.decoder] + [kvpop.Decoder] * (not memory):
-        decoder = form(s, _Held(k, v, w))
-        got = [torch.stack([decoder.prefill(i, k[i, ..., :prompt, :], v[i, ..., :prompt, :], pos[:prompt]) for i in range(2)])] if prompt else []
+        decoder = form(s, _Held(k, v, w, a))
+        got = [torch.stack([decoder.prefill(i, k[i, ..., :prompt, :], v[i, ..., :prompt, :], pos[:prompt], a_of(i, prompt)) for i in range(2)])] if prompt else []
         got = [got[0][..., : max(prompt - w, 0)]] if prompt else []
         # every step from the prompt on, as the cache asks; t = p - w < 0 is no token
         got += [decoder.leaving(torch.tensor(p)) for p in range(prompt, T)][max(w - prompt, 0) :]
@@ -2304,6 +2308,62 @@ def test_every_scorer_online_equals_masked_on_every_shape(model_fp64, kind):
         assert (on - off).abs().max().item() <= 1e-4, (w, sinks, b, T, gamma)
         evicted += (on - model_fp64(x)).abs().max().item() > 1e-3
     assert evicted >= 30  # the shapes evict (a budget that keeps everything proves nothing)
+
+
+def _ref_window_received(q, k, window):
+    """a[t] from its definition (README, Method: scorers), one query and key at a time: the max over the group's
+    query heads and the queries d = t .. t + w - 1 of d's softmax over its window (d - w, d], at t."""
+    B, Hq, T, D = q.shape
+    G = Hq // k.shape[1]
+    a = torch.zeros(B, k.shape[1], T, dtype=torch.float64)
+    for b in range(B):
+        for head in range(Hq):
+            for d in range(T):
+                keys = list(range(max(d - window + 1, 0), d + 1))
+                logits = torch.stack([q[b, head, d].double() @ k[b, head // G, u].double() / math.sqrt(D) for u in keys])
+                p = logits.softmax(0)
+                for j, t in enumerate(keys):
+                    a[b, head // G, t] = max(a[b, head // G, t], p[j])
+    return a
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 40])
+def test_window_received_is_its_definition(window):
+    g = torch.Generator().manual_seed(window)
+    q, k = torch.randn(2, 4, 37, 8, generator=g) * 2, torch.randn(2, 2, 37, 8, generator=g)
+    got = kernels.window_received(q, k, window)
+    assert got.shape == (2, 2, 37) and (got.double() - _ref_window_received(q, k, window)).abs().max() <= 1e-6
+    if window == 1:  # a query's window is itself alone
+        assert torch.equal(got, torch.ones_like(got))
+
+
+def test_received_scorer_online_equals_masked(model_fp64):
+    """kvpop-window reading a[t] (received): the cache's running max, a query at a time, and the masked pass's
+    kernels.window_received give one eviction, fed token by token or with a prompt given whole; and a changes it."""
+    idx = torch.randint(0, 300, (2, 230), generator=torch.Generator().manual_seed(11))
+    for n, (w, sinks, b, T, gamma) in enumerate(_sweep(12)):
+        if w < 2:
+            continue
+        torch.manual_seed(7 + n)
+        s = kvpop.WindowScorer(model_fp64.config, w, d_hidden=32, gamma=gamma, received=True)
+        with torch.no_grad():
+            for p in s.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+            s.w1[:, :, s.width].mul_(20)  # log a weighs in
+        s = s.double()
+        x = idx[:, :T]
+        on = tasks.evaluate(model_fp64, x, s, b, sinks, w, online=True)
+        off = tasks.evaluate(model_fp64, x, s, b, sinks, w, online=False)
+        assert (on - off).abs().max().item() <= 1e-4, (w, sinks, b, T, gamma)
+        # a prompt given whole, then token by token
+        size = kvpop.budget_size(b, T, sinks, w)[0]
+        cache = KVCache(model_fp64, 2, size, s, sinks, w)
+        P = T // 2
+        logits = [model_fp64(x[:, :P], cache=cache)] + [model_fp64(x[:, t : t + 1], cache=cache) for t in range(P, T)]
+        assert (torch.cat(logits, 1)[:, -1] - off[:, -1]).abs().max().item() <= 1e-4, (w, sinks, b, T)
+    # without a the scorer refuses; and a moves the scores
+    with pytest.raises(ValueError, match="pass a"):
+        s(0, *[torch.randn(2, 2, 9, model_fp64.config.head_dim, dtype=torch.float64)] * 2, torch.arange(9))
 
 
 def test_delayed_scorer_ties_evict_the_older_token(small_model):

@@ -45,7 +45,7 @@ d_mem = 16  # kvpop, kvpop-shifted: memory d_mem x d_mem; sets the state charge 
 d_hidden = 64  # the read-out's hidden width (every kind)
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
 arrival = False  # kvpop, kvpop-shifted: read tokens on arrival, not on leaving the window (delay ablation)
-norms = False  # the features keep the magnitudes: log |k|, log |v| beside the normalised [k; v]
+received = False  # kvpop-window: the read-out also reads log a[t], the attention t received from its window's queries
 init_from = ""  # a trained scorer's folder to start from (its sizes), e.g. a frozen run's
 target = "helpful"  # the teacher's future attention: helpful, max (ours) or mean (the paper's)
 # --- data
@@ -114,10 +114,10 @@ def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
     pos = torch.arange(T, device=rs[0].device)
     total, hits = 0.0, 0.0
     count = processes.allsum if ddp else None
-    for i, ((k, v), r) in enumerate(zip(kv, rs)):
+    for i, ((k, v, *a), r) in enumerate(zip(kv, rs)):  # a: the attention received, for a scorer that reads it
         with processes.no_sync(ddp, i < L - 1):
             teacher = r + scorer.recency(i, pos).detach()  # the teacher's priorities pi* = r* + gamma_h t
-            pi = (ddp or scorer)(i, k, v, pos)
+            pi = (ddp or scorer)(i, k, v, pos, *a)
             loss, right = kvpop.boundary_loss(pi, teacher, qs, sinks, window, pools, L, count)
             hits += right
             if torch.is_grad_enabled():
@@ -160,7 +160,8 @@ def load():
         texts = code_sequences(tok, corpus, seq_len), code_held_out(tok, corpus, seq_len, eval_seqs)
     # the scorer: a fresh one at --seed, or a trained one (--resume's own, or --init_from's)
     torch.manual_seed(seed)
-    scorer = kvpop.SCORERS[kind](config, window, d_mem, d_hidden, gamma, arrival, norms).to(device) if learned else None
+    sizes = (window, d_mem, d_hidden, gamma, arrival, received)
+    scorer = kvpop.SCORERS[kind](config, *sizes).to(device) if learned else None
     saved = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
     if learned and (resume or init_from):
         scorer = scorer_files.load(out_dir if resume else init_from)
@@ -178,7 +179,7 @@ def load():
     # the boundary loss's pools: the budget's, then halved, --edges in all
     pools = list(dict.fromkeys(max(pool >> j, 1) for j in range(edges)))
     # the final table's budgets fit too
-    for b in (0.25, 0.125) if data == "baby" and final_seqs else ():
+    for b in (0.25, 0.125) if data == "baby" and (task != "code" or finetune) and final_seqs else ():
         try:
             kvpop.budget_size(b, seq_len, sinks, window, charge)
         except ValueError:
@@ -236,7 +237,7 @@ def held_out(evaluated, tok, pol, texts, pools):
         return "no held-out measure for --finetune on text"
     qs = query_positions(seq_len, 0, sinks, window, pools)
     with torch.no_grad():
-        kv, rs = kvpop.dense_targets(evaluated, texts[1].to(device), window, target)
+        kv, rs = kvpop.dense_targets(evaluated, texts[1].to(device), window, target, pol.received)
         loss, acc = scorer_loss(pol, kv, rs, qs, sinks, window, pools)
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
@@ -299,7 +300,7 @@ def train():
             kl, loss, acc = finetune_loss(student, net, scorer, idx, qs, *args)
         else:
             # the scorer on the frozen model's keys, values and targets
-            kv, rs = kvpop.dense_targets(net, idx, window, target)
+            kv, rs = kvpop.dense_targets(net, idx, window, target, scorer.received)
             kl, (loss, acc) = 0.0, scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp)
         for m, o in opts.items():
             torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
@@ -341,8 +342,10 @@ def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top
 
     def attn(i, q, k, v, pos):
         with torch.no_grad():
-            e = kernels.eviction_times(evict_by(i, k, v, pos), sinks, window, pool)
-        kv.append((k.detach(), v.detach()))
+            # the scorer's priorities, with the attention each token received if it reads it
+            a = [kernels.window_received(q, k, window)] if scorer is not None and scorer.received else []
+            e = kernels.eviction_times(evict_by(i, k, v, pos, *a), sinks, window, pool)
+        kv.append((k.detach(), v.detach(), *a))
         return kernels.attention(q, k, v, e, sinks)[0]
 
     # KL(net's top K || student); FSDP averages gradients: every process holds as many tokens

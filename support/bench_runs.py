@@ -2,6 +2,7 @@
 loaded (`baby_setup`); and generate's runs, each policy continuing held-out prompts, scored by sample.py's scoreboard.
 """
 
+import glob
 import os
 
 import torch
@@ -116,12 +117,19 @@ def generate_table(rows):  # a markdown table of bench.py generate's rows
 # bench.py quality and generate: their flags checked, the model, its scorers and the held-out code files loaded
 
 
-# the scorer folders --scorer names; shipped: those python train.py wrote for the model (baby, code), every kind
-def scorer_folders(scorer, model, task, target):
+# the scorer folders --scorer names; shipped: those python train.py wrote for the model (baby, code) and this
+# window (a delayed scorer runs at the window it was trained with; code ships one a budget), every kind
+def scorer_folders(scorer, model, task, target, window):
     if scorer != "shipped":
         return [d for d in scorer.split(",") if d]
-    folders = [f"{model}/scorers/{task}-{target}/{k}" for k in kvpop.SCORERS]
-    return [d for d in folders if os.path.isfile(os.path.join(d, "scorer.json"))]
+    root = f"{model}/scorers/{task}-{target}"
+    found = sorted(glob.glob(f"{root}/*/scorer.json"))
+    saved = [(os.path.dirname(f), checkpoint.read_json(f)) for f in found]
+    # a folder named by its kind, or by its kind and window (<kind>-w<window>)
+    named = lambda d, s: os.path.basename(d) in (s["kind"], f"{s['kind']}-w{s['window']}")
+    saved = [(d, s) for d, s in saved if named(d, s) and (s["window"] == window or s["kind"] == "kvpop-mlp")]
+    kinds = list(kvpop.SCORERS)  # in the registry's order, the default first
+    return [d for d, s in sorted(saved, key=lambda x: kinds.index(x[1]["kind"])) if s["kind"] in kinds]
 
 
 def baby_setup(opts, need, policies, spare=0):
@@ -148,7 +156,7 @@ def baby_setup(opts, need, policies, spare=0):
     try:
         folder = checkpoint.checkpoint_dir(opts.model)
         config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
-        folders = {(t, r): scorer_folders(opts.scorer, opts.model, t, r) for t in task_names for r in targets}
+        folders = {(t, r): scorer_folders(opts.scorer, opts.model, t, r, opts.window) for t in task_names for r in targets}
         scorers = {d: scorer_files.load(d) for ds in folders.values() for d in ds}
         # a scorer for another model or window, or a budget that leaves no room, raises
         for s in scorers.values():

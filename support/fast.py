@@ -61,7 +61,7 @@ class WindowRing(kvpop.Decoder):
         shape = (*grid, scorer.span, scorer.width)
         self.ring = cache.pos.new_zeros(shape, dtype=scorer.theta.dtype)
 
-    def prefill(self, layer, k, v, pos):
+    def prefill(self, layer, k, v, pos, a=None):
         """The prompt's priorities, and the ring: its tokens t .. t + n - 1 for the first t to leave, T - w."""
         first = k.shape[2] - self.cache.window
         last = first + self.scorer.span - 1
@@ -71,7 +71,7 @@ class WindowRing(kvpop.Decoder):
         x = self.scorer.features(keys, values)
         slot = u % self.scorer.span
         self.ring[layer][..., slot, :] = x
-        return self.scorer(layer, k, v, pos)
+        return self.scorer(layer, k, v, pos, a)
 
     def leaving(self, p):
         """Token t + n joins the ring, then t = p - w reads it. Before t + n >= 0 what joins is never read: token u
@@ -84,9 +84,10 @@ class WindowRing(kvpop.Decoder):
         order = torch.arange(n + 1, device=self.ring.device)
         order = t + order
         x = self.ring[..., order % (n + 1), :]  # t .. t + n
-        return self.read(x, t)
+        a = self.cache.recent_received(t) if self.scorer.received else None  # (L, B, H, 1)
+        return self.read(x, t, a)
 
-    def read(self, x, t):
+    def read(self, x, t, a=None):
         """Every layer's priority (L, B, H, 1) of token t from the features x (L, B, H, 1 + n, X) of t and the n
         tokens after it, in position order. W_k and W_v are folded into the read, u_a = W_k,a (W_q x)_a / sqrt(d)
         and z_a = W_v,a^T (sum_o alpha_a[o] x[t + o]): the n tokens are never projected."""
@@ -106,7 +107,7 @@ class WindowRing(kvpop.Decoder):
         pooled = alpha @ after
         z = torch.einsum("...ax,...xad->...ad", pooled, wv)  # (L, B, H, A, d)
         z = z.flatten(-2)[..., None, :]
-        return readout(scorer, x_t, z) + recency(scorer, t)
+        return readout(scorer, scorer.with_received(x_t, a), z) + recency(scorer, t)
 
 
 class FoldedMemory(kvpop.Decoder):
@@ -152,11 +153,7 @@ class FoldedMemory(kvpop.Decoder):
         biases = [torch.ones_like(scorer.bi), scorer.bi, scorer.bf]
         bias = torch.stack(biases, -1)
         bias = pad(bias, (2 * scorer.d_mem, 0))  # no bias on k', v'
-        # rms's sqrt(2D) on the rows of [k; v]; the log-norms' rows (norms) as they are
-        both = 2 * scorer.shape["head_dim"]
-        scaled = torch.ones(scorer.width, 1, dtype=weight.dtype, device=weight.device)
-        scaled[:both] = math.sqrt(both)
-        weight = (weight * scaled).contiguous()
+        weight = (weight * math.sqrt(scorer.width)).contiguous()
         return weight[:, None], bias[:, None, :, None]
 
     def project(self, k, v):
@@ -166,12 +163,7 @@ class FoldedMemory(kvpop.Decoder):
         x = torch.cat([k, v], -1).to(weight.dtype)  # (L, B, H, 1, 2D)
         square = (x * x).sum(-1, keepdim=True)
         inverse = torch.rsqrt(square + x.shape[-1] * EPS)
-        z = torch.addcmul(bias, x @ weight[..., : x.shape[-1], :], inverse)
-        if not self.scorer.norms:
-            return z
-        # the log-norms' part of x^T W (norms)
-        magnitudes = self.scorer.features(k, v)[..., x.shape[-1] :]
-        return z + magnitudes @ weight[..., x.shape[-1] :, :]
+        return torch.addcmul(bias, x @ weight, inverse)
 
     def remember(self, z, key, take):
         """The memories take one more token, its value and gates z (project's), under `key` k' (L, B, H, 1, M), in
@@ -218,7 +210,7 @@ class FoldedMemory(kvpop.Decoder):
         a = w1x + rms(h) @ w1 + b1
         return output(scorer, a) + recency(scorer, t)
 
-    def prefill(self, layer, k, v, pos):
+    def prefill(self, layer, k, v, pos, a=None):
         """The prompt's priorities, and the memories after reading it."""
         x = self.scorer.features(k, v)
         r, (memory, scale) = self.scorer.chunked(layer, x)

@@ -15,7 +15,7 @@ def save(scorer, folder):
     save_safetensors(scorer.state_dict(), os.path.join(folder, "scorer.safetensors"))
     settings = dict(kind=scorer.kind, window=scorer.window)
     settings |= dict(d_mem=scorer.d_mem, d_hidden=scorer.d_hidden)
-    settings |= dict(arrival=scorer.arrival, norms=scorer.norms) | scorer.shape
+    settings |= dict(arrival=scorer.arrival, received=scorer.received) | scorer.shape
     settings["trained"] = scorer.meta
     write_json(settings, os.path.join(folder, "scorer.json"))
 
@@ -32,7 +32,7 @@ def load(folder):
         shape = {name: saved[name] for name in ("num_hidden_layers", "num_key_value_heads", "head_dim")}
         sizes = (saved["window"], saved["d_mem"], saved["d_hidden"])
         kind = kvpop.SCORERS[saved["kind"]]
-        scorer = kind(Qwen3Config(**shape), *sizes, arrival=saved["arrival"], norms=saved.get("norms", False))
+        scorer = kind(Qwen3Config(**shape), *sizes, arrival=saved["arrival"], received=saved.get("received", False))
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"{path}: missing or bad field ({e})") from None
     want = {name: x.shape for name, x in scorer.state_dict().items()}
