@@ -27,7 +27,7 @@ model = ""  # checkpoint folder; empty: the baby (quality, generate), a random m
 policies = ""  # comma-separated; empty: all (quality; generate: but the oracle), streaming + learned (speed)
 budgets = "0.25,0.125"  # comma-separated fractions of the tokens kept per head (or integers S)
 sinks = 4  # first tokens never evicted
-window = 0  # recent tokens never evicted; 0: 32 (the baby's tasks), 128 (code) or 256 (speed: the paper's)
+window = 0  # recent tokens never evicted; 0: 32 (the baby's tasks), 192 (code) or 256 (speed: the paper's)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N (speed, kernels)
 json = ""  # also write the rows to this file (quality, generate, speed, kernels --targets)
 # --- quality: every policy on held-out sequences of the baby's tasks, or of code files (teacher-forced)

@@ -21,7 +21,7 @@ from support import checks, scorer_files
 from support.checkpoint import checkpoint_dir, read_json
 from support.flags import auto_dtype, configure, fail, need
 from support.tokenizer import Tokenizer
-from support.corpus import code_held_out, read_on
+from support.corpus import CODE_LENGTH, CODE_WINDOW, code_held_out, read_on
 from tasks import recall_marks, recall_score, task_ids
 
 # --- model
@@ -46,7 +46,7 @@ budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer
 policy = ""  # kvpop-window, kvpop, kvpop-mlp, streaming, knorm, random, h2o, tova, full
 scorer = ""  # a learned scorer's folder; empty: out/ if it holds --policy's kind, else the (code)baby's
 sinks = 4  # first tokens never evicted
-window = 0  # recent tokens never evicted; 0: the learned scorer's, else 32 (baby), 128 (codebaby) or 256
+window = 0  # recent tokens never evicted; 0: the learned scorer's, else 32 (baby), 192 (codebaby) or 256
 show = False  # print the text again, each token shaded by how many (layer, head) caches hold it
 configure(globals())
 # the demos: the baby's recall prompt (399 tokens) and 112 new ones, the task's length; codebaby's file, 2048 tokens
@@ -73,7 +73,7 @@ try:
         need(scorer or baby or code, f"--policy {policy} needs --scorer DIR, a scorer train.py trained for this model")
         if not scorer:
             out = os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy
-            shipped = "codebaby/scorers/code-helpful" if code else "baby/scorers/recall-helpful"
+            shipped = "codebaby/scorers/code-max" if code else "baby/scorers/recall-helpful"
             scorer = "out" if out else f"{shipped}/{policy}"
         pol = scorer_files.load(scorer).to(device)
         need(policy == pol.kind, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
@@ -82,7 +82,7 @@ try:
     rule = resolve(pol)[0]
 except (OSError, ValueError) as e:
     fail(f"--policy {policy}: {e}")
-window = window or (32 if baby else 128 if code else 256)
+window = window or (32 if baby else CODE_WINDOW if code else 256)
 need(rule != "full" or budget == 1, "--policy full never evicts; use --budget 1 or an evicting --policy")
 try:
     text = open(prompt[5:], encoding="utf-8").read() if prompt.startswith("FILE:") else prompt
@@ -96,9 +96,9 @@ try:
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode(tok.chat(text, think) if chat else text)
     # codebaby: the first held-out torch file (support/corpus.py) with 2048 tokens, read on from its opening
-    read = code_held_out(tok, "torch", 2048, 2)[0].tolist() if code and not text else []
+    read = code_held_out(tok, "torch", CODE_LENGTH, 2)[0].tolist() if code and not text else []
     if read:
-        ids, text = read[: 2048 - max_new_tokens], tok.decode(read[: 2048 - max_new_tokens])
+        ids, text = read[: CODE_LENGTH - max_new_tokens], tok.decode(read[: CODE_LENGTH - max_new_tokens])
     total, limit = len(ids) + max_new_tokens, config.max_position_embeddings
     need(ids, "--prompt is empty; give some text or FILE:path")
     asked = f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's {limit} positions"

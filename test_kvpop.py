@@ -4102,3 +4102,35 @@ def test_audit_generate_without_cache_sees_the_whole_sequence(baby):
         for _ in range(8):
             seq = torch.cat([seq, net(seq)[:, -1].float().argmax(-1, keepdim=True)], 1)
     assert torch.equal(got, seq[:, 40:]), (got, seq[:, 40:])
+
+
+@pytest.mark.parametrize("kind", kvpop.SCORERS)
+def test_scorer_runs_only_at_the_window_it_was_trained_with(kind):
+    """A delayed scorer reads each token w tokens late, after the w - 1 that followed it: at any other window, larger
+    or smaller, it would score what it never learned, so check refuses both; kvpop-mlp reads t alone (any window)."""
+    c = qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=8)
+    s = kvpop.SCORERS[kind](c, window=16, d_mem=4, d_hidden=4)
+    s.check(c, 16)
+    for other in (8, 15, 17, 64):
+        if s.delayed:
+            with pytest.raises(ValueError, match="needs window 16"):
+                s.check(c, other)
+        else:
+            s.check(c, other)
+    assert s.delayed == (kind != "kvpop-mlp")
+
+
+def test_bench_runs_a_named_scorer_once_under_its_own_target(tmp_path):
+    """bench.py quality --scorer A,B: each folder runs once, under the target its scorer.json says it was trained for
+    (not once per --target under one name); a folder whose target is not asked for is one clear line."""
+    import bench
+
+    helpful, maxed = "baby/scorers/recall-helpful/kvpop-window", "baby/scorers/recall-max/kvpop-window"
+    assert [scorer_files.load(d).meta["target"] for d in (helpful, maxed)] == ["helpful", "max"]
+    out = tmp_path / "rows.json"
+    argv = f"--task recall --n 4 --budgets 0.25 --policies full --target helpful,max --json {out}".split()
+    bench.cmd_quality(argv + ["--scorer", f"{helpful},{maxed}"])
+    learned = [(r["target"], r["policy"]) for r in json.load(open(out)) if r["policy"] == "kvpop-window"]
+    assert learned == [("helpful", "kvpop-window"), ("max", "kvpop-window")]
+    r = subprocess.run([sys.executable, "bench.py", "quality", "--target", "helpful", "--scorer", maxed], capture_output=True, text=True, cwd=HERE)
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].endswith("was trained for target max: add it to --target")

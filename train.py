@@ -26,7 +26,7 @@ import kvpop
 import qwen3
 from cache import resolve
 from support import bench_runs, checkpoint, checks, flags, processes, scorer_files, tokenizer
-from support.corpus import code_held_out, code_sequences, finetune_table, pack_files
+from support.corpus import CODE_LENGTH, CODE_WINDOW, code_held_out, code_sequences, finetune_table, pack_files
 from tasks import TASKS, quality_runs, task_batch
 
 # --- what to run
@@ -45,9 +45,9 @@ d_mem = 16  # kvpop, kvpop-shifted: memory d_mem x d_mem; sets the state charge 
 d_hidden = 64  # the read-out's hidden width (every kind)
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
 arrival = False  # kvpop, kvpop-shifted: read tokens on arrival, not on leaving the window (delay ablation)
-received = False  # kvpop-window: the read-out also reads log a[t], the attention t received from its window's queries
+received = False  # kvpop-window: the read-out also reads log a[t], the attention t received from its window (code: true)
 init_from = ""  # a trained scorer's folder to start from (its sizes), e.g. a frozen run's
-target = "helpful"  # the teacher's future attention: helpful, max (ours) or mean (the paper's)
+target = "helpful"  # the teacher's future attention: helpful, max (ours) or mean (the paper's) (--task code: max)
 # --- data
 data = "baby"  # baby: a baby task (tasks.py); else .txt/.jsonl files (folder, glob), packed
 task = "recall"  # --data baby: recall, cue (distractors only the next word marks), or code (the code baby's corpus)
@@ -55,13 +55,13 @@ corpus = "torch"  # --task code: torch (the installed package's .py/.txt source)
 keys = 8  # --data baby: keys per sequence
 p_cue_min = 0.05  # --task cue: each sequence's distractor rate drawn uniformly from
 p_cue_max = 0.35  # [p_cue_min, p_cue_max] (both 0.17: the task's own rate alone, as before the range)
-seq_len = 512  # tokens per sequence (--task code: 2048)
+seq_len = 512  # tokens per sequence (--task code: 2048, support/corpus.py's CODE_LENGTH)
 queries = 0  # the loss's query positions per sequence and pool, at random (0: all)
 edges = 3  # the loss at the edges of this many pools: the budget's, then each half the last
 # --- eviction at training time (README, Method: budget)
 budget = 0.125  # the training budget: fraction of seq_len (or an integer S) per head
 sinks = 4  # first tokens never evicted
-window = 32  # recent tokens never evicted; a delayed scorer reads this many tokens late (--task code: 128)
+window = 32  # recent tokens never evicted; a delayed scorer reads this many tokens late (--task code: 192)
 # --- optimisation
 batch_size = 8  # sequences per step
 max_iters = -1  # steps; -1: 600, or 1200 for --task cue (its range of rates takes longer)
@@ -78,10 +78,13 @@ eval_interval = 100  # held-out far accuracy (baby) and a checkpoint, every this
 eval_seqs = 32  # held-out sequences per evaluation
 final_seqs = 128  # held-out sequences of the final quality table (bench.py quality's; 0: none)
 given = flags.configure(globals(), None if __name__ == "__main__" else [])  # tests: the defaults
-# --task code: the code baby (pretrain.py --data) at its length, with the field's window (128), unless given
-model = "codebaby" if task == "code" and "model" not in given else model
-seq_len = 2048 if task == "code" and "seq_len" not in given else seq_len
-window = 128 if task == "code" and "window" not in given else window
+# --task code, unless given: the code baby at its length and window, the max target, kvpop-window reading a[t]
+code = task == "code"
+model = "codebaby" if code and "model" not in given else model
+seq_len = CODE_LENGTH if code and "seq_len" not in given else seq_len
+window = CODE_WINDOW if code and "window" not in given else window
+target = "max" if code and "target" not in given else target
+received = kind == "kvpop-window" if code and "received" not in given else received
 model_lr = (1e-5 if model == "baby" else 8e-5) if model_lr == -1 else model_lr
 max_iters = (1200 if data == "baby" and task == "cue" else 600) if max_iters == -1 else max_iters
 rank, world = processes.rank(), processes.world()  # torchrun's
@@ -213,7 +216,7 @@ def save(it, folder, scorer, scorer_opt, student, model_opt):
                 os.replace(dst + ".tmp", dst)
     if scorer is not None:
         # what the scorer was trained for, in scorer.json
-        names = "model budget sinks window data task" + " corpus" * (task == "code") + " target edges"
+        names = "model budget sinks window seq_len data task" + " corpus" * (task == "code") + " target edges"
         names += " p_cue_min p_cue_max" * (task == "cue")
         scorer.meta = {k: globals()[k] for k in names.split()}
         scorer.meta.update(iters=it, finetune=finetune)

@@ -117,11 +117,13 @@ def generate_table(rows):  # a markdown table of bench.py generate's rows
 # bench.py quality and generate: their flags checked, the model, its scorers and the held-out code files loaded
 
 
-# the scorer folders --scorer names; shipped: those python train.py wrote for the model (baby, code) and this
-# window (a delayed scorer runs at the window it was trained with; code ships one a budget), every kind
+# the scorer folders of a target: named by --scorer, each under the target it was trained for (scorer.json), or
+# shipped: those python train.py wrote for the model (baby, code) and this window (a delayed scorer runs at the window
+# it was trained with), every kind
 def scorer_folders(scorer, model, task, target, window):
     if scorer != "shipped":
-        return [d for d in scorer.split(",") if d]
+        named = [d for d in scorer.split(",") if d]
+        return [d for d in named if trained_target(d) == target]
     root = f"{model}/scorers/{task}-{target}"
     found = sorted(glob.glob(f"{root}/*/scorer.json"))
     saved = [(os.path.dirname(f), checkpoint.read_json(f)) for f in found]
@@ -132,6 +134,12 @@ def scorer_folders(scorer, model, task, target, window):
     return [d for d, s in sorted(saved, key=lambda x: kinds.index(x[1]["kind"])) if s["kind"] in kinds]
 
 
+def trained_target(folder):  # the target a scorer folder was trained for (a folder that is none: load says so)
+    path = os.path.join(folder, "scorer.json")
+    saved = checkpoint.read_json(path) if os.path.isfile(path) else {}
+    return saved.get("trained", {}).get("target", kvpop.TARGETS[0])
+
+
 def baby_setup(opts, need, policies, spare=0):
     """bench.py quality, generate: names and numbers checked (a budget of T - spare tokens), then the model -> net, tok,
     budgets, tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}, code's held-out files."""
@@ -140,7 +148,8 @@ def baby_setup(opts, need, policies, spare=0):
     code = task_names == ["code"]
     need(code or "code" not in task_names, f"--task {opts.task}: code runs alone (its own model, codebaby/)")
     opts.model = opts.model or ("codebaby" if code else "baby")
-    opts.window, opts.T = opts.window or (128 if code else 32), opts.T or (2048 if code else 512)
+    opts.window = opts.window or (corpus.CODE_WINDOW if code else 32)
+    opts.T = opts.T or (corpus.CODE_LENGTH if code else 512)
     # every name known, or exit naming the first that is not
     for flag, what, names, known in [
         ("policies", "policy", policies, kvpop.POLICIES),
@@ -157,6 +166,11 @@ def baby_setup(opts, need, policies, spare=0):
         folder = checkpoint.checkpoint_dir(opts.model)
         config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
         folders = {(t, r): scorer_folders(opts.scorer, opts.model, t, r, opts.window) for t in task_names for r in targets}
+        # a named scorer runs once, under its own target: that target must be asked for
+        for d in opts.scorer.split(",") if opts.scorer != "shipped" else []:
+            scorer_files.load(d)  # a folder that is no scorer: its own line
+            trained = trained_target(d)
+            need(not d or trained in targets, f"--scorer {d} was trained for target {trained}: add it to --target")
         scorers = {d: scorer_files.load(d) for ds in folders.values() for d in ds}
         # a scorer for another model or window, or a budget that leaves no room, raises
         for s in scorers.values():

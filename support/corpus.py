@@ -19,6 +19,10 @@ from support import scorer_files
 from tasks import evaluate, policy_name
 
 HELD_OUT = 10  # one file in about this many is held out: sha256 of its relative path = 0 mod HELD_OUT
+# code's presets (train.py --task code, bench.py quality --task code, sample.py --model codebaby): the length, and the
+# window the shipped scorer was trained with (a delayed scorer runs at its own window; LOG.md: the window per budget)
+CODE_LENGTH = 2048
+CODE_WINDOW = 192
 
 
 def corpus_root(corpus):  # torch: the installed package's folder; else the folder named
