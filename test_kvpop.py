@@ -4134,3 +4134,26 @@ def test_bench_runs_a_named_scorer_once_under_its_own_target(tmp_path):
     assert learned == [("helpful", "kvpop-window"), ("max", "kvpop-window")]
     r = subprocess.run([sys.executable, "bench.py", "quality", "--target", "helpful", "--scorer", maxed], capture_output=True, text=True, cwd=HERE)
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].endswith("was trained for target max: add it to --target")
+
+
+CODE_SCORER = os.path.join(HERE, "codebaby", "scorers", "code-max", "kvpop-window")  # the shipped default on code
+
+
+def test_code_presets_are_the_shipped_scorers(tmp_path):
+    """train.py --task code's presets (length, window, target, a[t] read) are those the shipped default code scorer
+    was trained with: one step writes a scorer.json whose settings equal it but for the steps; --model is kept when
+    given; bench.py quality --task code runs at the same window and length (its title says so)."""
+    shipped = json.load(open(os.path.join(CODE_SCORER, "scorer.json")))
+    run = lambda *a: subprocess.run([sys.executable, *a], capture_output=True, text=True, cwd=HERE, timeout=600)
+    flags = "--task code --batch_size 1 --max_iters 1 --eval_interval 1 --eval_seqs 2".split()
+    r = run("train.py", *flags, "--out_dir", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr
+    got = json.load(open(tmp_path / "a" / "scorer.json"))
+    for d in (got, shipped):
+        d["trained"].pop("iters")
+    assert got == shipped
+    r = run("train.py", *flags, "--model", "baby", "--out_dir", str(tmp_path / "b"))
+    assert r.returncode == 0 and json.load(open(tmp_path / "b" / "scorer.json"))["trained"]["model"] == "baby"
+    r = run("bench.py", "quality", "--task", "code", "--n", "2", "--policies", "full", "--budgets", "0.25", "--scorer", "")
+    window, length = shipped["window"], shipped["trained"]["seq_len"]
+    assert r.returncode == 0 and f"the first {length} tokens" in r.stdout and f"window {window}\n" in r.stdout

@@ -6,7 +6,7 @@ files (issue: the student learns its teacher on real text). At the budget's pool
 - overlap: the share of the teacher's pool the student's own pool holds at the last query (1: the same tokens);
 - recent: the share of the teacher's pool that streaming would hold too (1: a head whose teacher keeps recency).
 
-python -m experiments.student --scorer codebaby/scorers/code-helpful/kvpop-window
+python -m experiments.student --scorer codebaby/scorers/code-max/kvpop-window
 """
 
 import torch
@@ -18,7 +18,7 @@ from support import flags, scorer_files, tokenizer
 from support.corpus import code_held_out, code_sequences
 
 # --- what to measure
-scorer = "codebaby/scorers/code-helpful/kvpop-window"  # a code scorer's folder
+scorer = "codebaby/scorers/code-max/kvpop-window"  # a code scorer's folder
 model = "codebaby"  # the frozen model it was trained on
 target = ""  # the teacher's target; empty: the one the scorer was trained on
 budget = 0.125  # the budget whose pool is measured
@@ -43,11 +43,11 @@ def measure(net, policy, idx, window, pool, goal):
     last = T - 1
     eligible = (pos >= sinks) & (pos <= last - window)
     with torch.no_grad():
-        kv, rs = kvpop.dense_targets(net, idx, window, goal)
+        kv, rs = kvpop.dense_targets(net, idx, window, goal, policy.received)
     rows = []
-    for layer, ((k, v), r) in enumerate(zip(kv, rs)):
+    for layer, ((k, v, *a), r) in enumerate(zip(kv, rs)):  # a: the attention received, if the scorer reads it
         with torch.no_grad():
-            pi = policy(layer, k, v, pos)  # (B, H, T)
+            pi = policy(layer, k, v, pos, *a)  # (B, H, T)
             teacher = r + policy.recency(layer, pos)
         e_teacher = kernels.eviction_times(teacher, sinks, window, pool)
         e_student = kernels.eviction_times(pi, sinks, window, pool)
