@@ -6,12 +6,14 @@ import json
 import math
 import os
 import random
+import re
 import sys
 
 import pytest
 import torch
 
 import bench
+import kvpop
 import qwen3
 import tasks
 from support import corpus, tokenizer
@@ -276,3 +278,112 @@ def test_code_budget_that_keeps_every_token_is_one_line(tmp_path, monkeypatch):
     root = str(_code_corpus(tmp_path / "c"))
     args = ["--task", "code", "--corpus", root, "--T", "256", "--scorer", "", "--budgets", "1"]
     one_line_error(_main(monkeypatch, "bench.py", *args), "--budgets 1 keeps all 256 tokens of a file", "use less")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the code tables against their definitions: a fine-tuned model is judged against the dense model before it, every
+# file counts in an interval, each column holds its own metric, and the sample's far copies count what they say
+
+
+def _tuned(tmp_path):
+    """The baby and a copy with moved weights saved as a checkpoint folder (a stand-in for a fine-tune), held-out
+    'files' (5, 96) of the recall task's tokens, and the budget's S."""
+    torch.manual_seed(0)
+    ref = qwen3.Qwen3.from_pretrained(os.path.join(HERE, "baby"), dtype="float32")
+    tuned = qwen3.Qwen3.from_pretrained(os.path.join(HERE, "baby"), dtype="float32")
+    with torch.no_grad():
+        for p in tuned.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    tuned.save_pretrained(str(tmp_path / "tuned"))
+    tok = tokenizer.Tokenizer.from_pretrained(os.path.join(HERE, "baby"))
+    files = tasks.task_batch(tok, 5, 96, random.Random("files"))[0]
+    return ref, tuned, files
+
+
+def _ref_rows(ref, tuned, files, budget, sinks, window):
+    """Per-file metrics of the tuned model under streaming against the dense ref (its full log-probs, its key tokens
+    at the budget), then each metric's mean and 95% half-width over all files (1.96 sd / sqrt(n), nan files out)."""
+    S = kvpop.budget_size(budget, files.shape[1], sinks, window)[0]
+    lp = lambda m, p, b: tasks.evaluate(m, files, p, b, sinks, window, online=False).float().log_softmax(-1)
+    per = _ref_file_metrics(lp(ref, "full", 1), lp(ref, "streaming", budget), lp(tuned, "streaming", budget), files, S)
+    out = {}
+    for j, name in enumerate(METRICS):
+        x = [row[j] for row in per if not math.isnan(row[j])]
+        m = sum(x) / len(x)
+        out[name] = (m, 1.96 * math.sqrt(sum((v - m) ** 2 for v in x) / (len(x) - 1)) / math.sqrt(len(x)))
+    return out
+
+
+def test_code_runs_judge_against_the_reference_over_every_file(tmp_path):
+    """code_runs(tuned, ref=ref) in chunks of 2 files: every metric and interval equals the definition's over all 5
+    files, against the dense model before (ref), and the perplexity ratio's interval brackets it (lo < ratio < hi)."""
+    ref, tuned, files = _tuned(tmp_path)
+    rows = corpus.code_runs(tuned, files, ["streaming"], [0.25], 4, 8, chunk=2, ref=ref)
+    row = next(r for r in rows if r["policy"] == "streaming")
+    want = _ref_rows(ref, tuned, files, 0.25, 4, 8)
+    for name in ("kl", "top1", "key_share"):
+        assert row[name] == pytest.approx(want[name][0], abs=2e-5), name
+        assert row[name + "_ci"] == pytest.approx(want[name][1], abs=2e-5), name
+    log_ppl, half = want["log_ppl"]
+    assert row["ppl_ratio"] == pytest.approx(math.exp(log_ppl), abs=2e-5)
+    assert row["ppl_lo"] == pytest.approx(math.exp(log_ppl - half), abs=2e-5) and row["ppl_lo"] < row["ppl_ratio"]
+    assert row["ppl_hi"] == pytest.approx(math.exp(log_ppl + half), abs=2e-5) and row["ppl_hi"] > row["ppl_ratio"]
+    assert want["key_share"][0] > 0  # the files have key tokens: the key columns are measured
+
+
+def test_finetune_table_compares_with_the_model_before(tmp_path):
+    """train.py --finetune's code table: StreamingLLM+'s rows after the fine-tune are the fine-tuned model (the
+    checkpoint in out_dir) under streaming, against the dense model before (the folder it started from)."""
+    ref, tuned, files = _tuned(tmp_path)
+    table = corpus.finetune_table(os.path.join(HERE, "baby"), str(tmp_path / "tuned"), files, "", None, 4, 8, "max")
+    after = [line.split(" | ") for line in table.splitlines() if "StreamingLLM+" in line]
+    assert [cells[2] for cells in after] == ["0.25", "0.125"]
+    for cells, budget in zip(after, (0.25, 0.125)):
+        want = _ref_rows(ref, tuned, files, budget, 4, 8)
+        assert float(cells[3].split(" ± ")[0]) == pytest.approx(want["kl"][0], abs=1e-4)
+        assert float(cells[6].split(" ± ")[0].rstrip("%")) == pytest.approx(100 * want["key_top1"][0], abs=0.06)
+
+
+def test_code_table_puts_each_metric_in_its_column():
+    """code_table's columns, read back from a row whose every metric is a different number."""
+    names = ("kl", "top1", "key_share", "key_top1", "key_loss")
+    row = dict(target="max", policy="p", budget=0.25, ppl_ratio=1.5, ppl_lo=1.25, ppl_hi=1.75)
+    for j, name in enumerate(names):
+        row[name], row[name + "_ci"] = 0.1 * (j + 1), 0.01 * (j + 1)
+    lines = corpus.code_table([row]).splitlines()
+    header = [c.strip() for c in lines[0].strip("| ").split("|")]
+    cells = dict(zip(header, (c.strip() for c in lines[2].strip("| ").split("|"))))
+    assert cells["KL"] == "0.1000 ± 0.0100" and cells["top-1"] == "20.0% ± 2.0%"
+    assert cells["key share"] == "30.00% ± 3.00%" and cells["key top-1"] == "40.0% ± 4.0%"
+    assert cells["key loss rise"] == "0.50 ± 0.05" and cells["perplexity ratio"] == "1.500 (1.250-1.750)"
+
+
+def test_read_on_counts_each_policys_far_copies(capsys):
+    """sample.py --model codebaby's reading (read_on) on a recall sequence of the baby read on from token 200 at S =
+    64: each policy's printed count, and its ✓ marks, equal the key tokens (full beats streaming at S by 2 nats) its
+    likeliest next token gets right, computed here from the masked passes; full's count is the ceiling."""
+    from support import scorer_files
+
+    net = qwen3.Qwen3.from_pretrained(os.path.join(HERE, "baby"), dtype="float32")
+    tok = tokenizer.Tokenizer.from_pretrained(os.path.join(HERE, "baby"))
+    read = tasks.task_batch(tok, 1, 320, random.Random("read"))[0][0].tolist()
+    n, S, sinks, window = 200, 64, 4, 32
+    learned = scorer_files.load(os.path.join(HERE, "baby", "scorers", "recall-helpful", "kvpop-window"))
+    policies = {"kvpop-window": learned, "streaming": "streaming", "full": "full"}
+    corpus.read_on(net, tok, read, n, policies, S, sinks, window, 0.125)
+    out = capsys.readouterr().out
+    seq = torch.tensor([read])
+    lp = lambda p, size, w: tasks.evaluate(net, seq, p, size, sinks, w, online=False)[0].float().log_softmax(-1)
+    full, local = lp("full", len(read), window), lp("streaming", S, S - sinks)
+    # the key tokens: positions q >= n predicted at q - 1
+    key = [q for q in range(n, len(read)) if full[q - 1, read[q]] - local[q - 1, read[q]] > 2 and full[q - 1, read[q]] > -2]
+    assert len(key) >= 3
+    blocks = re.split(r"far copies .*\n", out)  # block j: policy j's marked text, before its count
+    counts = {}
+    for j, (name, policy) in enumerate(policies.items()):
+        guess = lp(policy, len(read) if name == "full" else S, window).argmax(-1)
+        right = sum(int(guess[q - 1]) == read[q] for q in key)
+        counts[name] = right
+        assert f"far copies {name} 0.125: {right}/{len(key)}" in out
+        assert blocks[j].count("✓") == right and blocks[j].count("✗") == len(key) - right
+    assert counts["full"] >= max(counts.values()) and counts["full"] > counts["streaming"]
