@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import bench
+import kernels
 import kvpop
 import qwen3
 import tasks
@@ -387,3 +388,81 @@ def test_read_on_counts_each_policys_far_copies(capsys):
         assert f"far copies {name} 0.125: {right}/{len(key)}" in out
         assert blocks[j].count("✓") == right and blocks[j].count("✗") == len(key) - right
     assert counts["full"] >= max(counts.values()) and counts["full"] > counts["streaming"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the real-text model's recipe (pretrain.py --data, as LOG.md states it): the shipped model's shape, a copying head
+# seeded in layer 1, two spans of T/32 to T/8 tokens copied at least T/8 later, every sequence once an epoch
+
+
+def test_pretrain_data_defaults_build_the_shipped_code_model(monkeypatch):
+    """pretrain.py --data torch's defaults make a model of codebaby/'s config (width, heads, RoPE base 1e6, ...)."""
+    g = _pretrain_globals(monkeypatch, "--data", "torch", "--out_dir", "unused")
+    got = vars(g["init_baby"]().config)
+    shipped = json.load(open(os.path.join(HERE, "codebaby", "config.json")))
+    assert {k: got[k] for k in shipped if k in got} == {k: v for k, v in shipped.items() if k in got}
+    assert shipped["rope_theta"] == 1e6 and g["seq_len"] == 2048 == corpus.CODE_LENGTH
+
+
+def test_pretrain_data_seeds_a_copying_head(monkeypatch):
+    """At initialisation, layer 1's query head 0 reads the current token and its key the previous one: in a span
+    repeated later (distinct tokens), each token of the copy attends most to the token after its earlier occurrence."""
+    g = _pretrain_globals(monkeypatch, "--data", "torch", "--out_dir", "unused")
+    model = g["init_baby"]()
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randperm(2000, generator=gen)[:200]
+    idx = torch.cat([tokens, tokens[40:90]])[None]  # tokens 40..89 again at 200..249
+    seen = {}
+
+    def attn(i, q, k, v, pos):
+        seen[i] = (q, k)
+        return kernels.attention(q, k, v)[0]
+
+    with torch.no_grad():
+        model(idx, attn=attn)
+    q, k = seen[1]
+    scores = q[0, 0] @ k[0, 0].T  # query head 0 on KV head 0 (T, T)
+    scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -math.inf)
+    looks = scores.argmax(-1)[201:250]  # copy positions d = 201..249 hold token 40 + d - 200 - ...
+    assert looks.tolist() == list(range(42, 91))
+
+
+def test_pretrain_data_copies_two_spans_of_t_over_32_to_t_over_8(monkeypatch):
+    """copy_spans at --copies 1 on distinct tokens: each sequence gets 2 copied runs (each from a contiguous source),
+    1 or 3 where the second covers or cuts the first; in the sequences of 2 runs each is T/32 to T/8 tokens long."""
+    T = 2048
+    idx = torch.arange(16 * T).view(16, T)
+    g = _pretrain_globals(monkeypatch, "--data", "torch", "--copies", "1", "--out_dir", "unused")
+    got = g["copy_spans"](idx, torch.Generator().manual_seed(0))
+    counts, lengths = [], []
+    for row, new in zip(idx.tolist(), got.tolist()):
+        runs = []  # (start, length) of runs copied from one contiguous source
+        for t in range(T):
+            if new[t] != row[t]:
+                if runs and runs[-1][0] + runs[-1][1] == t and new[t] == new[t - 1] + 1:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([t, 1])
+        counts.append(len(runs))
+        lengths += [n for _, n in runs] if len(runs) == 2 else []
+    assert set(counts) <= {1, 2, 3} and counts.count(2) >= 12  # the second may cover or cut the first: rarely
+    short = sum(n < T // 32 for n in lengths)
+    assert short <= 1 and max(lengths) <= T // 8  # one cut short by the other, at most
+
+
+def test_pretrain_data_sees_every_sequence_once_an_epoch(tmp_path, monkeypatch):
+    """code_steps reads the packed sequences in a seeded order, --tokens / --seq_len a step: over as many steps as an
+    epoch has, every sequence once (no batch overlaps the next)."""
+    root = str(_code_corpus(tmp_path / "c"))
+    seqs = corpus.code_sequences(tokenizer.Tokenizer.from_pretrained("codebaby"), root, 128)
+    steps = len(seqs) // 2
+    tiny = ["--data", root, "--seq_len", "128", "--tokens", "256", "--final_steps", str(steps), "--copies", "0"]
+    g = _pretrain_globals(monkeypatch, *tiny, "--out_dir", str(tmp_path / "o"))
+    model = g["init_baby"]()
+    read = []
+    model.register_forward_hook(lambda module, args, out: read.extend(args[0].tolist()))
+    params = [p for p in model.parameters() if p.requires_grad]
+    g["code_steps"](model, torch.optim.AdamW(params, lr=1e-3), params, seqs)
+    rows = {tuple(r) for r in seqs.tolist()}
+    assert len(read) == 2 * steps >= len(rows) - 1 and all(tuple(r) in rows for r in read)
+    assert len({tuple(r) for r in read}) == len(read)  # no sequence twice
