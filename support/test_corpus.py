@@ -466,3 +466,24 @@ def test_pretrain_data_sees_every_sequence_once_an_epoch(tmp_path, monkeypatch):
     rows = {tuple(r) for r in seqs.tolist()}
     assert len(read) == 2 * steps >= len(rows) - 1 and all(tuple(r) in rows for r in read)
     assert len({tuple(r) for r in read}) == len(read)  # no sequence twice
+
+
+def test_sample_reads_on_under_the_policy_streaming_and_full(monkeypatch):
+    """sample.py --model codebaby hands read_on the learned scorer, streaming and full by name, at the scorer's
+    window and the budget's S (read_on itself: test_read_on_counts_each_policys_far_copies)."""
+    import runpy
+
+    from support import scorer_files
+
+    got = {}
+    monkeypatch.setattr(corpus, "read_on", lambda *args: got.update(args=args))
+    monkeypatch.chdir(HERE)
+    monkeypatch.setattr(sys, "argv", ["sample.py", "--model", "codebaby", "--budget", "0.125"])
+    with pytest.raises(SystemExit):
+        runpy.run_path(os.path.join(HERE, "sample.py"), run_name="__main__")
+    net, tok, read, n, policies, S, sinks, window, budget = got["args"]
+    shipped = scorer_files.load(os.path.join(HERE, "codebaby", "scorers", "code-max", "kvpop-window"))
+    assert list(policies) == ["kvpop-window", "streaming", "full"] and policies["streaming"] == "streaming"
+    assert policies["full"] == "full" and policies["kvpop-window"].state_dict().keys() == shipped.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(policies["kvpop-window"].state_dict().values(), shipped.state_dict().values()))
+    assert window == shipped.window and S == kvpop.budget_size(0.125, len(read), sinks, window)[0] and budget == 0.125
