@@ -167,10 +167,11 @@ def baby_setup(opts, need, policies, spare=0):
         config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
         folders = {(t, r): scorer_folders(opts.scorer, opts.model, t, r, opts.window) for t in task_names for r in targets}
         # a named scorer runs once, under its own target: that target must be asked for
-        for d in opts.scorer.split(",") if opts.scorer != "shipped" else []:
+        named = [d for d in opts.scorer.split(",") if d] if opts.scorer != "shipped" else []
+        for d in named:
             scorer_files.load(d)  # a folder that is no scorer: its own line
             trained = trained_target(d)
-            need(not d or trained in targets, f"--scorer {d} was trained for target {trained}: add it to --target")
+            need(trained in targets, f"--scorer {d} was trained for target {trained}: add it to --target")
         scorers = {d: scorer_files.load(d) for ds in folders.values() for d in ds}
         # a scorer for another model or window, or a budget that leaves no room, raises
         for s in scorers.values():
