@@ -3287,11 +3287,12 @@ README_NOT_RUN = {  # the commands no test runs, and why
     " it small",
     "python pretrain.py --data torch --out_dir codebaby --threads 2": "15 minutes; "
     "test_code_commands_run_on_a_tiny_corpus runs it on a tiny corpus",
-    "python train.py --task code --batch_size 2 --max_iters 200 --out_dir codebaby/scorers/code-helpful/kvpop-window": "the"
-    " same test runs it on a tiny corpus",
-    "python train.py --task code --finetune --max_iters 300 --batch_size 1 --init_from codebaby/scorers/code-helpful/"
+    "python train.py --task code --batch_size 2 --max_iters 600 --out_dir codebaby/scorers/code-max/kvpop-window": "13"
+    " minutes; the same test runs it on a tiny corpus, test_code_presets_are_the_shipped_scorers one step of it",
+    "python train.py --task code --finetune --max_iters 300 --batch_size 1 --init_from codebaby/scorers/code-max/"
     "kvpop-window --final_seqs 64 --out_dir out-code-ft": "30 minutes; the same test runs it on a tiny corpus",
-    "python bench.py quality --task code --n 64": "the same test runs it on a tiny corpus",
+    "python bench.py quality --task code --n 64 --target helpful,max,mean": "20 minutes; the same test runs it on a tiny"
+    " corpus",
     "python bench.py kernels --targets sm_75,sm_80,sm_86,sm_89,sm_90,sm_120 --json kernels.json": "222 compiles, minutes;"
     " test_kernels_compile_for_gpus compiles a slice of it",
     "pip install -r requirements.txt": "CI runs it (.ci/run)",
