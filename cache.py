@@ -59,7 +59,8 @@ class KVCache:
         self.v = self.k.transpose(-1, -2).contiguous()
         self.pos = torch.full(shape, -1, device=param.device)
         self.score = torch.zeros(shape, dtype=dtype, device=param.device)
-        # a scorer that reads a[t]: the running max of the attention each window token received (kernels.window_received)
+        # a scorer that reads a[t]: the running max of the attention each window token received
+        # (kernels.window_received)
         self.reads_received = learned and policy.received
         self.received = torch.zeros(shape, device=param.device) if self.reads_received else None
         self.recent = self.pos.new_zeros(*shape[:3], window)

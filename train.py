@@ -45,7 +45,7 @@ d_mem = 16  # kvpop, kvpop-shifted: memory d_mem x d_mem; sets the state charge 
 d_hidden = 64  # the read-out's hidden width (every kind)
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
 arrival = False  # kvpop, kvpop-shifted: read tokens on arrival, not on leaving the window (delay ablation)
-received = False  # kvpop-window: the read-out also reads log a[t], the attention t received from its window (code: true)
+received = False  # kvpop-window: its read-out also reads log a[t], the attention t got in its window (code: true)
 init_from = ""  # a trained scorer's folder to start from (its sizes), e.g. a frozen run's
 target = "helpful"  # the teacher's future attention: helpful, max (ours) or mean (the paper's) (--task code: max)
 # --- data

@@ -165,7 +165,8 @@ def baby_setup(opts, need, policies, spare=0):
     try:
         folder = checkpoint.checkpoint_dir(opts.model)
         config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
-        folders = {(t, r): scorer_folders(opts.scorer, opts.model, t, r, opts.window) for t in task_names for r in targets}
+        pairs = [(t, r) for t in task_names for r in targets]
+        folders = {(t, r): scorer_folders(opts.scorer, opts.model, t, r, opts.window) for t, r in pairs}
         # a named scorer runs once, under its own target: that target must be asked for
         named = [d for d in opts.scorer.split(",") if d] if opts.scorer != "shipped" else []
         for d in named:

@@ -377,7 +377,8 @@ def test_read_on_counts_each_policys_far_copies(capsys):
     lp = lambda p, size, w: tasks.evaluate(net, seq, p, size, sinks, w, online=False)[0].float().log_softmax(-1)
     full, local = lp("full", len(read), window), lp("streaming", S, S - sinks)
     # the key tokens: positions q >= n predicted at q - 1
-    key = [q for q in range(n, len(read)) if full[q - 1, read[q]] - local[q - 1, read[q]] > 2 and full[q - 1, read[q]] > -2]
+    gain = lambda q: full[q - 1, read[q]] - local[q - 1, read[q]]
+    key = [q for q in range(n, len(read)) if gain(q) > 2 and full[q - 1, read[q]] > -2]
     assert len(key) >= 3
     blocks = re.split(r"far copies .*\n", out)  # block j: policy j's marked text, before its count
     counts = {}
@@ -485,5 +486,6 @@ def test_sample_reads_on_under_the_policy_streaming_and_full(monkeypatch):
     shipped = scorer_files.load(os.path.join(HERE, "codebaby", "scorers", "code-max", "kvpop-window"))
     assert list(policies) == ["kvpop-window", "streaming", "full"] and policies["streaming"] == "streaming"
     assert policies["full"] == "full" and policies["kvpop-window"].state_dict().keys() == shipped.state_dict().keys()
-    assert all(torch.equal(a, b) for a, b in zip(policies["kvpop-window"].state_dict().values(), shipped.state_dict().values()))
+    given, want = policies["kvpop-window"].state_dict(), shipped.state_dict()
+    assert all(torch.equal(given[name], want[name]) for name in want)
     assert window == shipped.window and S == kvpop.budget_size(0.125, len(read), sinks, window)[0] and budget == 0.125
