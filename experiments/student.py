@@ -25,7 +25,7 @@ budget = 0.125  # the budget whose pool is measured
 sinks = 4  # first tokens never evicted
 n = 32  # sequences of each kind: the first it trained on, and held-out files
 seed = 0  # train.py's --seed (which training sequences came first)
-flags.configure(globals())
+flags.configure(globals(), None if __name__ == "__main__" else [])  # imported (tests): the defaults
 torch.set_num_threads(1)
 
 

@@ -489,3 +489,37 @@ def test_sample_reads_on_under_the_policy_streaming_and_full(monkeypatch):
     given, want = policies["kvpop-window"].state_dict(), shipped.state_dict()
     assert all(torch.equal(given[name], want[name]) for name in want)
     assert window == shipped.window and S == kvpop.budget_size(0.125, len(read), sinks, window)[0] and budget == 0.125
+
+
+def test_student_measures_score_the_teacher_and_streaming_as_they_must():
+    """experiments/student.py's measures, on 2 held-out code files at 0.125: a 'student' whose priorities are its
+    teacher's (r* + gamma t) keeps the same pool (accuracy, AUC, overlap 1); a student that ranks by position alone
+    (streaming) holds exactly the recent share of the teacher's pool."""
+    from experiments import student
+
+    net = qwen3.Qwen3.from_pretrained(os.path.join(HERE, "codebaby"), dtype="float32").requires_grad_(False)
+    tok = tokenizer.Tokenizer.from_pretrained(os.path.join(HERE, "codebaby"))
+    idx = corpus.code_held_out(tok, "torch", 1024, 2)
+    window, pool = 64, kvpop.budget_size(0.125, 1024, 4, 64)[1]
+    rs = kvpop.dense_targets(net, idx, window, "max")[1]
+
+    class Follower:  # the teacher's own priorities, as a scorer would give them
+        received = False
+
+        def recency(self, layer, pos):
+            return 0.002 * pos.float()
+
+        def __call__(self, layer, k, v, pos):
+            return rs[layer] + self.recency(layer, pos)
+
+    class Recent(Follower):  # streaming
+        def __call__(self, layer, k, v, pos):
+            return pos.float().expand(k.shape[:3])
+
+    for row in student.measure(net, Follower(), idx, window, pool, "max"):
+        assert row["auc"] == 1 and row["overlap"] == 1, row
+        # balanced: where the teacher's newcomers are all kept or all dropped (layer 0 here) half is all there is
+        assert row["acc"] == (1 if row["layer"] == 1 else 0.5), row
+    rows = student.measure(net, Recent(), idx, window, pool, "max")
+    assert all(row["overlap"] == pytest.approx(row["recent"]) for row in rows)
+    assert any(row["recent"] < 0.5 for row in rows)  # a head whose teacher keeps far tokens
