@@ -174,9 +174,7 @@ class Scorer(Module):
     span = 1  # the tokens t .. t + span - 1 its decoding reads as t leaves the window
     chunk = 128  # the parallel forms' tokens a chunk: O(chunk (d_m + chunk)) memory
 
-    def __init__(
-        self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False, received=False
-    ):
+    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False, received=False):
         super().__init__()
         sizes = (window, d_mem, d_hidden)
         if not all(type(size) is int and size >= 1 for size in sizes):
