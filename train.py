@@ -2,7 +2,7 @@
 
   python train.py                                     # the default delayed scorer (kvpop-window) on the frozen baby
   python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25  # a real Qwen3
-  python train.py --task code --batch_size 2 --max_iters 200 --out_dir codebaby/scorers/code-helpful/kvpop-window
+  python train.py --task code --batch_size 2 --max_iters 600 --out_dir codebaby/scorers/code-max/kvpop-window
   python train.py --finetune --out_dir out-ft         # the paper's recipe: the model trains too, under eviction
   python train.py --finetune --policy streaming       # its control, StreamingLLM+ (recency eviction, no scorer)
   torchrun --nproc_per_node=2 train.py ...            # several processes: DDP (scorer), FSDP2 (--finetune)

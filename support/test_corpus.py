@@ -143,7 +143,7 @@ def test_code_commands_run_on_a_tiny_corpus(tmp_path, monkeypatch, capsys):
     assert "key tokens at 0.125" in capsys.readouterr().out
     assert sha(model / "model.safetensors") == sha(tmp_path / "again" / "model.safetensors")
     small = ["--seq_len", "128", "--window", "8", "--budget", "0.25", "--max_iters", "2", "--batch_size", "2"]
-    scorer = model / "scorers" / "code-helpful" / "kvpop-window"
+    scorer = model / "scorers" / "code-max" / "kvpop-window"  # --task code: the max target
     for out in (scorer, tmp_path / "s2"):
         args = ["--task", "code", "--corpus", root, "--model", str(model), *small, "--eval_seqs", "2"]
         assert _main(monkeypatch, "train.py", *args, "--out_dir", str(out)) is None
@@ -159,12 +159,12 @@ def test_code_commands_run_on_a_tiny_corpus(tmp_path, monkeypatch, capsys):
         rows = [line.split(" | ")[1:3] for line in table.strip().splitlines()[2:]]  # (policy, budget)
         assert rows == [[before, "0.25"], [before, "0.125"], [name, "0.25"], [name, "0.125"]], table
     q = tmp_path / "q.json"
-    args = ["--task", "code", "--corpus", root, "--model", str(model), "--T", "128", "--window", "8"]
+    args = ["--task", "code", "--corpus", root, "--model", str(model), "--T", "128", "--window", "8", "--target", "max"]
     assert _main(monkeypatch, "bench.py", *args, "--n", "4", "--json", str(q)) is None
     assert "key top-1" in capsys.readouterr().out
     rows = json.loads(q.read_text())
     heuristics = [("-", p, b) for p in ("streaming", "h2o", "tova", "knorm", "random") for b in (0.25, 0.125)]
-    learned = [("helpful", p, b) for p in ("oracle", "kvpop-window") for b in (0.25, 0.125)]
+    learned = [("max", p, b) for p in ("oracle", "kvpop-window") for b in (0.25, 0.125)]
     full_rows = [("-", "full", 0.25), ("-", "full", 0.125)]
     assert [(r["target"], r["policy"], r["budget"]) for r in rows] == [*full_rows, *heuristics, *learned]
     assert all(r["task"] == "code" and {*METRICS[:2], *METRICS[3:], "ppl_ratio"} <= set(r) for r in rows)
