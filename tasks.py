@@ -150,9 +150,9 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, targe
         return model(idx)
 
     def attn(i, q, k, v, pos):
-        a = kernels.window_received(q, k, window) if getattr(policy, "received", False) else None
-        pi = priority(i, k, v, pos, a) if rule == "learned" else priority(i, k, v, pos)
-        return kvpop.masked_attention(q, k, v, pi, sinks, window, pool)[0]
+        # a learned scorer that reads a[t]: the attention each token received in its window
+        a = [kernels.window_received(q, k, window)] if rule == "learned" and policy.received else []
+        return kvpop.masked_attention(q, k, v, priority(i, k, v, pos, *a), sinks, window, pool)[0]
 
     return model(idx, attn=attn)
 

@@ -2,7 +2,6 @@
 loaded (`baby_setup`); and generate's runs, each policy continuing held-out prompts, scored by sample.py's scoreboard.
 """
 
-import glob
 import os
 
 import torch
@@ -118,20 +117,16 @@ def generate_table(rows):  # a markdown table of bench.py generate's rows
 
 
 # the scorer folders of a target: named by --scorer, each under the target it was trained for (scorer.json), or
-# shipped: those python train.py wrote for the model (baby, code) and this window (a delayed scorer runs at the window
-# it was trained with), every kind
+# shipped: <model>/scorers/<task>-<target>/<kind> at this window (a delayed scorer runs at the window it was trained
+# with), in the registry's order
 def scorer_folders(scorer, model, task, target, window):
     if scorer != "shipped":
         named = [d for d in scorer.split(",") if d]
         return [d for d in named if trained_target(d) == target]
-    root = f"{model}/scorers/{task}-{target}"
-    found = sorted(glob.glob(f"{root}/*/scorer.json"))
-    saved = [(os.path.dirname(f), checkpoint.read_json(f)) for f in found]
-    # a folder named by its kind, or by its kind and window (<kind>-w<window>)
-    named = lambda d, s: os.path.basename(d) in (s["kind"], f"{s['kind']}-w{s['window']}")
-    saved = [(d, s) for d, s in saved if named(d, s) and (s["window"] == window or s["kind"] == "kvpop-mlp")]
-    kinds = list(kvpop.SCORERS)  # in the registry's order, the default first
-    return [d for d, s in sorted(saved, key=lambda x: kinds.index(x[1]["kind"])) if s["kind"] in kinds]
+    folders = [f"{model}/scorers/{task}-{target}/{k}" for k in kvpop.SCORERS]
+    folders = [d for d in folders if os.path.isfile(os.path.join(d, "scorer.json"))]
+    fits = lambda s: s["window"] == window or not kvpop.SCORERS[s["kind"]].delayed
+    return [d for d in folders if fits(checkpoint.read_json(os.path.join(d, "scorer.json")))]
 
 
 def trained_target(folder):  # the target a scorer folder was trained for (a folder that is none: load says so)
