@@ -14,13 +14,17 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
+import fast
 import kernels
 import kvpop
 import qwen3
 import tasks
 from cache import KVCache
-from support import bench_runs, checkpoint, flags, gpus
-from support.corpus import code_runs, code_table
+from experiments import shifted  # noqa: F401 (registers the research kind kvpop-shifted, whose scorers ship)
+from support import checkpoint, flags, gpus
+from support.corpus import CODE_LENGTH, code_held_out
+from tools import bench_runs
+from tools.measures import code_runs, code_table, read_on
 
 # --- shared (each command reads those it names)
 model = ""  # checkpoint folder; empty: the baby (quality, generate), a random model of --shape (speed)
@@ -30,6 +34,7 @@ sinks = 4  # first tokens never evicted
 window = 0  # recent tokens never evicted; 0: 32 (the baby's tasks), 192 (code) or 256 (speed: the paper's)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N (speed, kernels)
 json = ""  # also write the rows to this file (quality, generate, speed, kernels --targets)
+plain = False  # run kvpop.py's definitions alone, not fast.py's forms (quality, generate, read)
 # --- quality: every policy on held-out sequences of the baby's tasks, or of code files (teacher-forced)
 task = "recall"  # comma-separated tasks: recall, cue; or code alone (the code baby's held-out files)
 corpus = "torch"  # code: torch (the installed package's .py/.txt source) or a folder of such files
@@ -40,6 +45,7 @@ p_cue = -1.0  # cue task: the share of would-be fillers that start a distractor 
 n = 128  # sequences (code: held-out files, their first T tokens; at most)
 T = 0  # tokens per sequence; 0: 512 (the tasks) or 2048 (code)
 threads = 1  # CPU threads (tiny ops: a second one mostly waits)
+ref = ""  # quality: the dense model `full` and the key tokens are of (a fine-tune's model before); empty: --model
 # --- generate: every policy continues held-out prompts, the text scored by sample.py's scoreboard
 prompts = 256  # held-out prompts per task: a sequence's words 1 .. T - tokens - 1 (bos dropped)
 tokens = 112  # tokens written per prompt (sample.py's 112 after baby/prompt.txt's 399)
@@ -60,9 +66,10 @@ D = 128  # head dim
 group = 2  # query heads of the one KV head timed
 targets = ""  # comma-separated GPUs, e.g. sm_75,sm_90: compile every kernel for each instead (no GPU needed)
 COMMAND_FLAGS = {  # what each command reads (another's flag is an unknown option)
-    "quality": "model policies budgets sinks window json task corpus target scorer seed p_cue n T threads",
-    "generate": "model policies budgets sinks window json task target scorer seed p_cue T threads prompts tokens"
-    " temperature",
+    "quality": "model policies budgets sinks window json plain task corpus target scorer seed p_cue n T threads ref",
+    "generate": "model policies budgets sinks window json plain task target scorer seed p_cue T threads prompts"
+    " tokens temperature",
+    "read": "model policies budgets sinks window plain corpus target scorer T tokens",
     "speed": "model policies budgets sinks window device json shape layers contexts steps prefill train d_mem dtype"
     " compile",
     "kernels": "device lengths D group targets json",
@@ -215,6 +222,11 @@ def cmd_quality(argv):
     need(opts.n >= 1, f"--n {opts.n}: use 1 or more")
     net, tok, budgets, task_names, targets, folders, scorers, files = bench_runs.baby_setup(opts, need, policies)
     code = files is not None
+    # a fine-tuned model: judged against the dense model before it
+    try:
+        ref = qwen3.Qwen3.from_pretrained(opts.ref, dtype=torch.float32) if opts.ref else None
+    except (OSError, ValueError) as e:
+        need(False, f"--ref {opts.ref}: {e}")
     t0 = time.time()
     rows, counts = [], []
     # the same held-out sequences for every policy and target of a task
@@ -223,12 +235,12 @@ def cmd_quality(argv):
         seqs = lambda: tasks.held_out_batch(tok, task, opts.n, opts.T, opts.seed, opts.p_cue)
         measure, batch = (code_runs, (net, files)) if code else (tasks.quality_runs, (net, *seqs()))
         cache = (budgets, opts.sinks, opts.window)
-        plain = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
-        found = measure(*batch, plain, *cache)
+        heuristics = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
+        found = measure(*batch, heuristics, *cache, ref=ref)
         rows += [dict(task=task, target="-", **r) for r in (found if code else found[0])]
         for target in targets:
             learned = ["oracle"] * ("oracle" in policies) + [scorers[d] for d in folders[task, target]]
-            runs = measure(*batch, learned, *cache, target=target)
+            runs = measure(*batch, learned, *cache, target=target, ref=ref)
             rows += [dict(task=task, target=target, **r) for r in (runs if code else runs[0]) if r["policy"] != "full"]
         # code: the share of key tokens at each budget (full's rows); a task: its queries and the far ones
         keys = ", ".join(f"{r['key_share']:.2%} at {r['budget']:g}" for r in found if code and r["policy"] == "full")
@@ -236,7 +248,7 @@ def cmd_quality(argv):
     what = f"{len(files)} held-out files, the first" if code else f"{opts.n} held-out sequences of"
     title = f"{opts.model}: {what} {opts.T} tokens (seed {opts.seed}), {'; '.join(counts)}"
     print(f"{title}; sinks {opts.sinks}, window {opts.window}\n")
-    print(f"{(code_table if code else bench_runs.quality_table)(rows)}\n\n{time.time() - t0:.0f}s")
+    print(f"{(code_table if code else tasks.quality_table)(rows)}\n\n{time.time() - t0:.0f}s")
     if opts.json:
         checkpoint.write_json(rows, opts.json)
 
@@ -275,6 +287,25 @@ def cmd_generate(argv):
     if opts.json:
         checkpoint.write_json(rows, opts.json)
     return rows, samples
+
+
+# ------------------------------------------------------------------------------------------------------- read
+def cmd_read(argv):
+    """codebaby reads on its first held-out file (support/corpus.py) from T - tokens, teacher-forced, under each
+    learned scorer of --target, streaming and full (the ceiling): each key token (it needs what streaming evicts)
+    marked ✓ where the policy's likeliest next token is it, ✗ where not (tools/measures.py's read_on)."""
+    opts, need = settings("read", argv)
+    opts.task, opts.n, opts.p_cue, opts.threads = "code", 2, -1.0, 1
+    policies = (opts.policies or "streaming,full").split(",")
+    net, tok, budgets, _, targets, folders, scorers, files = bench_runs.baby_setup(opts, need, policies)
+    need(1 <= opts.tokens < opts.T, f"--tokens {opts.tokens}: use 1 .. T - 1")
+    read, n = files[0].tolist(), opts.T - opts.tokens
+    learned = {tasks.policy_name(scorers[d]): scorers[d] for t in targets for d in folders["code", t]}
+    # the prompt's last lines, then the file read on under each policy at each budget
+    print("...\n" + "\n".join(tok.decode(read[:n]).splitlines()[-20:]), end="\n" + "=" * 80 + "\n")
+    for b in budgets:
+        S = kvpop.budget_size(b, opts.T, opts.sinks, opts.window)[0]
+        read_on(net, tok, read, n, learned | {p: p for p in policies}, S, opts.sinks, opts.window, b)
 
 
 # ---------------------- speed: a step reads every weight and every kept key and value once: its cost follows bytes
@@ -467,6 +498,7 @@ def cmd_speed(argv):
             c.num_hidden_layers, c.max_position_embeddings = opts.layers or L, 131072
         torch.manual_seed(0)
         scorers = {k: kvpop.SCORERS[k](c, opts.window, opts.d_mem).eval().to(dev) for k in kvpop.SCORERS}
+        scorers = {k: fast.speed_up(s) for k, s in scorers.items()}
         prompts = [(T, budgets[0]) for T in (opts.prefill, opts.train) if T]
         for C, b in [(C, b) for C in contexts for b in budgets] + prompts:
             kvpop.budget_size(b, C, opts.sinks, opts.window, scorers["kvpop"].charge(dt))  # raises if no room
@@ -493,7 +525,8 @@ def cmd_speed(argv):
 
 
 if __name__ == "__main__":
-    commands = {"kernels": cmd_kernels, "quality": cmd_quality, "generate": cmd_generate, "speed": cmd_speed}
+    commands = {"kernels": cmd_kernels, "quality": cmd_quality, "generate": cmd_generate, "read": cmd_read}
+    commands["speed"] = cmd_speed
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         usage = f"usage: python bench.py {{{','.join(commands)}}} [options]"
         raise SystemExit(f"{usage}  (-h after a command for help)")

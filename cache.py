@@ -1,7 +1,7 @@
 """The evicting KV cache: kvpop.evict's rule for every layer, batch row and KV head at once, the fast form of one
 decoding step (README, How it works). It only evicts: slots, positions, priorities, the rule (`lowest`), put,
-attention, prefill. A learned policy's decoder (support/fast.py's form of its kind, else kvpop.Decoder) gives it the
-priority of each token as it leaves the window; the cache knows no scorer's kind. First, how it reads a policy.
+attention, prefill. A learned policy's decoder (its kind's `decoding`: kvpop.py's definition, or fast.py's form) gives it
+the priority of each token as it leaves the window; the cache knows no scorer's kind. First, how it reads a policy.
 """
 
 import math
@@ -10,7 +10,6 @@ import torch
 
 import kernels
 from kvpop import DYNAMIC, POLICIES, STATIC, Scorer, masked_attention
-from support import fast
 
 
 def resolve(policy):
@@ -69,7 +68,7 @@ class KVCache:
         self.layer = list(layers)
         # every layer's slot (L, B, H, 1) for this step's newcomer, set at layer 0
         self.new = None
-        self.decoder = fast.decoder(policy, self) if learned else None
+        self.decoder = policy.decoding(self) if learned else None
 
     def nbytes(self):  # keys, values and a learned scorer's state
         state = sum(x.nbytes for x in self.decoder.state) if self.decoder else 0
@@ -105,7 +104,7 @@ class KVCache:
             keep = torch.arange(T, device=k.device)
             keep = keep.expand(k.shape[:3])
             if self.rule == "dynamic":
-                pi = fast.attention_received(self.policy, q, k, lse)
+                pi = dynamic_scores(self.policy, q, k, lse)
         # longer than the budget (static, learned): the eviction-time mask; keep what the last query still sees,
         # exactly `slots` a head: sinks + window + pool, in position order
         else:
@@ -245,3 +244,27 @@ class KVCache:
         out = attention @ values.mT  # (B, H, G, D)
         out = out.to(q.dtype)
         return out.view(batch, -1, 1, D)
+
+
+def dynamic_scores(policy, q, k, lse):
+    """h2o's and tova's prefill (B, H, T): what they hold after a prompt fed token by token without eviction, the
+    group-mean attention each key received (h2o: from every query; tova: the last), from a causal pass's lse (B, Hq,
+    T), 128 queries a time."""
+    batch, heads = k.shape[:2]
+    T, D = k.shape[2:]
+    group = q.shape[1] // heads
+    t = torch.arange(T, device=q.device)
+    received = torch.zeros(batch, heads, T, device=q.device)
+    keys = k.float()[:, :, None].mT  # (B, H, 1, D, T)
+    first = 0 if policy == "h2o" else T - 1
+    for j in range(first, T, 128):
+        queries = q[:, :, j : j + 128].float()
+        queries = queries.view(batch, heads, group, -1, D)
+        norms = lse.view(batch, heads, group, T)
+        norms = norms[..., j : j + 128, None]
+        logits = queries @ keys / math.sqrt(D)
+        probs = (logits - norms).exp()  # (B, H, G, M, T)
+        unseen = t > t[j : j + 128, None]
+        probs = probs.masked_fill(unseen, 0)
+        received += probs.mean(2).sum(-2)
+    return received

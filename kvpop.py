@@ -3,12 +3,15 @@
 the evicting cache, kernels.py the masked attention, the target and eviction times; support/fast.py faster decoding."""
 
 import math
+import os
+import types
 
 import torch
 from torch.nn import Module, Parameter
 from torch.nn.functional import logsigmoid, pad, silu, softplus
 
 import kernels
+from support.checkpoint import read_json, read_safetensors, save_safetensors, write_json
 
 
 # --------------------------------------------------------------------------------- the budget (README, Method: budget)
@@ -218,6 +221,10 @@ class Scorer(Module):
     def charge(self, dtype):  # m: the cache entries of `dtype` its state takes (README, Method: budget)
         return 0
 
+    # its decoding in the cache, by its definition (fast.speed_up swaps in a faster form)
+    def decoding(self, cache):
+        return Decoder(self, cache)
+
     def check(self, config, window):
         got = {name: getattr(config, name) for name in self.shape}
         if got != self.shape:
@@ -407,111 +414,109 @@ class MemoryScorer(Scorer):
         log_forget = (x * wf).sum(-1) + bf
         return log_input, logsigmoid(log_forget)
 
-    def parallel(self, layer, x):  # a whole sequence's features x (B, H, T, X) -> r (B, H, T)
-        return self.chunked(layer, x)[0]
+    # a whole sequence's features x (B, H, T, X) -> r (B, H, T), by the recurrence (fast.py: the chunked form)
+    def parallel(self, layer, x):
+        return self.recurrent(layer, x)[0]
+
+    # its memory keys k', values v' and read vectors u (B, H, T, M) of features x
+    def project(self, layer, x):
+        k = self.written_under(x) @ self.wk[layer]
+        k = k / math.sqrt(self.d_mem)
+        return k, x @ self.wv[layer], x @ self.wr[layer]
+
+    # an empty memory: C (B, H, M, M), n (B, H, M, 1) and the log-scale s (B, H), in x's dtype
+    def empty(self, x):
+        size = self.d_mem
+        memory = x.new_zeros(*x.shape[:2], size, size)
+        norm = x.new_zeros(*x.shape[:2], size, 1)
+        return memory, norm, x.new_full(x.shape[:2], -math.inf)
+
+    def remember(self, state, k, v, log_input, log_forget):
+        """The memory after one more token, its k', v' (B, H, M) and gates (B, H): C and n are stored as exp(-s)
+        times their values, s' = max(log f + s, log i) (xLSTM's stabiliser)."""
+        memory, norm, scale = state
+        forgotten = log_forget + scale
+        new_scale = torch.maximum(forgotten, log_input)
+        forget = (forgotten - new_scale).exp()[..., None, None]
+        write = (log_input - new_scale).exp()[..., None, None]
+        outer = v[..., :, None] * k[..., None, :]  # v' k'^T
+        memory = forget * memory + write * outer
+        norm = forget * norm + write * k[..., :, None]
+        return memory, norm, new_scale
+
+    # z = rms(C u / max(|n . u|, 1)) of read vectors u (B, H, R, M), stabilised: exp(-s) stands for 1
+    def recall(self, state, u):
+        memory, norm, scale = state
+        floor = (-scale).exp()[..., None, None]
+        divisor = torch.maximum((u @ norm).abs(), floor)
+        return rms(u @ memory.mT / divisor)
 
     def recurrent(self, layer, x):
-        """The plain recurrence, the definition the other forms compute: r (B, H, T) of x, a token at a time, C and n
-        stored as exp(-s_q) times their values, s_q = max(log f_q + s_{q-1}, log i_q) (xLSTM's stabiliser)."""
-        T, size = x.shape[2], self.d_mem
-        k = self.written_under(x) @ self.wk[layer] / math.sqrt(size)  # k' (B, H, T, M)
-        v = x @ self.wv[layer]  # v'
-        u = x @ self.wr[layer]  # the read vectors
+        """The plain recurrence, the definition: r (B, H, T) of x, a token at a time, and the last state."""
+        T = x.shape[2]
+        k, v, u = self.project(layer, x)  # (B, H, T, M)
         log_input, log_forget = self.gates(layer, x)
-        memory = x.new_zeros(*x.shape[:2], size, size)  # C
-        norm = x.new_zeros(*x.shape[:2], size, 1)  # n
-        scale = x.new_full(x.shape[:2], -math.inf)  # s
+        state = self.empty(x)
         read_at = torch.arange(T, device=x.device) + self.delay
         read_at = read_at.clamp(max=T - 1)  # each token's q
         z = torch.zeros_like(u)
         for q in range(T):
-            forgotten = log_forget[..., q] + scale
-            new_scale = torch.maximum(forgotten, log_input[..., q])
-            forget = (forgotten - new_scale).exp()[..., None, None]
-            write = (log_input[..., q] - new_scale).exp()[..., None, None]
-            outer = v[..., q, :, None] * k[..., q, None, :]  # v' k'^T
-            memory = forget * memory + write * outer
-            norm = forget * norm + write * k[..., q, :, None]
-            scale = new_scale
-            # the tokens read at q: C u / max(|n . u|, 1), stabilised
+            gates = log_input[..., q], log_forget[..., q]
+            state = self.remember(state, k[..., q, :], v[..., q, :], *gates)
+            # the tokens read at q
             now = read_at == q
-            floor = (-scale).exp()[..., None, None]
-            read = u[..., now, :]
-            divisor = torch.maximum((read @ norm).abs(), floor)
-            z[..., now, :] = rms(read @ memory.mT / divisor)
-        return self.readout(layer, x, z)
+            z[..., now, :] = self.recall(state, u[..., now, :])
+        return self.readout(layer, x, z), state
 
-    def chunked(self, layer, x):
-        """The chunked form (training, the masked pass, prefill): r (B, H, T) and the last state, [C; n] (B, H, M + 1,
-        M) and its log-scale (B, H). In a chunk, F_q = log f_0 + .. + log f_q: C_q u = sum_{j <= q} exp(F_q - F_j +
-        log i_j) v'_j (k'_j . u) over its tokens j, plus the state carried from before it, under one max a row."""
-        T = x.shape[2]
-        size, delay = self.d_mem, self.delay
-        chunks = x.split(self.chunk, -2)
-        keyed = self.written_under(x)  # what the keys are made of
-        gates = [self.gates(layer, part) for part in chunks]
-        log_inputs, log_forgets = zip(*gates)
-        log_input = torch.cat(log_inputs, -1)  # (B, H, T)
-        log_forget = torch.cat(log_forgets, -1)
-        # decay[..., q + 1] = F_q, in fp64: differences of long sums
-        decay = log_forget.double().cumsum(-1)
-        decay = pad(decay, (1, 0))
-        starts = range(0, T, self.chunk)
-        # chunk c reads tokens reads[c] .. reads[c + 1] - 1
-        reads = [max(start - delay, 0) for start in starts] + [T]
-        # [C; n] = sum_j weight_j [v'_j; 1] k'_j^T over the tokens before the chunk, and its log-scale
-        memory = x.new_zeros(*x.shape[:2], size + 1, size)
-        scale = x.new_full(x.shape[:2], -math.inf)
-        out = []
-        spans = zip(starts, reads, reads[1:], chunks)
-        for start, first, last, part in spans:
-            end = start + part.shape[2]  # the chunk's tokens: start .. end - 1
-            # the chunk's memory keys k' and values [v'; 1]
-            k = keyed[..., start:end, :] @ self.wk[layer] / math.sqrt(size)  # (B, H, c, M)
-            v = part @ self.wv[layer]
-            v = pad(v, (0, 1), value=1.0)  # (B, H, c, M + 1)
-            # the tokens read in it and their read vectors u
-            xr = x[..., first:last, :]  # (B, H, R, X)
-            t = torch.arange(first, last, device=x.device)
-            u = xr @ self.wr[layer]  # (B, H, R, M)
-            # the rows: each read's q, then the chunk's last token (where the state moves), as indices into decay
-            read_at = (t + delay).clamp(max=T - 1)
-            rows = [read_at, t.new_tensor([end - 1])]
-            q = torch.cat(rows) + 1
-            # log weight of the chunk's token j in row q: F_q - F_j + log i_j for j <= q, else -inf (B, H, R + 1, c)
-            j = torch.arange(start + 1, end + 1, device=x.device)
-            log_weight = decay[..., None, start + 1 : end + 1]
-            log_weight = decay[..., q, None] - log_weight
-            log_weight = log_weight.to(x.dtype)
-            log_weight = log_weight + log_input[..., None, start:end]
-            later = j > q[:, None]
-            log_weight = log_weight.masked_fill(later, -math.inf)
-            # the carried state's log-scale in row q; one max a row over both
-            carried = decay[..., q] - decay[..., start, None]
-            carried = carried.to(x.dtype)
-            log_carried = scale[..., None, None] + carried[..., None]
-            row_max = log_weight.amax(-1, keepdim=True)
-            row_max = torch.maximum(row_max, log_carried)
-            weight = (log_weight - row_max).exp()
-            carry = (log_carried - row_max).exp()
-            # the reads [C u; n . u]: the chunk's tokens, decay-masked (B, H, R, M + 1)
-            y = u @ k.mT
-            y = weight[..., :-1, :] * y
-            y = y @ v
-            # plus the carried state (none before chunk 0)
-            if start:
-                y = y + carry[..., :-1, :] * (u @ memory.mT)
-            # h = C u / max(|n . u|, 1), stabilised; r = readout(x, rms(h))
-            floor = (-row_max[..., :-1, :]).exp()
-            divisor = torch.maximum(y[..., size:].abs(), floor)
-            h = y[..., :size] / divisor
-            out.append(self.readout(layer, xr, rms(h)))
-            # the state moves to the chunk's last token
-            written = v * weight[..., -1, :, None]
-            written = written.mT @ k
-            memory = carry[..., -1:, :] * memory + written
-            scale = row_max[..., -1, 0]
-        return torch.cat(out, -1), (memory, scale)
+    def decoding(self, cache):  # decodes by the recurrence, a token a step
+        return MemoryDecoder(self, cache)
+
+
+class MemoryDecoder(Decoder):
+    """kvpop's decoding by its definition: as token p comes, each layer's memory takes token p - 1 (now cached),
+    then t = p - w reads it: the recurrence a step. The memory [C; n] and s are charged to the budget."""
+
+    def __init__(self, scorer, cache):
+        super().__init__(scorer, cache)
+        if scorer.arrival:
+            ablation = "read on arrival (the delay ablation) runs in the masked pass only"
+            raise ValueError(f"a {scorer.kind} scorer {ablation}")
+        grid = cache.pos.shape[:3]  # (L, B, H)
+        x = cache.pos.new_zeros(grid, dtype=scorer.theta.dtype)
+        self.state = scorer.empty(x)  # (L, B, H, ...)
+        self.start = 0  # the tokens a prompt gave the memories
+
+    def prefill(self, layer, k, v, pos, a=None):
+        x = self.scorer.features(k, v)
+        r, state = self.scorer.recurrent(layer, x)
+        for held, now in zip(self.state, state):
+            held[layer] = now
+        self.start = k.shape[2]
+        return r + self.scorer.recency(layer, pos.to(r.dtype))
+
+    def leaving(self, p):
+        """Every layer's memory takes token p - 1 (unless the prompt gave it), written under the features of the
+        tokens before it that its kind reads (p - 2 .. p - 1); then t = p - w reads it (t < 0: dropped)."""
+        scorer, t = self.scorer, p - self.cache.window
+        written = torch.arange(max(int(p) - 2, 0), int(p), device=p.device)
+        k, v = self.cache.recent_kv(written)  # (L, B, H, 2, D)
+        k_t, v_t = self.cache.recent_kv(t)  # (L, B, H, 1, D)
+        scores = []
+        for layer in range(scorer.layers):
+            state = [held[layer] for held in self.state]
+            if p > self.start:
+                x = scorer.features(k[layer], v[layer])
+                key, value, _ = scorer.project(layer, x)
+                gates = scorer.gates(layer, x)
+                state = scorer.remember(state, key[..., -1, :], value[..., -1, :], *[g[..., -1] for g in gates])
+                for held, now in zip(self.state, state):
+                    held[layer] = now
+            x_t = scorer.features(k_t[layer], v_t[layer])
+            u = scorer.project(layer, x_t)[2]
+            z = scorer.recall(state, u)
+            r = scorer.readout(layer, x_t, z)
+            scores.append(r + scorer.recency(layer, t.to(r.dtype)))
+        return torch.stack(scores)
 
 
 # the learned kinds by name, the default first: a new kind is a class registered here (README, Add a scorer)
@@ -566,3 +571,41 @@ def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
         right = (margin > 0) == y
         hits += (omega * right).sum().item() / share
     return loss, hits
+
+
+# ------------------------------------------------------------------------------------ a scorer on disk (train.py writes)
+# scorer.json (every setting needed to rebuild it, and what it was trained for) beside scorer.safetensors
+def save_scorer(scorer, folder):
+    os.makedirs(folder, exist_ok=True)
+    save_safetensors(scorer.state_dict(), os.path.join(folder, "scorer.safetensors"))
+    settings = dict(kind=scorer.kind, window=scorer.window)
+    settings |= dict(d_mem=scorer.d_mem, d_hidden=scorer.d_hidden)
+    settings |= dict(arrival=scorer.arrival, received=scorer.received) | scorer.shape
+    settings["trained"] = scorer.meta
+    write_json(settings, os.path.join(folder, "scorer.json"))
+
+
+def load_scorer(folder):
+    """A saved scorer, of the class its kind names in SCORERS, frozen, on its definitions (fast.speed_up: faster)."""
+    path = os.path.join(folder, "scorer.json")
+    if not os.path.isfile(path):
+        hint = "pass the --out_dir of a train.py run"
+        raise FileNotFoundError(f"{folder} is not a scorer folder (no scorer.json); {hint}")
+    saved = read_json(path)
+    tensors = read_safetensors(os.path.join(folder, "scorer.safetensors"))
+    try:
+        names = ("num_hidden_layers", "num_key_value_heads", "head_dim")
+        shape = types.SimpleNamespace(**{name: saved[name] for name in names})
+        sizes = (saved["window"], saved["d_mem"], saved["d_hidden"])
+        kind = SCORERS[saved["kind"]]
+        received = saved.get("received", False)
+        scorer = kind(shape, *sizes, arrival=saved["arrival"], received=received)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: missing or bad field ({e})") from None
+    want = {name: x.shape for name, x in scorer.state_dict().items()}
+    got = {name: x.shape for name, x in tensors.items()}
+    if got != want:
+        raise ValueError(f"{folder}: scorer.safetensors does not hold the tensors scorer.json describes")
+    scorer.load_state_dict({name: x.float() for name, x in tensors.items()})
+    scorer.meta = saved.get("trained", {})
+    return scorer.eval().requires_grad_(False)

@@ -20,15 +20,15 @@ import os
 import random
 import shutil
 import time
-import types
 
 import torch
 import torch.nn.functional as F
 
 import qwen3
-from support import checks, flags, tokenizer
-from support.corpus import code_held_out, code_runs, code_sequences
-from tasks import TASKS, evaluate, task_batch
+from support import flags, tokenizer
+from support.corpus import code_files, code_held_out, code_sequences
+from tasks import TASK_RANKS, TASKS, evaluate, task_batch
+from tools.measures import code_runs
 
 # --- run
 out_dir = "out"  # written: config.json and model.safetensors (replaced; the folder's other files stay)
@@ -281,7 +281,48 @@ def pretrain():
     print(f"saved {out_dir}/")
 
 
+def check():
+    """pretrain.py's flags, then the folder it writes into and the corpus --data names: one line and exit 1 each."""
+    need = lambda ok, msg: flags.need(ok, msg, "pretrain.py")
+    # a number in range
+    for name in "threads n_layer n_head n_kv_head n_ff tokens phase_steps final_steps warmup".split():
+        value = globals()[name]
+        need(value >= 1, f"--{name} {value}: must be at least 1")
+    for name in ("lr", "rope_theta"):
+        value = globals()[name]
+        need(value > 0, f"--{name} {value}: must be positive")
+    # the rest: each its own check
+    need(int(os.environ.get("WORLD_SIZE", 1)) == 1, "pretraining runs in one process (not under torchrun)")
+    names = ", ".join(TASKS)
+    need(task in TASKS, f"--task {task!r}: choose from {names}")
+    finals = set(final_tasks.split(","))
+    need(finals <= set(TASKS), f"--final_tasks {final_tasks!r}: comma-separated tasks from {names}")
+    need(0 < advance_acc <= 1, f"--advance_acc {advance_acc}: must be in (0, 1]")
+    need(answer_weight >= 0, f"--answer_weight {answer_weight}: use 0 or more")
+    need(1 <= keys <= 16, f"--keys {keys}: use 1..16 (the recall task)")
+    lengths = "use 64 (the recall task) .. 4096 (the baby's positions)"
+    need(64 <= seq_len <= 4096, f"--seq_len {seq_len}: {lengths}")
+    need(tokens >= seq_len, f"--tokens {tokens}: use at least --seq_len ({seq_len}), one sequence")
+    embd, heads, kv = n_embd, n_head, n_kv_head
+    need(embd >= 128, f"--n_embd {embd}: use 128 or more (head_dim 64, and dims 64..127 hold the previous token)")
+    need(heads % kv == 0, f"--n_head {heads}: use a multiple of --n_kv_head ({kv}), query heads share KV heads")
+    need(0 <= copies <= 1, f"--copies {copies}: use a share in [0, 1]")
+    ranks = f"use {TASK_RANKS}..151643 (every recall-task word must stay one token)"
+    need(TASK_RANKS <= vocab_ranks <= 151643, f"--vocab_ranks {vocab_ranks}: {ranks}")
+    flags.check_seed(seed, "pretrain.py")
+    need(out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name")
+    # flags first, then the folder pretraining writes into
+    ours = not os.path.exists(out_dir) or os.path.isfile(os.path.join(out_dir, "config.json"))
+    name_new = "pretrain.py writes its model files there, so name a new one"
+    need(ours, f"--out_dir {out_dir}: exists and is no checkpoint; {name_new}")
+    # --data: a folder with .py/.txt files (their tokens are counted once read)
+    try:
+        code_files(data) if data else None
+    except FileNotFoundError as e:
+        need(False, f"--data: {e}")
+
+
 if __name__ == "__main__":
-    checks.pretrain(types.SimpleNamespace(**globals()))
+    check()
     torch.set_num_threads(threads)
     pretrain()

@@ -14,58 +14,78 @@ import types
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 
+import fast
 from cache import KVCache, resolve
-from kvpop import SCORERS, budget_size, entries, state_charge
+from kvpop import SCORERS, budget_size, entries, load_scorer, state_charge
 from qwen3 import Qwen3, Qwen3Config, generate
-from support import checks, scorer_files
-from support.checkpoint import checkpoint_dir, read_json
-from support.flags import auto_dtype, configure, fail, need
+from support.checkpoint import DTYPES, checkpoint_dir, read_json
+from support.corpus import CODE_LENGTH, CODE_WINDOW, code_held_out
+from support.flags import auto_dtype, check_budget, check_device, check_dtype, check_seed, configure, fail, need
 from support.tokenizer import Tokenizer
-from support.corpus import CODE_LENGTH, CODE_WINDOW, code_held_out, read_on
 from tasks import recall_marks, recall_score, task_ids
 
 # --- model
 model = "baby"  # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby, codebaby: the demos
 device = "cuda" if torch.cuda.is_available() else "cpu"  # where the model runs
 dtype = "auto"  # float32 / bfloat16 / float16; auto = the checkpoint's on cuda, float32 on cpu
-threads = 0  # CPU threads; 0: one for a model under 100M parameters (threads wait on each other), else torch's
+threads = 1  # CPU threads (a model over 100M parameters: torch's count); one: a small step's threads wait
 compile = False  # decode with the step compiled, one graph (torch.compile: CUDA graphs on a GPU, inductor on a CPU)
+plain = False  # decode by kvpop.py's definitions alone (kvpop.Decoder), not fast.py's forms: the same text
 # --- prompt
-prompt = ""  # the text, or FILE:path; empty: the baby's recall prompt, codebaby's held-out file, or a sentence
+prompt = "FILE:baby/prompt.txt"  # the text, or FILE:path (codebaby: its held-out file; a real Qwen3: a sentence)
 chat = False  # wrap the prompt in Qwen3's chat template
 think = False  # with --chat: let the model think first (<think> ... </think>)
-# --- sampling
-num_samples = 0  # samples drawn one after another; 0: 4 (baby, for its recall scoreboard), else 1
-max_new_tokens = 0  # tokens per sample (fewer if the model stops); 0: 112 (baby), 256 (codebaby: read), else 2048
-temperature = -1.0  # 0 = greedy; -1: 1 for the baby (its own distribution), else Qwen3's 0.7 (0.6 thinking)
-top_k = -1  # keep the k most likely tokens (0 = off); -1: off for the baby, else Qwen3's 20
-top_p = -1.0  # nucleus sampling (1 = off); -1: off for the baby, else Qwen3's 0.8 (0.95 thinking)
+# --- sampling: the baby's own distribution (a nucleus would cut its rare keys); a real Qwen3: Qwen3's advice
+num_samples = 4  # samples drawn one after another, for the baby's recall scoreboard (others: 1)
+max_new_tokens = 112  # tokens per sample, fewer if the model stops: the baby's task (codebaby: 256, others: 2048)
+temperature = 1.0  # 0 = greedy (a real Qwen3: 0.7, thinking 0.6)
+top_k = 0  # keep the k most likely tokens, 0 = off (a real Qwen3: 20)
+top_p = 1.0  # nucleus sampling, 1 = off (a real Qwen3: 0.8, thinking 0.95)
 seed = 1337  # random seed
 # --- KV budget (README, Method: budget)
 budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer S; 1 = full cache
-policy = ""  # kvpop-window, kvpop, kvpop-mlp, streaming, knorm, random, h2o, tova, full
-scorer = ""  # a learned scorer's folder; empty: out/ if it holds --policy's kind, else the (code)baby's
+policy = "kvpop-window"  # kvpop-window, kvpop, kvpop-mlp, streaming, knorm, random, h2o, tova, full (real Qwen3: streaming)
+scorer = ""  # a learned scorer's folder; empty: out/ if it holds --policy's kind, else the (code)baby's shipped one
 sinks = 4  # first tokens never evicted
-window = 0  # recent tokens never evicted; 0: the learned scorer's, else 32 (baby), 192 (codebaby) or 256
+window = 32  # recent tokens never evicted (a learned scorer: its own; codebaby: 192; a real Qwen3: 256)
 show = False  # print the text again, each token shaded by how many (layer, head) caches hold it
-configure(globals())
-# the demos: the baby's recall prompt (399 tokens) and 112 new ones, the task's length; codebaby's file, 2048 tokens
+given = configure(globals())
+# the presets of the demos and of a real Qwen3, each unless given: codebaby reads on its held-out file
 baby, code = model == "baby", model == "codebaby"
-prompt = prompt or ("FILE:baby/prompt.txt" if baby else "" if code else "The capital of France is")
+qwen = not (baby or code)
+preset = lambda name, value: globals()[name] if name in given else value
+prompt = preset("prompt", "FILE:baby/prompt.txt" if baby else "" if code else "The capital of France is")
+num_samples = preset("num_samples", 4 if baby else 1)
+max_new_tokens = preset("max_new_tokens", 112 if baby else 256 if code else 2048)
+temperature = preset("temperature", (0.6 if think else 0.7) if qwen else 1.0)
+top_k = preset("top_k", 20 if qwen else 0)
+top_p = preset("top_p", (0.95 if think else 0.8) if qwen else 1.0)
+window = preset("window", CODE_WINDOW if code else 256 if qwen else 32)
 # a scorer folder names its kind (a --scorer without scorer.json: said below)
 kind_file = os.path.join(scorer, "scorer.json")
-if not policy and scorer and os.path.isfile(kind_file):
-    policy = str(read_json(kind_file).get("kind", ""))
-policy = policy or ("kvpop-window" if baby or code or scorer else "streaming")
-max_new_tokens = max_new_tokens or (112 if baby else 256 if code else 2048)
-num_samples = num_samples or (4 if baby else 1)
-# the baby samples its own distribution (a nucleus would cut its rare keys); Qwen3's advice otherwise
-temperature = (1.0 if baby else 0.6 if think else 0.7) if temperature == -1 else temperature
-top_k = (0 if baby else 20) if top_k == -1 else top_k
-top_p = (1.0 if baby else 0.95 if think else 0.8) if top_p == -1 else top_p
+named = scorer and os.path.isfile(kind_file)
+policy = preset("policy", str(read_json(kind_file).get("kind", "")) if named else policy)
+policy = preset("policy", "streaming" if qwen and not scorer else policy)
 
 
-checks.sample(types.SimpleNamespace(**globals()))
+# bad input, each flag on its own, before anything is looked up, downloaded or loaded: one line, exit 1
+check_device(device)
+check_dtype(dtype, DTYPES)
+need(chat or not think, "--think only applies to the chat template; add --chat or drop --think")
+need(threads >= 1, f"--threads {threads}: use 1 or more")
+need(num_samples >= 1, f"--num_samples {num_samples}: use 1 or more")
+need(max_new_tokens >= 1, f"--max_new_tokens {max_new_tokens}: generate at least 1 token")
+need(temperature >= 0, f"--temperature {temperature:g}: use 0 (greedy) or more")
+off = "use 0 (off) or the number of likeliest tokens kept"
+need(top_k >= 0, f"--top_k {top_k}: {off}")
+need(0 < top_p <= 1, f"--top_p {top_p:g}: use 0 < top_p <= 1 (1 = off)")
+check_seed(seed)
+check_budget(budget)
+need(sinks >= 0, f"--sinks {sinks}: use 0 or more")
+need(window >= 1, f"--window {window}: use 1 or more")
+learned = ", ".join(SCORERS)
+why = f"only a learned --policy ({learned}) reads one; drop --scorer or choose one of those"
+need(not scorer or policy in SCORERS, f"--scorer {scorer}: {why}")
 # a learned scorer, read before the model: --scorer, else out/ if train.py wrote this kind there, else the baby's
 try:
     pol = policy
@@ -75,14 +95,14 @@ try:
             out = os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy
             shipped = "codebaby/scorers/code-max" if code else "baby/scorers/recall-helpful"
             scorer = "out" if out else f"{shipped}/{policy}"
-        pol = scorer_files.load(scorer).to(device)
+        pol = load_scorer(scorer).to(device)
+        pol = pol if plain else fast.speed_up(pol)  # fast.py's forms, unless --plain
         need(policy == pol.kind, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
         need(not pol.arrival, f"--scorer {scorer} reads on arrival (the delay ablation): bench.py quality runs it")
-        window = window or pol.window
+        window = preset("window", pol.window)  # a delayed scorer reads at its own window
     rule = resolve(pol)[0]
 except (OSError, ValueError) as e:
     fail(f"--policy {policy}: {e}")
-window = window or (32 if baby else CODE_WINDOW if code else 256)
 need(rule != "full" or budget == 1, "--policy full never evicts; use --budget 1 or an evicting --policy")
 try:
     text = open(prompt[5:], encoding="utf-8").read() if prompt.startswith("FILE:") else prompt
@@ -95,10 +115,10 @@ try:
     config = Qwen3Config.from_json(os.path.join(folder, "config.json"))
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode(tok.chat(text, think) if chat else text)
-    # codebaby: the first held-out torch file (support/corpus.py) with 2048 tokens, read on from its opening
-    read = code_held_out(tok, "torch", CODE_LENGTH, 2)[0].tolist() if code and not text else []
-    if read:
-        ids, text = read[: CODE_LENGTH - max_new_tokens], tok.decode(read[: CODE_LENGTH - max_new_tokens])
+    # codebaby: the first held-out torch file (support/corpus.py) with 2048 tokens, continued from its opening
+    if code and not text:
+        opening = code_held_out(tok, "torch", CODE_LENGTH, 2)[0, : CODE_LENGTH - max_new_tokens].tolist()
+        ids, text = opening, tok.decode(opening)
     total, limit = len(ids) + max_new_tokens, config.max_position_embeddings
     need(ids, "--prompt is empty; give some text or FILE:path")
     asked = f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's {limit} positions"
@@ -113,7 +133,7 @@ except (OSError, ValueError) as e:
     fail(e)
 # a small model's decoding step is too small to share: one thread, unless --threads says otherwise (LOG.md)
 small = sum(p.numel() for p in net.parameters()) < 1e8
-torch.set_num_threads(threads or (1 if small else torch.get_num_threads()))
+torch.set_num_threads(threads if small or "threads" in given else torch.get_num_threads())
 # --compile: one graph a decoding step; on a GPU replayed as a CUDA graph
 mode = "reduce-overhead" if device.startswith("cuda") else None
 compiled = torch.compile(net, fullgraph=True, dynamic=False, mode=mode) if compile else None
@@ -189,11 +209,6 @@ def report(cache, out, t, dec):
     print("=" * 80)
 
 
-# codebaby: the file read on under the policy and streaming, each key token marked (support/corpus.py)
-if code and read:
-    print("...\n" + "\n".join(text.splitlines()[-20:]), end="\n" + "=" * 80 + "\n")  # the prompt's last lines
-    read_on(net, tok, read, len(ids), {name: pol, "streaming": "streaming", "full": "full"}, S, sinks, window, budget)
-    raise SystemExit
 outs = draw(pol if S < total else "full", entries(S, charge, total), True)
 # the baby: its recall scoreboard, the same prompt and seed under the policy, full and streaming
 if baby:

@@ -125,7 +125,6 @@ def recall_score(words, start):  # (R, N): the hits and the count of recall_mark
     return sum(marks.values()), len(marks)
 
 
-
 @torch.no_grad()
 def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, target="mean"):
     """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True, token by token through
@@ -192,3 +191,15 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
         mean_kl = round(divergence.mean().item(), 4) if len(divergence) else 0.0
         rows.append(row | dict(relative=round(acc / acc_full, 4), kl=mean_kl))
     return rows, far.float().mean().item(), len(far)
+
+
+def quality_table(rows):  # a markdown table of quality_runs' rows; task and target columns when they have them
+    cols = [col for col in ("task", "target") if col in rows[0]]
+    columns = cols + ["policy", "budget", "accuracy", "far accuracy", "relative", "KL"]
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for row in rows:
+        cells = [row[col] for col in cols] + [row["policy"], f"{row['budget']:g}"]
+        cells += [f"{row['accuracy']:.1%}", f"{row['far_accuracy']:.1%}"]
+        cells += [f"{row['relative']:.3f}", f"{row['kl']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -17,17 +17,17 @@ import random
 import shutil
 import sys
 import time
-import types
 
 import torch
 
+import fast
 import kernels
 import kvpop
 import qwen3
 from cache import resolve
-from support import bench_runs, checkpoint, checks, flags, processes, scorer_files, tokenizer
-from support.corpus import CODE_LENGTH, CODE_WINDOW, code_held_out, code_sequences, finetune_table, pack_files
-from tasks import TASKS, quality_runs, task_batch
+from support import checkpoint, flags, processes, tokenizer
+from support.corpus import CODE_LENGTH, CODE_WINDOW, code_held_out, code_sequences, pack_files
+from tasks import TASKS, quality_runs, quality_table, task_batch
 
 # --- what to run
 finetune = False  # the model trains too, under the eviction, by KL to the dense model
@@ -167,11 +167,13 @@ def load():
     scorer = kvpop.SCORERS[kind](config, *sizes).to(device) if learned else None
     saved = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
     if learned and (resume or init_from):
-        scorer = scorer_files.load(out_dir if resume else init_from)
+        scorer = kvpop.load_scorer(out_dir if resume else init_from)
         scorer.check(config, window)
         scorer = scorer.to(device).requires_grad_(True).train()
         if resume:
             scorer.load_state_dict(saved["scorer"])
+    # its fast forms (fast.py): the chunked memory of kvpop's kinds
+    scorer = fast.speed_up(scorer) if learned else None
     # the budget: the scorer's state comes off it
     dt = flags.auto_dtype(dtype, device)
     charge = kvpop.state_charge(scorer, getattr(torch, dt or config.torch_dtype))
@@ -220,7 +222,7 @@ def save(it, folder, scorer, scorer_opt, student, model_opt):
         names += " p_cue_min p_cue_max" * (task == "cue")
         scorer.meta = {k: globals()[k] for k in names.split()}
         scorer.meta.update(iters=it, finetune=finetune)
-        scorer_files.save(scorer, out_dir)
+        kvpop.save_scorer(scorer, out_dir)
     scorer_saved = dict(scorer=scorer and scorer.state_dict(), opt=scorer_opt and scorer_opt.state_dict())
     saved = dict(scorer_saved, model=weights, model_opt=model_opt_saved, iter=it)
     torch.save(saved, os.path.join(out_dir, "tmp.pt"))
@@ -247,10 +249,11 @@ def held_out(evaluated, tok, pol, texts, pools):
 
 def final_table(folder, tok, net, scorer):
     """The quality table on bench.py quality's held-out sequences: the scorer beside the oracle, streaming and h2o, or
-    (--finetune) the fine-tuned model as saved under its eviction, against the dense model before (code: files)."""
+    (--finetune) the fine-tuned model as saved under its eviction, against the dense model before. Code: the command
+    that measures it (bench.py quality, its files)."""
     if task == "code":
-        held = code_held_out(tok, corpus, seq_len, final_seqs)
-        return print(finetune_table(folder, out_dir, held, init_from, scorer, sinks, window, target))
+        scorers = f"--scorer {out_dir} --target {target}" if scorer is not None else "--scorer '' --policies streaming"
+        return print(f"measure it: python bench.py quality --task code --model {out_dir} --ref {model} {scorers}")
     seqs = task_batch(tok, final_seqs, seq_len, random.Random("test-0"), **TASKS[task])
     ref, evaluated, pols = None, net, ["oracle", "streaming", "h2o", scorer]
     if finetune:
@@ -261,7 +264,7 @@ def final_table(folder, tok, net, scorer):
     for r in rows[1:] if finetune else []:
         r["policy"] = f"{r['policy']} (fine-tuned)" if scorer is not None else "StreamingLLM+"
     print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
-    print(bench_runs.quality_table(rows))
+    print(quality_table(rows))
 
 
 # step it's scorer rate: linear warmup times a cosine from --lr down to --min_lr
@@ -359,8 +362,72 @@ def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top
     return processes.allsum(kl.detach().double()).item() / world, *b
 
 
+def check(given):
+    """Bad input, before any work: each flag on its own, then against the others and the files they name, every
+    failure one line on stderr and exit 1. given: the flags the command line set."""
+    flags.check_device(device, "train.py")
+    flags.check_dtype(dtype, ("float32", "bfloat16", "float16"), "train.py")
+    # a choice from a list
+    choices = dict(kind=kvpop.SCORERS, task=(*TASKS, "code"), target=kvpop.TARGETS, policy=("scorer", "streaming"))
+    for name, among in choices.items():
+        value = globals()[name]
+        need(value in among, f"--{name} {value!r}: choose from {', '.join(among)}")
+    # a number in range
+    counts = "threads d_mem d_hidden seq_len window batch_size max_iters log_interval eval_interval eval_seqs"
+    lowest = dict.fromkeys((counts + " top_logits edges").split(), 1)
+    lowest.update(dict.fromkeys("queries warmup final_seqs sinks".split(), 0))
+    for name, low in lowest.items():
+        value = globals()[name]
+        need(value >= low, f"--{name} {value}: must be at least {low}")
+    for name in ("lr", "model_lr"):
+        value = globals()[name]
+        need(value > 0, f"--{name} {value}: must be positive")
+    # the rest, each its own line
+    need(finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune: add --finetune")
+    split = f"--batch_size {batch_size}: must split evenly over {world} processes"
+    need(batch_size % world == 0, split)
+    need(0 < gamma < 1, f"--gamma {gamma}: must be in (0, 1)")
+    need(0 <= min_lr <= lr, f"--min_lr {min_lr}: must be in [0, --lr]")
+    decay = "--weight_decay must be in [0, 1) and --grad_clip positive"
+    need(0 <= weight_decay < 1 and grad_clip > 0, decay)
+    need(1 <= keys <= 16 and seq_len >= 64, "--keys must be 1..16 and --seq_len at least 64")
+    rates = f"--p_cue_min {p_cue_min}, --p_cue_max {p_cue_max}"
+    need(0 <= p_cue_min <= p_cue_max < 1, f"{rates}: use 0 <= min <= max < 1")
+    flags.check_seed(seed, "train.py")
+    need(out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name")
+    # the training budget (train.load charges the scorer's state too)
+    try:
+        size = kvpop.budget_size(budget, seq_len, sinks, window)[0]
+    except ValueError as e:
+        flags.fail(f"--budget: {e}", "train.py")
+    need(size < seq_len, f"--budget {budget} keeps all {seq_len} tokens: nothing to learn")
+    # a flag that this run would ignore is an error, as an unknown one is
+    unread = [
+        ("no --finetune", not finetune, "policy model_lr top_logits"),
+        ("--policy streaming", policy == "streaming", "kind d_mem d_hidden gamma queries target edges init_from"),
+        (f"--kind {kind}", not issubclass(kvpop.SCORERS[kind], kvpop.MemoryScorer), "d_mem arrival"),
+        ("--init_from (the folder's sizes)", bool(init_from), "d_mem d_hidden gamma arrival"),
+        (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
+        ("--task code (no baby's task)", task == "code", "keys"),
+        ("--task code without --finetune", task == "code" and not finetune, "final_seqs"),
+        (f"--task {task}", task != "code", "corpus"),
+        (f"--task {task}", task != "cue", "p_cue_min p_cue_max"),
+    ]
+    for why, on, names in unread:
+        for name in names.split():
+            need(not (on and name in given), f"--{name} does nothing with {why}; drop it")
+    # a scorer to start from, of --kind's kind
+    if init_from:
+        found = os.path.join(init_from, "scorer.json")
+        need(os.path.isfile(found), f"--init_from {init_from}: no scorer.json; give a train.py --out_dir")
+        got = checkpoint.read_json(found).get("kind")
+        need(got == kind, f"--init_from {init_from} holds a {got} scorer; use --kind {got}")
+    ok = not resume or os.path.isfile(os.path.join(out_dir, "train_state.pt"))
+    need(ok, f"--resume: no train_state.pt in {out_dir} to continue; drop --resume to start anew")
+
+
 if __name__ == "__main__":
-    checks.train(types.SimpleNamespace(**globals()), given, world)
+    check(given)
     torch.set_num_threads(threads)
     device = processes.start(device)
     train()

@@ -13,7 +13,7 @@ import kernels
 import kvpop
 import qwen3
 import tasks
-from support import flags, scorer_files, tokenizer
+from support import flags, tokenizer
 
 # --- what to measure
 scorer = "baby/scorers/cue-helpful/kvpop-window"  # a cue scorer's folder
@@ -27,7 +27,7 @@ flags.configure(globals())
 torch.set_num_threads(1)
 net = qwen3.Qwen3.from_pretrained("baby", dtype=torch.float32)
 tok = tokenizer.Tokenizer.from_pretrained("baby")
-policy = scorer_files.load(scorer)
+policy = kvpop.load_scorer(scorer)
 idx, tgt, dist = tasks.task_batch(tok, n, 512, random.Random(f"test-{seed}"), p_cue=p_cue)
 T = idx.shape[1]
 pos = torch.arange(T)

@@ -9,9 +9,10 @@ import random
 import torch
 
 import kvpop
+from experiments import shifted  # noqa: F401 (registers kvpop-shifted)
 import qwen3
 import tasks
-from support import flags, scorer_files, tokenizer
+from support import flags, tokenizer
 
 # --- what to measure
 scorers = "baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-shifted,"  # comma-separated folders
@@ -43,7 +44,7 @@ distractor[:, :-1] = idx[:, 1:] == mark
 live[:, T - window :], distractor[:, T - window :] = False, False
 with torch.no_grad():
     kv, rs = kvpop.dense_targets(net, idx, window, target)
-    learned = {d: scorer_files.load(d) for d in scorers.split(",")}
+    learned = {d: kvpop.load_scorer(d) for d in scorers.split(",")}
 
 
 def above(pi):

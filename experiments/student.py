@@ -14,7 +14,7 @@ import torch
 import kernels
 import kvpop
 import qwen3
-from support import flags, scorer_files, tokenizer
+from support import flags, tokenizer
 from support.corpus import code_held_out, code_sequences
 
 # --- what to measure
@@ -74,7 +74,7 @@ def measure(net, policy, idx, window, pool, goal):
 if __name__ == "__main__":
     net = qwen3.Qwen3.from_pretrained(model, dtype=torch.float32).requires_grad_(False)
     tok = tokenizer.Tokenizer.from_pretrained(model)
-    policy = scorer_files.load(scorer)
+    policy = kvpop.load_scorer(scorer)
     trained = policy.meta
     goal = target or trained.get("target", kvpop.TARGETS[0])
     T = trained.get("seq_len", 2048)

@@ -1,2 +1,2 @@
-"""Support modules: checkpoint files, the tokenizer, command-line flags, GPU compile tables, the fast forms, the text
-corpora and the processes of a multi-process fine-tune. The method is in the top-level files."""
+"""What the core stands on, importing nothing of it: checkpoint files, the tokenizer, command-line flags, the GPU
+kernels and their compile tables, several processes, the text corpora."""

@@ -1,22 +1,16 @@
 """Text corpora. The code corpus: real text nobody here wrote, the installed torch package's own source (or any folder
-of .py/.txt files), read at run time, never copied into the repository, and the metrics of eviction on it (bench.py
-quality --task code, train.py --task code, pretrain.py --data). A file is held out by the hash of its path under the
-folder: the split never moves. Last, train.py --data's text files, packed.
+of .py/.txt files), read at run time, never copied into the repository (train.py --task code, bench.py quality --task
+code, pretrain.py --data). A file is held out by the hash of its path under the folder: the split never moves. Last,
+train.py --data's text files, packed. tools/measures.py: the metrics of eviction on code.
 """
 
 import contextlib
 import glob
 import hashlib
 import json
-import math
 import os
 
 import torch
-
-import kvpop
-from qwen3 import Qwen3
-from support import scorer_files
-from tasks import evaluate, policy_name
 
 HELD_OUT = 10  # one file in about this many is held out: sha256 of its relative path = 0 mod HELD_OUT
 # code's presets (train.py --task code, bench.py quality --task code, sample.py --model codebaby): the length, and the
@@ -80,129 +74,6 @@ def code_held_out(tok, corpus, T, n):
         what = f"{len(ids)} of its {len(held)} held-out files have {T} tokens"
         raise ValueError(f"corpus {corpus!r}: {what}; need 2, add files or lower the length")
     return torch.tensor(ids)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the metrics on code, per file (one sequence each), then a normal 95% interval over files
-
-
-def key_tokens(full, local, idx, S):
-    """(B, T - S - 1) bool: which next tokens, at the positions t >= S that predict one, are *key* (LongPPL, arXiv
-    2410.23771): the full context raises their log-probability by more than 2 nats over the local one, to above -2.
-    full, local: log-probs (B, T, V) of the same files; local is streaming at the budget S (the sinks and the latest
-    tokens): a key token needs something streaming evicts."""
-    nxt = idx[:, S + 1 :, None]  # (B, T - S - 1, 1): the tokens positions S.. predict
-    near = full[:, S:-1].gather(-1, nxt)[..., 0]
-    gain = near - local[:, S:-1].gather(-1, nxt)[..., 0]
-    return (gain > 2) & (near > -2)
-
-
-def masked_mean(x, mask):  # per file (B,): the mean of x (B, N) where mask; nan in a file without one
-    return (x * mask).sum(-1) / mask.sum(-1)
-
-
-def file_metrics(full, lp, idx, S, key):
-    """Per-file means of log-probs lp (B, T, V) against full's, at the positions t >= S that predict a next token, and
-    at the key ones among them (key (B, T - S - 1), key_tokens') -> dict of (B,): KL(full || lp), top-1 agreement,
-    log-perplexity over full's; the share of key tokens, lp's top-1 accuracy on them (against the true next token) and
-    its loss rise over full there (nan in a file without one)."""
-    nxt = idx[:, S + 1 :, None]  # (B, T - S - 1, 1): the tokens positions S.. predict
-    full, lp = full[:, S:-1], lp[:, S:-1]
-    kl = (full.exp() * (full - lp)).sum(-1).mean(-1)
-    top1 = (lp.argmax(-1) == full.argmax(-1)).float().mean(-1)
-    rise = (full.gather(-1, nxt) - lp.gather(-1, nxt))[..., 0]  # (B, T - S - 1)
-    right = (lp.argmax(-1) == nxt[..., 0]).float()
-    metrics = dict(kl=kl, top1=top1, log_ppl=rise.mean(-1), key_share=key.float().mean(-1))
-    return metrics | dict(key_top1=masked_mean(right, key), key_loss=masked_mean(rise, key))
-
-
-def interval(x):
-    """Mean and 95% half-width (normal: 1.96 standard errors) over the files of x (files,), nan files left out."""
-    x = x[~x.isnan()].double()
-    if len(x) < 2:
-        return math.nan, math.nan
-    return x.mean().item(), 1.96 * x.std().item() / math.sqrt(len(x))
-
-
-def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target="mean", ref=None):
-    """Every (policy, budget) on held-out files idx (files, T), teacher-forced through evaluate -> rows of each
-    file_metrics' mean over files and 95% half-width (_ci), and the perplexity ratio exp(log_ppl) with its interval
-    (ppl_lo, ppl_hi). Key tokens at a budget are streaming's there; `full` first, a row a budget (its key top-1 is
-    the bar). ref: the dense model full's rows and the key tokens are of (a fine-tune's model before; default net)."""
-    ref = ref or net
-    size = lambda budget: kvpop.budget_size(budget, idx.shape[1], sinks, window)[0]
-    runs = [("full", b) for b in budgets] + [(p, b) for p in policies if p != "full" for b in budgets]
-    per = {run: [] for run in runs}
-    # a chunk of files: full's log-probs, each budget's key tokens, then every run on it
-    for start in range(0, len(idx), chunk):
-        files = idx[start : start + chunk]
-        logp = lambda model, policy, budget, online=False: evaluate(
-            model, files, policy, budget, sinks, window, online, target).float().log_softmax(-1)
-        full = logp(ref, "full", 1)
-        key = {budget: key_tokens(full, logp(ref, "streaming", budget), files, size(budget)) for budget in budgets}
-        for policy, budget in runs:
-            online = policy_name(policy) in kvpop.DYNAMIC
-            got = full if policy == "full" else logp(net, policy, budget, online)
-            per[policy, budget].append(file_metrics(full, got, files, size(budget), key[budget]))
-    rows, num = [], lambda x: None if math.isnan(x) else round(x, 5)  # nan (no file to average): None
-    for (p, b), parts in per.items():
-        row = dict(policy=policy_name(p), budget=b, files=len(idx))
-        for name in parts[0]:
-            mean, half = interval(torch.cat([m[name] for m in parts]))
-            row[name], row[name + "_ci"] = num(mean), num(half)
-        # the ratio of perplexities: exp of the mean log ratio, and of its interval's ends
-        log_ppl, half = row.pop("log_ppl"), row.pop("log_ppl_ci")
-        row["ppl_ratio"] = num(math.exp(log_ppl))
-        row["ppl_lo"], row["ppl_hi"] = num(math.exp(log_ppl - half)), num(math.exp(log_ppl + half))
-        rows.append(row)
-    return rows
-
-
-def code_table(rows):  # a markdown table of code_runs' rows, each mean with its 95% half-width ("-": no key token)
-    columns = "target|policy|budget|KL|top-1|key share|key top-1|key loss rise|perplexity ratio".split("|")
-    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
-    cell = lambda row, name, form: "-" if row[f"{name}_ci"] is None else f"{row[name]:{form}} ± {row[f'{name}_ci']:{form}}"
-    for row in rows:
-        cells = [row.get("target", "-"), row["policy"], f"{row['budget']:g}", cell(row, "kl", ".4f")]
-        cells += [cell(row, "top1", ".1%"), cell(row, "key_share", ".2%"), cell(row, "key_top1", ".1%")]
-        cells += [cell(row, "key_loss", ".2f"), f"{row['ppl_ratio']:.3f} ({row['ppl_lo']:.3f}-{row['ppl_hi']:.3f})"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def finetune_table(folder, out_dir, files, init_from, scorer, sinks, window, target):
-    """train.py --task code --finetune's table: on held-out files, the policy before (the model in folder with
-    init_from's scorer, none for a fresh one, or streaming) and after (the fine-tuned model in out_dir under its
-    scorer, or StreamingLLM+), each against the dense model before."""
-    ref, tuned = Qwen3.from_pretrained(folder, dtype="float32"), Qwen3.from_pretrained(out_dir)
-    frozen = [scorer_files.load(init_from)] if init_from else [] if scorer is not None else ["streaming"]
-    before = code_runs(ref, files, frozen, [0.25, 0.125], sinks, window, target=target)
-    after = code_runs(tuned, files, [scorer or "streaming"], [0.25, 0.125], sinks, window, target=target, ref=ref)
-    before, after = [[row for row in rows if row["policy"] != "full"] for rows in (before, after)]
-    for row in after:
-        row["policy"] = "StreamingLLM+" if scorer is None else f"{row['policy']} (fine-tuned)"
-    table = code_table(before + after)
-    return f"\n{len(files)} held-out files (bench.py quality --task code's), frozen -> fine-tuned\n\n{table}"
-
-
-def read_on(net, tok, read, n, policies, S, sinks, window, budget):
-    """sample.py --model codebaby: the file read (token ids) read on from its n-th token, teacher-forced, under each of
-    policies {name: policy} (the online cache) at S entries; printed with each key token (it needs what streaming
-    evicts) marked ✓ where the policy's likeliest next token is it, ✗ where not, then each policy's count ("full":
-    no eviction, the ceiling)."""
-    seq = torch.tensor([read], device=next(net.parameters()).device)
-    full = evaluate(net, seq, "full", 1, online=False).float().log_softmax(-1)  # (1, T, V)
-    local = evaluate(net, seq, "streaming", S, sinks, S - sinks, online=False).float().log_softmax(-1)
-    key = key_tokens(full, local, seq, n - 1)[0].tolist()  # (T - n,)
-    for name, policy in policies.items():
-        # full: the whole cache, the ceiling
-        size = seq.shape[1] if policy == "full" else S
-        guess = evaluate(net, seq, policy, size, sinks, window).argmax(-1)[0, n - 1 : -1].tolist()
-        right = [guess[j] == read[n + j] for j in range(len(key)) if key[j]]
-        dec, sign = tok.decode_stream(), {True: "✓", False: "✗"}
-        marked = [dec(i) + (sign[guess[j] == i] if key[j] else "") for j, i in enumerate(read[n:])]
-        print("".join(marked) + dec(), end="\n" + "=" * 80 + "\n")
-        print(f"far copies {name} {budget:g}: {sum(right)}/{len(right)}")
 
 
 def pack_files(tok, data, seq_len, held):

@@ -10,7 +10,8 @@ import kvpop
 import qwen3
 from cache import KVCache
 from qwen3 import generate
-from support import checkpoint, corpus, flags, scorer_files, tokenizer
+import fast
+from support import checkpoint, corpus, flags, tokenizer
 from tasks import TASKS, recall_answers, task_ids
 
 
@@ -88,18 +89,6 @@ def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperat
     return rows, samples
 
 
-def quality_table(rows):  # a markdown table of tasks.quality_runs' rows; task and target columns when they have them
-    cols = [col for col in ("task", "target") if col in rows[0]]
-    columns = cols + ["policy", "budget", "accuracy", "far accuracy", "relative", "KL"]
-    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
-    for row in rows:
-        cells = [row[col] for col in cols] + [row["policy"], f"{row['budget']:g}"]
-        cells += [f"{row['accuracy']:.1%}", f"{row['far_accuracy']:.1%}"]
-        cells += [f"{row['relative']:.3f}", f"{row['kl']:.3f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def generate_table(rows):  # a markdown table of bench.py generate's rows
     columns = "task target policy budget answers accuracy far_accuracy_(answers) retained_[95%] longest_run distinct"
     lines = ["| " + " | ".join(columns.split()).replace("_", " ") + " |", "|---" * 10 + "|"]
@@ -165,10 +154,12 @@ def baby_setup(opts, need, policies, spare=0):
         # a named scorer runs once, under its own target: that target must be asked for
         named = [d for d in opts.scorer.split(",") if d] if opts.scorer != "shipped" else []
         for d in named:
-            scorer_files.load(d)  # a folder that is no scorer: its own line
+            kvpop.load_scorer(d)  # a folder that is no scorer: its own line
             trained = trained_target(d)
             need(trained in targets, f"--scorer {d} was trained for target {trained}: add it to --target")
-        scorers = {d: scorer_files.load(d) for ds in folders.values() for d in ds}
+        scorers = {d: kvpop.load_scorer(d) for ds in folders.values() for d in ds}
+        # their fast forms, unless --plain: kvpop.py's definitions
+        scorers = {d: s if opts.plain else fast.speed_up(s) for d, s in scorers.items()}
         # a scorer for another model or window, or a budget that leaves no room, raises
         for s in scorers.values():
             s.check(config, opts.window)

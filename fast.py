@@ -1,17 +1,91 @@
-"""The fast forms: decoding forms that exist only for speed, each tested equal to the definition in kvpop.py it speeds
-up (fp64, to 1e-10: test_kvpop.py) and the cache's default where a decoding step measured faster with it (LOG.md).
-Each works on every layer at once: a scorer parameter (L, H, ...) read as (L, 1, H, ...) beside the batch dim, one
-call a step where kvpop.Decoder makes one a layer. Last, h2o's and tova's prefill: a prompt's scores in one pass.
+"""The fast forms: forms that exist only for speed, each tested equal to the definition in kvpop.py it speeds up
+(fp64, to 1e-10: the tests) and used where it was measured to pay (LOG.md). `speed_up` puts a scorer on them; a run
+with --plain leaves it on kvpop.py's definitions. First the memory kinds' chunked form of the recurrence, then the
+decoding forms: each works on every layer at once, a scorer parameter (L, H, ...) read as (L, 1, H, ...) beside the
+batch dim, one call a step where kvpop.Decoder makes one a layer.
 """
 
 import math
+import types
 
 import torch
 from torch.nn.functional import pad, silu, softplus
 
 import kvpop
 from kvpop import EPS, rms
-from support import shifted
+
+
+def chunked(scorer, layer, x):
+    """kvpop.MemoryScorer.recurrent in chunks (training, the masked pass, prefill): r (B, H, T) and the last state, [C; n] (B, H, M + 1,
+    M) and its log-scale (B, H). In a chunk, F_q = log f_0 + .. + log f_q: C_q u = sum_{j <= q} exp(F_q - F_j +
+    log i_j) v'_j (k'_j . u) over its tokens j, plus the state carried from before it, under one max a row."""
+    T = x.shape[2]
+    size, delay = scorer.d_mem, scorer.delay
+    chunks = x.split(scorer.chunk, -2)
+    keyed = scorer.written_under(x)  # what the keys are made of
+    gates = [scorer.gates(layer, part) for part in chunks]
+    log_inputs, log_forgets = zip(*gates)
+    log_input = torch.cat(log_inputs, -1)  # (B, H, T)
+    log_forget = torch.cat(log_forgets, -1)
+    # decay[..., q + 1] = F_q, in fp64: differences of long sums
+    decay = log_forget.double().cumsum(-1)
+    decay = pad(decay, (1, 0))
+    starts = range(0, T, scorer.chunk)
+    # chunk c reads tokens reads[c] .. reads[c + 1] - 1
+    reads = [max(start - delay, 0) for start in starts] + [T]
+    # [C; n] = sum_j weight_j [v'_j; 1] k'_j^T over the tokens before the chunk, and its log-scale
+    memory = x.new_zeros(*x.shape[:2], size + 1, size)
+    scale = x.new_full(x.shape[:2], -math.inf)
+    out = []
+    spans = zip(starts, reads, reads[1:], chunks)
+    for start, first, last, part in spans:
+        end = start + part.shape[2]  # the chunk's tokens: start .. end - 1
+        # the chunk's memory keys k' and values [v'; 1]
+        k = keyed[..., start:end, :] @ scorer.wk[layer] / math.sqrt(size)  # (B, H, c, M)
+        v = part @ scorer.wv[layer]
+        v = pad(v, (0, 1), value=1.0)  # (B, H, c, M + 1)
+        # the tokens read in it and their read vectors u
+        xr = x[..., first:last, :]  # (B, H, R, X)
+        t = torch.arange(first, last, device=x.device)
+        u = xr @ scorer.wr[layer]  # (B, H, R, M)
+        # the rows: each read's q, then the chunk's last token (where the state moves), as indices into decay
+        read_at = (t + delay).clamp(max=T - 1)
+        rows = [read_at, t.new_tensor([end - 1])]
+        q = torch.cat(rows) + 1
+        # log weight of the chunk's token j in row q: F_q - F_j + log i_j for j <= q, else -inf (B, H, R + 1, c)
+        j = torch.arange(start + 1, end + 1, device=x.device)
+        log_weight = decay[..., None, start + 1 : end + 1]
+        log_weight = decay[..., q, None] - log_weight
+        log_weight = log_weight.to(x.dtype)
+        log_weight = log_weight + log_input[..., None, start:end]
+        later = j > q[:, None]
+        log_weight = log_weight.masked_fill(later, -math.inf)
+        # the carried state's log-scale in row q; one max a row over both
+        carried = decay[..., q] - decay[..., start, None]
+        carried = carried.to(x.dtype)
+        log_carried = scale[..., None, None] + carried[..., None]
+        row_max = log_weight.amax(-1, keepdim=True)
+        row_max = torch.maximum(row_max, log_carried)
+        weight = (log_weight - row_max).exp()
+        carry = (log_carried - row_max).exp()
+        # the reads [C u; n . u]: the chunk's tokens, decay-masked (B, H, R, M + 1)
+        y = u @ k.mT
+        y = weight[..., :-1, :] * y
+        y = y @ v
+        # plus the carried state (none before chunk 0)
+        if start:
+            y = y + carry[..., :-1, :] * (u @ memory.mT)
+        # h = C u / max(|n . u|, 1), stabilised; r = readout(x, rms(h))
+        floor = (-row_max[..., :-1, :]).exp()
+        divisor = torch.maximum(y[..., size:].abs(), floor)
+        h = y[..., :size] / divisor
+        out.append(scorer.readout(layer, xr, rms(h)))
+        # the state moves to the chunk's last token
+        written = v * weight[..., -1, :, None]
+        written = written.mT @ k
+        memory = carry[..., -1:, :] * memory + written
+        scale = row_max[..., -1, 0]
+    return torch.cat(out, -1), (memory, scale)
 
 
 # a scorer parameter (L, H, ...) of every layer beside a batch dim: (L, 1, H, ...)
@@ -213,7 +287,7 @@ class FoldedMemory(kvpop.Decoder):
     def prefill(self, layer, k, v, pos, a=None):
         """The prompt's priorities, and the memories after reading it."""
         x = self.scorer.features(k, v)
-        r, (memory, scale) = self.scorer.chunked(layer, x)
+        r, (memory, scale) = chunked(self.scorer, layer, x)
         self.memory[layer] = memory
         self.scale[layer] = scale
         self.start = k.shape[2]
@@ -253,49 +327,23 @@ class FoldedMemory(kvpop.Decoder):
         return read, w1x.index_select(-2, j)
 
 
-class ShiftedFoldedMemory(FoldedMemory):
-    """kvpop-shifted's decoding, kvpop's: the memories take token p - 1 under token p - 2's key, both still in the
-    window (w >= 2)."""
-
-    def write(self, p, take):
-        z = self.project(*self.cache.recent_kv(p - 1))
-        before = self.project(*self.cache.recent_kv(p - 2))
-        key = before[..., : self.scorer.d_mem]
-        key = torch.where(p >= 2, key, 0.0)  # token 0's predecessor: none
-        self.remember(z, key, take)
+# kvpop.MemoryScorer.parallel in chunks
+def chunked_parallel(scorer, layer, x):
+    return chunked(scorer, layer, x)[0]
 
 
-# the kinds' fast decoding forms; a kind not named here decodes by its definition (kvpop.Decoder)
-FAST = {kvpop.MLPScorer: EveryLayer}
-FAST[kvpop.WindowScorer] = WindowRing
+# the kinds' fast decoding forms and whole-sequence forms; a kind not named runs its definition
+FAST = {kvpop.MLPScorer: EveryLayer, kvpop.WindowScorer: WindowRing}
 FAST[kvpop.MemoryScorer] = FoldedMemory
-FAST[shifted.ShiftedMemoryScorer] = ShiftedFoldedMemory
+WHOLE = {kvpop.MemoryScorer: chunked_parallel}
 
 
-def decoder(scorer, cache):  # the cache's decoding form of a learned scorer
-    form = FAST.get(type(scorer), kvpop.Decoder)
-    return form(scorer, cache)
-
-
-def attention_received(policy, q, k, lse):
-    """h2o's and tova's prefill (B, H, T): what they hold after a prompt fed token by token without eviction, the
-    group-mean attention each key received (h2o: from every query; tova: the last), from a causal pass's lse (B, Hq,
-    T), 128 queries a time."""
-    batch, heads = k.shape[:2]
-    T, D = k.shape[2:]
-    group = q.shape[1] // heads
-    t = torch.arange(T, device=q.device)
-    received = torch.zeros(batch, heads, T, device=q.device)
-    keys = k.float()[:, :, None].mT  # (B, H, 1, D, T)
-    first = 0 if policy == "h2o" else T - 1
-    for j in range(first, T, 128):
-        queries = q[:, :, j : j + 128].float()
-        queries = queries.view(batch, heads, group, -1, D)
-        norms = lse.view(batch, heads, group, T)
-        norms = norms[..., j : j + 128, None]
-        logits = queries @ keys / math.sqrt(D)
-        probs = (logits - norms).exp()  # (B, H, G, M, T)
-        unseen = t > t[j : j + 128, None]
-        probs = probs.masked_fill(unseen, 0)
-        received += probs.mean(2).sum(-2)
-    return received
+def speed_up(scorer):
+    """The scorer on its kind's fast forms, in place: how it decodes in the cache, and its whole-sequence form
+    (training, the masked pass, prefill). Not called, it runs kvpop.py's definitions (--plain)."""
+    form, whole = FAST.get(type(scorer)), WHOLE.get(type(scorer))
+    if form:
+        scorer.decoding = types.MethodType(form, scorer)
+    if whole:
+        scorer.parallel = types.MethodType(whole, scorer)
+    return scorer
