@@ -31,7 +31,7 @@ model = ""  # checkpoint folder; empty: the baby (quality, generate), a random m
 policies = ""  # comma-separated; empty: all (quality; generate: but the oracle), streaming + learned (speed)
 budgets = "0.25,0.125"  # comma-separated fractions of the tokens kept per head (or integers S)
 sinks = 4  # first tokens never evicted
-window = 0  # recent tokens never evicted; 0: 32 (the baby's tasks), 192 (code) or 256 (speed: the paper's)
+window = 32  # recent tokens never evicted, the baby's (--task code: 192; speed: 256, the paper's)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N (speed, kernels)
 json = ""  # also write the rows to this file (quality, generate, speed, kernels --targets)
 plain = False  # run kvpop.py's definitions alone, not fast.py's forms (quality, generate, read)
@@ -41,9 +41,9 @@ corpus = "torch"  # code: torch (the installed package's .py/.txt source) or a f
 target = "helpful"  # comma-separated targets of the oracle and the scorers: helpful, max, mean
 scorer = "shipped"  # comma-separated folders ('' none); shipped: <model>/scorers/<task>-<target>/*
 seed = 0  # held-out task seed (training draws other streams)
-p_cue = -1.0  # cue task: the share of would-be fillers that start a distractor (-1: the task's, 0.17)
+p_cue = 0.17  # cue task: the share of would-be fillers that start a distractor (the task's own)
 n = 128  # sequences (code: held-out files, their first T tokens; at most)
-T = 0  # tokens per sequence; 0: 512 (the tasks) or 2048 (code)
+T = 512  # tokens per sequence, the baby's tasks' (--task code: 2048)
 threads = 1  # CPU threads (tiny ops: a second one mostly waits)
 ref = ""  # quality: the dense model `full` and the key tokens are of (a fine-tune's model before); empty: --model
 # --- generate: every policy continues held-out prompts, the text scored by sample.py's scoreboard
@@ -80,7 +80,7 @@ def settings(command, argv):
     """The command's defaults above, overridden by --key value (flags.configure), checked for what commands share."""
     g = {k: globals()[k] for k in COMMAND_FLAGS[command].split()}
     g.update(__file__=__file__, __prog__=f"bench.py {command}")
-    flags.configure(g, argv)
+    given = flags.configure(g, argv)
     need = lambda ok, msg: flags.need(ok, msg, g["__prog__"])
     # kernels, speed on a GPU: made the current one, where Triton kernels launch
     if g.get("device", "cpu") != "cpu":
@@ -90,8 +90,9 @@ def settings(command, argv):
     folder = os.path.dirname(j) or "."
     ok = not j or not os.path.isdir(j) and os.path.isdir(folder) and os.access(folder, os.W_OK)
     need(ok, f"--json {j}: give a file name in an existing, writable folder")
-    given = {k: v for k, v in g.items() if k[0] != "_"}  # and the command's name, for messages
-    return types.SimpleNamespace(prog=g["__prog__"], **given), need
+    settings = {k: v for k, v in g.items() if k[0] != "_"}  # and the command's name, for messages
+    opts = types.SimpleNamespace(prog=g["__prog__"], given=given, **settings)
+    return opts, need
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -264,7 +265,7 @@ def cmd_generate(argv):
     need(opts.prompts >= 1, f"--prompts {opts.prompts}: use 1 or more")
     need(opts.temperature >= 0, f"--temperature {opts.temperature:g}: use 0 (greedy) or more")
     need("code" not in opts.task.split(","), "--task code: generate scores the baby's tasks; code: bench.py quality")
-    need(1 <= opts.tokens <= (opts.T or 512) - 2, f"--tokens {opts.tokens}: use 1 .. T - 2 (a prompt of 1 or more)")
+    need(1 <= opts.tokens <= opts.T - 2, f"--tokens {opts.tokens}: use 1 .. T - 2 (a prompt of 1 or more)")
     net, tok, budgets, task_names, targets, folders, scorers, _ = bench_runs.baby_setup(opts, need, policies, spare=1)
     # far: bound at least S back, S the largest budget's (the same answers' bar at every budget)
     far = max(kvpop.budget_size(b, opts.T - 1, opts.sinks, opts.window)[0] for b in budgets)
@@ -295,7 +296,7 @@ def cmd_read(argv):
     learned scorer of --target, streaming and full (the ceiling): each key token (it needs what streaming evicts)
     marked ✓ where the policy's likeliest next token is it, ✗ where not (tools/measures.py's read_on)."""
     opts, need = settings("read", argv)
-    opts.task, opts.n, opts.p_cue, opts.threads = "code", 2, -1.0, 1
+    opts.task, opts.n, opts.p_cue, opts.threads = "code", 2, 0.0, 1
     policies = (opts.policies or "streaming,full").split(",")
     net, tok, budgets, _, targets, folders, scorers, files = bench_runs.baby_setup(opts, need, policies)
     need(1 <= opts.tokens < opts.T, f"--tokens {opts.tokens}: use 1 .. T - 1")
@@ -472,7 +473,7 @@ def speed_train(net, scorers, opts, dt, b, policies):
 def cmd_speed(argv):
     """Decoding: tokens/s, KV memory, bandwidth and scorer share per policy and budget; prefill; a training step."""
     opts, need = settings("speed", argv)
-    opts.window = opts.window or 256
+    opts.window = opts.window if "window" in opts.given else 256
     for name, least in dict(layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1).items():
         need(getattr(opts, name) >= least, f"--{name} {getattr(opts, name)}: use {least} or more")
     need(opts.shape in SHAPES, f"--shape {opts.shape!r}: choose from {', '.join(SHAPES)}")

@@ -1,7 +1,9 @@
-"""The evicting KV cache: kvpop.evict's rule for every layer, batch row and KV head at once, the fast form of one
-decoding step (README, How it works). It only evicts: slots, positions, priorities, the rule (`lowest`), put,
-attention, prefill. A learned policy's decoder (its kind's `decoding`: kvpop.py's definition, or fast.py's form) gives it
-the priority of each token as it leaves the window; the cache knows no scorer's kind. First, how it reads a policy.
+"""The evicting KV cache: kvpop.evict's rule for every layer, batch row and KV head at once, the
+fast form of one decoding step (README, How it works). It only evicts: slots, positions, priorities,
+the rule (`lowest`), put, attention, prefill. A learned policy's decoder (its kind's `decoding`:
+kvpop.py's definition, or fast.py's form) gives it the priority of each token as it leaves the
+window; the cache knows no scorer's kind. First, how it reads a policy.
+
 """
 
 import math
@@ -13,9 +15,10 @@ from kvpop import DYNAMIC, POLICIES, STATIC, Scorer, masked_attention
 
 
 def resolve(policy):
-    """A policy's rule and priority function, the cache's and the masked pass's: 'static' (a heuristic, or the
-    oracle's callable): given on arrival, cast once to fp32; 'learned' (a Scorer, itself the function): given as the
-    token leaves the window; 'dynamic': its update of the scores; 'full': None."""
+    """A policy's rule and priority function, the cache's and the masked pass's: 'static' (a
+    heuristic, or the oracle's callable): given on arrival, cast once to fp32; 'learned' (a Scorer,
+    itself the function): given as the token leaves the window; 'dynamic': its update of the scores;
+    'full': None."""
     if isinstance(policy, Scorer):
         return "learned", policy
     if callable(policy) or policy in STATIC:
@@ -26,19 +29,20 @@ def resolve(policy):
     if policy == "full":
         return "full", None
     if policy == "oracle":
-        raise ValueError("policy oracle needs the future: it exists for teacher-forced evaluation only")
+        raise ValueError("policy oracle needs the future: it is for teacher-forced evaluation only")
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
 
 
 class KVCache:
-    """Buffers allocated once: `slots` = S - m entries a layer and head, keys (L, B, H, slots, D) and values
-    transposed (L, B, H, D, slots), so both products of a step read their matrix row by row, the layout that
-    streams memory fastest. Filled slots are [0, min(t, slots)); an evicted slot goes to the newcomer, in place.
-    pos[slot]: its token's position (-1: empty); recent[t % w]: the slot of window token t; score[slot]: its priority
-    (a static policy's, given on arrival; a learned scorer's, as the token leaves the window; h2o's and tova's
-    attention). t: the tokens taken so far, the next newcomer's position p, a tensor (qwen3's forward advances it). A
-    decoding step has the same shapes and no Python branch on t from the first step on, so it can be one graph
-    (torch.compile, CUDA graphs)."""
+    """Buffers allocated once: `slots` = S - m entries a layer and head, keys (L, B, H, slots, D)
+    and values transposed (L, B, H, D, slots), so both products of a step read their matrix row by
+    row, the layout that streams memory fastest. Filled slots are [0, min(t, slots)); an evicted
+    slot goes to the newcomer, in place. pos[slot]: its token's position (-1: empty); recent[t % w]:
+    the slot of window token t; score[slot]: its priority (a static policy's, given on arrival; a
+    learned scorer's, as the token leaves the window; h2o's and tova's attention). t: the tokens
+    taken so far, the next newcomer's position p, a tensor (qwen3's forward advances it). A decoding
+    step has the same shapes and no Python branch on t from the first step on, so it can be one
+    graph (torch.compile, CUDA graphs)."""
 
     def __init__(self, model, batch, slots, policy="full", sinks=4, window=256):
         config, param = model.config, next(model.parameters())
@@ -105,8 +109,8 @@ class KVCache:
             keep = keep.expand(k.shape[:3])
             if self.rule == "dynamic":
                 pi = dynamic_scores(self.policy, q, k, lse)
-        # longer than the budget (static, learned): the eviction-time mask; keep what the last query still sees,
-        # exactly `slots` a head: sinks + window + pool, in position order
+        # longer than the budget (static, learned): the eviction-time mask; keep what the last query
+        # still sees, exactly `slots` a head: sinks + window + pool, in position order
         else:
             edges = (self.sinks, self.window, self.pool)
             out, e = masked_attention(q, k, v, pi, *edges)
@@ -118,7 +122,8 @@ class KVCache:
         self.store(layer, keep, k, v, pos[keep], pi)
         if self.reads_received:
             self.received[layer, :, :, : keep.shape[-1]] = a.gather(2, keep)
-        # the last tokens, still in the window, fill the last of the kept slots (kept in position order)
+        # the last tokens, still in the window, fill the last of the kept slots (kept in position
+        # order)
         last = min(T, self.window)
         count = keep.shape[-1]
         slots = torch.arange(count - last, count, device=k.device)
@@ -126,7 +131,8 @@ class KVCache:
         self.recent[layer][..., ring] = slots
         return out
 
-    # one layer's kept keys and values (B, H, count), their positions and priorities, into its first count slots
+    # one layer's kept keys and values (B, H, count), their positions and priorities, into its first
+    # count slots
     def store(self, layer, keep, k, v, pos, pi):
         count = keep.shape[-1]
         D = k.shape[-1]
@@ -139,27 +145,30 @@ class KVCache:
         self.score[layer, :, :, :count] = pi
 
     def step(self, layer, q, k, v, pos):
-        """One layer's decoding step for the newcomer p = self.t: at layer 0 `decide` applies the rule to every
-        layer at once (a layer's decision reads only what it stored before this step); then the newcomer's key and
-        value go to its slot, and it attends."""
+        """One layer's decoding step for the newcomer p = self.t: at layer 0 `decide` applies the
+        rule to every layer at once (a layer's decision reads only what it stored before this step);
+        then the newcomer's key and value go to its slot, and it attends."""
         if layer == 0:
             self.new = self.decide(self.t)
         self.put(layer, self.new[layer], k, v, pos)
         return self.attention(layer, q)
 
     def decide(self, p):
-        """Every layer's slot (L, B, H, 1) for the newcomer p: a learned policy first gives token p - w, leaving the
-        window, its priority; then the next free slot while there is one, else the slot of the eligible token
-        (sinks <= t <= p - w) with the lowest (priority, position). The newcomer's position, and its score (0)
-        under a learned policy (not scored until it leaves the window) or a dynamic one, go in here."""
-        # a learned policy's decoder scores the leaving token p - w, in its slot (none before a token leaves)
+        """Every layer's slot (L, B, H, 1) for the newcomer p: a learned policy first gives token p
+        - w, leaving the window, its priority; then the next free slot while there is one, else the
+        slot of the eligible token (sinks <= t <= p - w) with the lowest (priority, position). The
+        newcomer's position, and its score (0) under a learned policy (not scored until it leaves
+        the window) or a dynamic one, go in here."""
+        # a learned policy's decoder scores the leaving token p - w, in its slot (none before a
+        # token leaves)
         if self.decoder:
             r = self.decoder.leaving(p)  # (L, B, H, 1)
             leaving = self.slot_of(p - self.window)
             old = self.score.gather(-1, leaving)
             r = torch.where(p >= self.window, r, old)
             self.score.scatter_(-1, leaving, r)
-        # the next free slot while there is one, else the lowest eligible (both made: no branch on p)
+        # the next free slot while there is one, else the lowest eligible (both made: no branch on
+        # p)
         free = p.expand(*self.pos.shape[:3], 1)  # (L, B, H, 1)
         lowest = self.lowest(p)
         slot = torch.where(p < self.slots, free, lowest)
@@ -173,8 +182,8 @@ class KVCache:
         return slot
 
     def lowest(self, p):
-        """Every layer's slot (L, B, H, 1) of the eligible token with the lowest (score, position), past the sinks'
-        slots [0, sinks)."""
+        """Every layer's slot (L, B, H, 1) of the eligible token with the lowest (score, position),
+        past the sinks' slots [0, sinks)."""
         held = self.pos[..., self.sinks :]
         score = self.score[..., self.sinks :]
         # ineligible tokens at inf, above any eligible one (torch.where: one pass a table)
@@ -199,12 +208,14 @@ class KVCache:
         values = self.v.gather(4, rows.mT)
         return keys, values.mT
 
-    # every layer's a (L, B, H, n) of the window tokens at positions u (a tensor), as received so far
+    # every layer's a (L, B, H, n) of the window tokens at positions u (a tensor), as received so
+    # far
     def recent_received(self, u):
         return self.received.gather(-1, self.slot_of(u))
 
     def put(self, layer, slot, k, v, pos):
-        """One layer's newcomer key and value (and a static policy's priority) into its slot (B, H, 1)."""
+        """One layer's newcomer key and value (and a static policy's priority) into its slot (B, H,
+        1)."""
         keys, values, score = self.layer[layer]  # (B, H, slots, D), (B, H, D, slots), (B, H, slots)
         D = k.shape[-1]
         rows = slot[..., None].expand(-1, -1, 1, D)
@@ -215,18 +226,20 @@ class KVCache:
             score.scatter_(2, slot, pi)
 
     def receive(self, layer, logits):
-        """The newcomer d's attention over its window (d - w, d] alone, softmax there, its group's max, into the
-        running max a of each window token (B, H, slots): kernels.window_received, a query at a time."""
+        """The newcomer d's attention over its window (d - w, d] alone, softmax there, its group's
+        max, into the running max a of each window token (B, H, slots): kernels.window_received, a
+        query at a time."""
         held = self.pos[layer]
-        inside = (held > self.t - self.window) & (held >= 0)  # (B, H, slots): the window, the newcomer with it
+        # (B, H, slots): the window, the newcomer with it
+        inside = (held > self.t - self.window) & (held >= 0)
         probs = logits.masked_fill(~inside[:, :, None], -math.inf).softmax(-1)
         probs = probs.amax(-2)  # (B, H, slots)
         a = self.received[layer]
         a.copy_(torch.where(inside, torch.maximum(a, probs), a))
 
     def attention(self, layer, q):
-        """The newcomer's attention (B, Hq, 1, D) over one layer's slots, empty ones masked, in slot order, in the
-        cache's dtype; a dynamic policy updates its scores from it."""
+        """The newcomer's attention (B, Hq, 1, D) over one layer's slots, empty ones masked, in slot
+        order, in the cache's dtype; a dynamic policy updates its scores from it."""
         keys, values, score = self.layer[layer]
         batch, heads, _, D = keys.shape
         query = q.view(batch, heads, -1, D).mT
@@ -247,9 +260,9 @@ class KVCache:
 
 
 def dynamic_scores(policy, q, k, lse):
-    """h2o's and tova's prefill (B, H, T): what they hold after a prompt fed token by token without eviction, the
-    group-mean attention each key received (h2o: from every query; tova: the last), from a causal pass's lse (B, Hq,
-    T), 128 queries a time."""
+    """h2o's and tova's prefill (B, H, T): what they hold after a prompt fed token by token without
+    eviction, the group-mean attention each key received (h2o: from every query; tova: the last),
+    from a causal pass's lse (B, Hq, T), 128 queries a time."""
     batch, heads = k.shape[:2]
     T, D = k.shape[2:]
     group = q.shape[1] // heads

@@ -1,9 +1,11 @@
-"""KVpop kernels: causal attention under eviction times, the future-attention target, eviction times.
+"""KVpop kernels: causal attention under eviction times, the future-attention target, eviction
+times.
+Each operation is first defined in its plain O(T^2) form, the T x T map the README's formulas
+describe (README, Method: eviction times and Method: future attention). Then its fast form, one
+public function of the same signature: in torch, in tiles, never a T x T tensor; on a GPU (or on any
+tensor when TRITON_INTERPRET=1 was set before import), support/ gpus.py's Triton kernel. Sums run in
+fp32 (fp64 for fp64 inputs on the torch paths).
 
-Each operation is first defined in its plain O(T^2) form, the T x T map the README's formulas describe (README, Method:
-eviction times and Method: future attention). Then its fast form, one public function of the same signature: in torch,
-in tiles, never a T x T tensor; on a GPU (or on any tensor when TRITON_INTERPRET=1 was set before import), support/
-gpus.py's Triton kernel. Sums run in fp32 (fp64 for fp64 inputs on the torch paths).
 """
 
 import math
@@ -13,7 +15,8 @@ import torch
 from support import gpus
 
 BLOCK = 128  # torch-path tile: extra memory is O(T * BLOCK) per head
-# finite start for running maxima: a fully masked tile gives exp(-inf - NEG) = 0, not nan (jit kernels spell it out)
+# finite start for running maxima: a fully masked tile gives exp(-inf - NEG) = 0, not nan (jit
+# kernels spell it out)
 NEG = -1e30
 
 
@@ -21,9 +24,10 @@ def wide(x):  # fp32, or fp64 for an fp64 input: every sum of the attention and 
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-# -------------------------- the definitions, plain O(T^2): what the fast forms below compute and bench.py kernels times
+# ------ the definitions, plain O(T^2): what the fast forms below compute and bench.py kernels times
 def plain_attention(q, k, v, evict_at=None, sinks=0):
-    """Query i sees key t iff t <= i and (t < sinks or i < evict_at[t]): softmax over the visible keys -> (out, lse)."""
+    """Query i sees key t iff t <= i and (t < sinks or i < evict_at[t]): softmax over the visible
+    keys -> (out, lse)."""
     T, group = q.shape[2], q.shape[1] // k.shape[1]
     keys = k.float().repeat_interleave(group, 1)  # (B, Hq, T, D)
     scores = q.float() @ keys.transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, Hq, T, T)
@@ -39,8 +43,9 @@ def plain_attention(q, k, v, evict_at=None, sinks=0):
 
 
 def plain_future_attention(q, k, lse, window, eps=1e-6, reduce="mean"):
-    """r[t] = max over the group's query heads of log(eps + reduce_{d >= t + window} p[d, t]), p[d, t] = exp(q_d . k_t
-    / sqrt(D) - lse[d]); an lse[d] raised by -log P[d] weighs query d by P[d] (the helpful target)."""
+    """r[t] = max over the group's query heads of log(eps + reduce_{d >= t + window} p[d, t]), p[d,
+    t] = exp(q_d . k_t / sqrt(D) - lse[d]); an lse[d] raised by -log P[d] weighs query d by P[d]
+    (the helpful target)."""
     (batch, heads, T, D), kv_heads = q.shape, k.shape[1]
     keys = k.float().repeat_interleave(heads // kv_heads, 1)  # (B, Hq, T, D)
     probs = (q.float() @ keys.transpose(-1, -2) * D**-0.5 - lse[..., None]).exp()
@@ -54,8 +59,8 @@ def plain_future_attention(q, k, lse, window, eps=1e-6, reduce="mean"):
 
 
 def plain_eviction_times(priority, sinks, window, pool):
-    """e[t] = max(t + window, window + u_pool(t)), u_pool(t) the pool-th position u >= sinks with (pi[u], u) > (pi[t],
-    t); T (never) for the sinks and where fewer than pool such u exist."""
+    """e[t] = max(t + window, window + u_pool(t)), u_pool(t) the pool-th position u >= sinks with
+    (pi[u], u) > (pi[t], t); T (never) for the sinks and where fewer than pool such u exist."""
     T = priority.shape[-1]
     u = torch.arange(T, device=priority.device)
     pi_t = priority[..., :, None]  # (B, H, t, 1)
@@ -69,7 +74,7 @@ def plain_eviction_times(priority, sinks, window, pool):
     return e.masked_fill(u < sinks, T)
 
 
-# ------------------------------------ the fast forms: one public function each, tiled torch or a Triton kernel (gpus)
+# ------------------ the fast forms: one public function each, tiled torch or a Triton kernel (gpus)
 def _check_qk(q, k, v=None):
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be (B, H, T, D), got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -85,13 +90,16 @@ def _check_heads(x, name, shape, device):
         raise ValueError(f"{name} must have shape {shape} on {device}, got {tuple(x.shape)} on {x.device}")
 
 
-# ------------------------------------------------------------------------------------------------------------ attention
+# ---------------------------------------------------------------------------------------- attention
 def attention(q, k, v, evict_at=None, sinks=0, scale=None):
-    """Causal attention where key t is visible to query i iff t <= i and (t < sinks or i < evict_at[b, h, t]).
+    """Causal attention where key t is visible to query i iff t <= i and (t < sinks or i <
+    evict_at[b, h, t]).
 
-    q (B, Hq, T, D); k, v (B, Hkv, T, D); evict_at (B, Hkv, T) int or None (plain causal). Returns out (B, Hq, T, D) in
-    q's dtype and lse (B, Hq, T) fp32, the natural-log softmax normaliser. Training (a gradient is needed): the torch
-    path's autograd on CPU, FlexAttention's fused backward on CUDA.
+    q (B, Hq, T, D); k, v (B, Hkv, T, D); evict_at (B, Hkv, T) int or None (plain causal). Returns
+    out (B, Hq, T, D) in q's dtype and lse (B, Hq, T) fp32, the natural-log softmax normaliser.
+    Training (a gradient is needed): the torch path's autograd on CPU, FlexAttention's fused
+    backward on CUDA.
+
     """
     _check_qk(q, k, v)
     if evict_at is not None:
@@ -147,11 +155,12 @@ def _attention_torch(q, k, v, evict_at, sinks, scale):
     return out.view(batch, heads, T, D).to(dtype), lse.view(batch, heads, T)
 
 
-# ----------------------------------------------------------------------------------------------------- future attention
+# --------------------------------------------------------------------------------- future attention
 def future_attention(q, k, lse, window, eps=1e-6, reduce="mean"):
-    """plain_future_attention's target r (B, Hkv, T) fp32, reduce the mean (the paper's) or the max over the queries
-    d >= t + window; -inf where t + window >= T. q (B, Hq, T, D), k (B, Hkv, T, D), lse (B, Hq, T) from the forward
-    pass. A transposed attention in which keys play queries; memory O(B * H * T). README, Method: future attention."""
+    """plain_future_attention's target r (B, Hkv, T) fp32, reduce the mean (the paper's) or the max
+    over the queries d >= t + window; -inf where t + window >= T. q (B, Hq, T, D), k (B, Hkv, T, D),
+    lse (B, Hq, T) from the forward pass. A transposed attention in which keys play queries; memory
+    O(B * H * T). README, Method: future attention."""
     _check_qk(q, k)
     _check_heads(lse, "lse", tuple(q.shape[:3]), q.device)
     if window < 0:
@@ -194,12 +203,13 @@ def _future_torch(q, k, lse, window, eps, scale, reduce):
     return r
 
 
-# ---------------------------------------------------------------------------------------------- attention received
+# ------------------------------------------------------------------------------- attention received
 def window_received(q, k, window):
-    """a[t] (B, Hkv, T) fp32: the most attention token t receives from a query of its window, d = t .. t + w - 1,
-    each query's softmax taken over its own window (d - w, d] alone (so no eviction changes it), the max over the
-    group's query heads. A delayed scorer reads it as t leaves the window (README, Method: scorers); the cache keeps
-    the running max (cache.py). 128 queries a time: memory O(B Hq 128 (128 + w))."""
+    """a[t] (B, Hkv, T) fp32: the most attention token t receives from a query of its window, d = t
+    .. t + w - 1, each query's softmax taken over its own window (d - w, d] alone (so no eviction
+    changes it), the max over the group's query heads. A delayed scorer reads it as t leaves the
+    window (README, Method: scorers); the cache keeps the running max (cache.py). 128 queries a
+    time: memory O(B Hq 128 (128 + w))."""
     _check_qk(q, k)
     (batch, heads, T, D), kv_heads = q.shape, k.shape[1]
     group = heads // kv_heads
@@ -217,10 +227,11 @@ def window_received(q, k, window):
     return a.view(batch, kv_heads, group, T).amax(2)
 
 
-# ------------------------------------------------------------------------------------------------------- eviction times
+# ----------------------------------------------------------------------------------- eviction times
 def eviction_times(priority, sinks, window, pool):
-    """plain_eviction_times' e[b, h, t], the first query that no longer sees token t (README, Method: eviction times),
-    T meaning never: priority (B, Hkv, T) static per token -> (B, Hkv, T) int64."""
+    """plain_eviction_times' e[b, h, t], the first query that no longer sees token t (README,
+    Method: eviction times), T meaning never: priority (B, Hkv, T) static per token -> (B, Hkv, T)
+    int64."""
     if priority.dim() != 3:
         raise ValueError(f"priority must be (B, Hkv, T), got shape {tuple(priority.shape)}")
     if window < 1 or sinks < 0 or pool < 0:
@@ -242,14 +253,16 @@ def _evict_torch(priority, sinks, window, pool):
         e[:, sinks:] = T
     if pool == 0 or pool >= T - sinks:
         return e.view(batch, H, T)
-    # Visit order: decreasing (priority, t), sinks last. Sorting the reversed row stably puts the newer token first
-    # among equal priorities; a second stable sort moves the (never eligible) sinks to the end.
+    # Visit order: decreasing (priority, t), sinks last. Sorting the reversed row stably puts the
+    # newer token first among equal priorities; a second stable sort moves the (never eligible)
+    # sinks to the end.
     flipped = priority.reshape(heads, T).flip(1)
     order = (T - 1) - flipped.sort(dim=1, descending=True, stable=True).indices
     sinks_last = (order < sinks).to(torch.uint8).sort(dim=1, stable=True).indices
     order = order.gather(1, sinks_last)
-    # Fenwick tree over positions (index u + 1), size a power of two; cells[u] lists the cells that an insert of u
-    # touches, padded with the unused cell 0 so that one scatter inserts a token in every head.
+    # Fenwick tree over positions (index u + 1), size a power of two; cells[u] lists the cells that
+    # an insert of u touches, padded with the unused cell 0 so that one scatter inserts a token in
+    # every head.
     size = 1 << max(T - 1, 1).bit_length()
     cell = pos + 1
     cells = []
@@ -258,12 +271,13 @@ def _evict_torch(priority, sinks, window, pool):
         cell = cell + (cell & -cell)
     cells = torch.stack(cells, 1)  # (T, levels)
     tree = torch.zeros(heads, size + 1, dtype=torch.long, device=device)
-    # Visits go a chunk at a time (one Python step a chunk, not a token): token j of a chunk sees the tree plus the
-    # chunk's tokens before it, which binary lifting adds to each Fenwick cell it reads (cell `reach` covers
-    # prefix + 1 .. reach).
+    # Visits go a chunk at a time (one Python step a chunk, not a token): token j of a chunk sees
+    # the tree plus the chunk's tokens before it, which binary lifting adds to each Fenwick cell it
+    # reads (cell `reach` covers prefix + 1 .. reach).
     chunk = 64
     eligible = T - sinks
-    before = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril(-1)  # [j, j2]: j2 visited before j
+    # [j, j2]: j2 visited before j
+    before = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril(-1)
     for start in range(0, eligible, chunk):
         t = order[:, start : min(start + chunk, eligible)]  # (B * H, width)
         width = t.shape[1]
@@ -290,12 +304,13 @@ def _evict_torch(priority, sinks, window, pool):
     return e.view(batch, H, T)
 
 
-# ------------------------------------------------------------------------------------------------------------- boundary
+# ----------------------------------------------------------------------------------------- boundary
 def boundary(pi, e, q, sinks, window):
-    """kvpop.boundary's (keep, t_bnd) (B, H, Q) by one sweep over the steps, O(B H T), no (Q, T) mask. From the first
-    full step on, each step p evicts one token, ev[p] (e == p). The pool at q loses its worst token at the first later
-    step p that evicts a pool token rather than the newcomer p - window; till then it is unchanged, so that token is
-    its worst at q. The best dropped by q is the running max of the order over ev[..q]."""
+    """kvpop.boundary's (keep, t_bnd) (B, H, Q) by one sweep over the steps, O(B H T), no (Q, T)
+    mask. From the first full step on, each step p evicts one token, ev[p] (e == p). The pool at q
+    loses its worst token at the first later step p that evicts a pool token rather than the
+    newcomer p - window; till then it is unchanged, so that token is its worst at q. The best
+    dropped by q is the running max of the order over ev[..q]."""
     batch, H, T = pi.shape
     u = torch.arange(T, device=pi.device)
     # each token's place in the order of (pi, t), and the token at each place

@@ -1,36 +1,38 @@
-"""KVpop (arXiv 2607.05061), the method in one file, as the README's Method: the budget -> the eviction rule, plainly
--> policies -> targets -> learned scorers, one class a kind holding its definition -> the boundary loss. cache.py is
-the evicting cache, kernels.py the masked attention, the target and eviction times; support/fast.py faster decoding."""
+"""KVpop (arXiv 2607.05061), the method in one file, as the README's Method: the budget -> the
+eviction rule, plainly -> policies -> targets -> learned scorers, one class a kind holding its
+definition -> the boundary loss. cache.py is the evicting cache, kernels.py the masked attention,
+the target and eviction times; fast.py the forms that exist only for speed."""
 
 import math
-import os
-import types
 
 import torch
 from torch.nn import Module, Parameter
 from torch.nn.functional import logsigmoid, pad, silu, softplus
 
 import kernels
-from support.checkpoint import read_json, read_safetensors, save_safetensors, write_json
+from support.checkpoint import read_scorer
 
 
-# --------------------------------------------------------------------------------- the budget (README, Method: budget)
+# -------------------------------------------------------------- the budget (README, Method: budget)
 def budget_size(budget, total, sinks=4, window=256, charge=0):
-    """S from `budget` (a fraction 0 < x <= 1 of `total` tokens, or an integer S > 1) and pool = S - sinks - window -
-    m, per KV head, m = charge: the entries a scorer's state takes. S >= total: no eviction."""
+    """S from `budget` (a fraction 0 < x <= 1 of `total` tokens, or an integer S > 1) and pool =
+    S - sinks - window - m per KV head, m = charge: the entries a scorer's state takes (S >= total:
+    no eviction)."""
     try:
         x = float(budget)
     except (TypeError, ValueError):
         x = math.nan
     whole = x > 1 and x == int(x)
     if not (0 < x <= 1 or whole):
-        raise ValueError(f"budget {budget!r}: use a fraction 0 < x <= 1 of the tokens or an integer S > 1")
+        use = "use a fraction 0 < x <= 1 of the tokens or an integer S > 1"
+        raise ValueError(f"budget {budget!r}: {use}")
     kept = math.ceil(x * total) if x <= 1 else int(x)
     size = min(total, kept)
     pool = size - sinks - window - charge
     if size < total and pool < 0:
         more = f"sinks + window{' + state' * bool(charge)} need S >= {sinks + window + charge}"
-        raise ValueError(f"budget S = {size} leaves no room: {more} (lower --window or raise --budget)")
+        fix = "lower --window or raise --budget"
+        raise ValueError(f"budget S = {size} leaves no room: {more} ({fix})")
     return size, pool
 
 
@@ -43,10 +45,11 @@ def entries(size, charge, total):
     return size - charge if size < total else total
 
 
-# -------------------------------------------- the eviction rule, plainly: one KV head, one step (README, How it works)
+# ------------------------- the eviction rule, plainly: one KV head, one step (README, How it works)
 def evict(held, pi, p, sinks, window, slots):
-    """The position whose entry the newcomer p takes, of the positions `held` by a cache of `slots` entries: None
-    while there is room, else the eligible token (sinks <= t <= p - window) with the lowest (pi[t], t)."""
+    """The position whose entry the newcomer p takes, of the positions `held` by a cache of `slots`
+    entries: None while there is room, else the eligible token (sinks <= t <= p - window) with the
+    lowest (pi[t], t)."""
     if len(held) < slots:
         return None
     eligible = [t for t in held if sinks <= t <= p - window]
@@ -54,8 +57,8 @@ def evict(held, pi, p, sinks, window, slots):
 
 
 def run_rule(pi, sinks, window, slots):
-    """The sorted positions one head holds after each of T steps under static priorities pi (T,); kernels.eviction_times
-    is the same run as one mask."""
+    """The sorted positions one head holds after each of T steps under static priorities pi (T,);
+    kernels.eviction_times is the same run as one mask."""
     held, after = [], []
     for p in range(len(pi)):
         gone = evict(held, pi, p, sinks, window, slots)
@@ -64,14 +67,14 @@ def run_rule(pi, sinks, window, slots):
     return after
 
 
-# ---------------------------------------------------------------- policies (README, Method: eviction times, baselines)
+# --------------------------------------------- policies (README, Method: eviction times, baselines)
 # pi[t] = t: the pool holds the most recent eligible tokens (StreamingLLM)
 def streaming(layer, k, v, pos):
     return pos.float().expand(k.shape[:3])
 
 
-# pi[t] = -|k[t]|: a low key norm marks an important token (KNorm). Rounded to bf16: a repeated token's keys
-# differ only by RoPE, which keeps the norm, so they tie in every pass
+# pi[t] = -|k[t]|: a low key norm marks an important token (KNorm). Rounded to bf16: a repeated
+# token's keys differ only by RoPE, which keeps the norm, so they tie in every pass
 def knorm(layer, k, v, pos):
     norm = k.float().norm(dim=-1)
     return -norm.bfloat16().float()
@@ -89,13 +92,15 @@ def random_priority(layer, k, v, pos):
     return bits.float().expand(k.shape[:3])
 
 
-# A static policy: (layer, new keys k, values v (B, H, n, D), positions pos (n,)) -> priorities (B, H, n) of any real
-# dtype, fixed once given. To add one, add its name and function here (README, Method: baselines).
+# A static policy: (layer, new keys k, values v (B, H, n, D), positions pos (n,)) -> priorities (B,
+# H, n) of any real dtype, fixed once given. To add one, add its name and function here (README,
+# Method: baselines).
 STATIC = {"streaming": streaming, "knorm": knorm, "random": random_priority}
 
 
-# Scores that change with every query, the online cache only: how each updates the held tokens' scores (B, H,
-# slots) with the newcomer's attention (B, H, slots), a group mean. h2o accumulates, tova keeps the last query's.
+# Scores that change with every query, the online cache only: how each updates the held tokens'
+# scores (B, H, slots) with the newcomer's attention (B, H, slots), a group mean. h2o accumulates,
+# tova keeps the last query's.
 def h2o(score, attention):
     score.add_(attention)
 
@@ -105,7 +110,8 @@ def tova(score, attention):
 
 
 DYNAMIC = {"h2o": h2o, "tova": tova}
-POLICIES = ("full", *STATIC, "oracle", *DYNAMIC)  # the oracle: static, but it needs the future (teacher-forced)
+# the oracle: static, but it needs the future (teacher-forced)
+POLICIES = ("full", *STATIC, "oracle", *DYNAMIC)
 
 
 def masked_attention(q, k, v, pi, sinks, window, pool):
@@ -114,13 +120,15 @@ def masked_attention(q, k, v, pi, sinks, window, pool):
     return kernels.attention(q, k, v, e, sinks)[0], e
 
 
-# ---------- the targets (README, Method: future attention): the default first, and what each reduces p[q, t] by over q
+# ------------------------------------------------- the targets (README, Method: future attention)
+# the default first, and what each reduces p[q, t] by over q
 TARGETS = ("helpful", "max", "mean")
 REDUCE = dict(helpful="max", max="max", mean="mean")
 
 
 def next_logp(logits, idx):
-    """(B, 1, T): log P(x[q + 1]) by logits (B, T, V), of the token after each position q of idx (B, T); -inf last."""
+    """(B, 1, T): log P(x[q + 1]) by logits (B, T, V), of the token after each position q of idx (B,
+    T); -inf last."""
     logp = logits.float().log_softmax(-1)
     logp = logp[:, :-1]
     following = idx[:, 1:, None]
@@ -130,10 +138,10 @@ def next_logp(logits, idx):
 
 
 @torch.no_grad()
-def dense_targets(model, idx, window, target="mean", received=False):
-    """One dense pass: every layer's cached (k, v) and its target r* (B, H, T), one of TARGETS: the oracle's priorities
-    and the scorers' teacher. received: (k, v, a), a the attention each token receives from its window's queries
-    (kernels.window_received), for a scorer that reads it."""
+def dense_targets(model, idx, window, target=TARGETS[0], received=False):
+    """One dense pass: every layer's cached (k, v) and its target r* (B, H, T), one of TARGETS: the
+    oracle's priorities and the scorers' teacher. received: (k, v, a), a the attention each token
+    receives from its window's queries (kernels.window_received), for a scorer that reads it."""
     seen = []
 
     def attn(layer, q, k, v, pos):
@@ -145,18 +153,21 @@ def dense_targets(model, idx, window, target="mean", received=False):
     # helpful: lse - log P[q]; a read before a wrong prediction counts little
     weight = next_logp(logits, idx) if target == "helpful" else 0.0
     reduce = REDUCE[target]
-    targets = [kernels.future_attention(q, k, lse - weight, window, reduce=reduce) for q, k, _, lse in seen]
+    targets = []
+    for q, k, _, lse in seen:
+        r = kernels.future_attention(q, k, lse - weight, window, reduce=reduce)
+        targets.append(r)
     if received:
         return [(k, v, kernels.window_received(q, k, window)) for q, k, v, _ in seen], targets
     return [(k, v) for _, k, v, _ in seen], targets
 
 
-def oracle_policy(model, idx, window, target="mean"):  # pi = r*
+def oracle_policy(model, idx, window, target=TARGETS[0]):  # pi = r*
     targets = dense_targets(model, idx, window, target)[1]
     return lambda layer, k, v, pos: targets[layer][:, :, pos]
 
 
-# ---------------------------------- learned scorers (README, Method: scorers): what every kind shares, then each kind
+# ---------------- learned scorers (README, Method: scorers): what every kind shares, then each kind
 EPS = 1e-6  # the RMS epsilon of the scorers' features and read-out, in training and decoding
 
 
@@ -167,8 +178,9 @@ def rms(x):
 
 
 class Scorer(Module):
-    """What every kind shares: pi[t] = r[t] + gamma_h t, r[t] = readout(x[t], z[t]) of the cached key and value and what
-    the kind read. A kind adds its parameters and `parallel`, its definition over a whole sequence; it decodes by it."""
+    """What every kind shares: pi[t] = r[t] + gamma_h t, r[t] = readout(x[t], z[t]) of the cached
+    key and value and what the kind read. A kind adds its parameters and `parallel`, its definition
+    over a whole sequence; it decodes by it."""
 
     kind = None  # its name in SCORERS
     delayed = True  # reads the tokens after t: runs with the window it was trained with
@@ -177,17 +189,20 @@ class Scorer(Module):
     span = 1  # the tokens t .. t + span - 1 its decoding reads as t leaves the window
     chunk = 128  # the parallel forms' tokens a chunk: O(chunk (d_m + chunk)) memory
 
-    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002, arrival=False, received=False):
+    def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002,
+                 arrival=False, received=False):
         super().__init__()
         sizes = (window, d_mem, d_hidden)
         if not all(type(size) is int and size >= 1 for size in sizes):
             raise ValueError(f"scorer window, d_mem and d_hidden: integers >= 1, got {sizes}")
         if received and not self.receives:
             can = ", ".join(name for name, cls in SCORERS.items() if cls.receives)
-            raise ValueError(f"received: only {can} reads the attention a token received, not {self.kind}")
+            what = "reads the attention a token received"
+            raise ValueError(f"received: only {can} {what}, not {self.kind}")
         if arrival and not self.on_arrival:
             can = ", ".join(name for name, cls in SCORERS.items() if cls.on_arrival)
-            raise ValueError(f"arrival: only {can} can be read on arrival (the delay ablation), not {self.kind}")
+            what = "can be read on arrival (the delay ablation)"
+            raise ValueError(f"arrival: only {can} {what}, not {self.kind}")
         self.layers = config.num_hidden_layers
         self.heads = config.num_key_value_heads
         self.shape = dict(num_hidden_layers=self.layers, num_key_value_heads=self.heads)
@@ -197,7 +212,7 @@ class Scorer(Module):
         self.window, self.arrival = window, arrival
         self.d_mem, self.d_hidden = d_mem, d_hidden
         self.meta = {}  # what it was trained for (train.py)
-        # gamma_h = softplus(theta_h): gamma at the start; then the kind's parameters, the read-out's last
+        # gamma_h = softplus(theta_h): gamma at the start; then the kind's parameters (read-out last)
         self.theta = self.const(math.log(math.expm1(gamma)))
         self.build()
 
@@ -218,7 +233,8 @@ class Scorer(Module):
         self.w2 = self.randn(self.d_hidden)
         self.b2 = self.const()
 
-    def charge(self, dtype):  # m: the cache entries of `dtype` its state takes (README, Method: budget)
+    # m: the cache entries of `dtype` its state takes (README, Method: budget)
+    def charge(self, dtype):
         return 0
 
     # its decoding in the cache, by its definition (fast.speed_up swaps in a faster form)
@@ -228,12 +244,14 @@ class Scorer(Module):
     def check(self, config, window):
         got = {name: getattr(config, name) for name in self.shape}
         if got != self.shape:
-            raise ValueError(f"the scorer was trained for a model with {self.shape}, this model has {got}")
+            trained = f"the scorer was trained for a model with {self.shape}"
+            raise ValueError(f"{trained}, this model has {got}")
         if self.delayed and window != self.window:
             late = f"the delayed {self.kind} scorer reads each token {self.window} tokens late"
-            raise ValueError(f"{late}: it needs window {self.window}, got {window} (use --window {self.window})")
+            fix = f"use --window {self.window}"
+            raise ValueError(f"{late}: it needs window {self.window}, got {window} ({fix})")
 
-    # x (B, H, T, 2D) in the scorer's dtype (fp64 beside an fp64 model): the cached key and value, RMS-normalised
+    # x (B, H, T, 2D) in the scorer's dtype (fp64 beside an fp64 model): [k; v], RMS-normalised
     def features(self, k, v):
         x = torch.cat([k, v], -1).detach()
         return rms(x.to(self.theta.dtype))
@@ -243,12 +261,14 @@ class Scorer(Module):
         if not self.received:
             return x
         if a is None:
-            raise ValueError(f"this {self.kind} scorer reads the attention each token received: pass a")
+            reads = "reads the attention each token received"
+            raise ValueError(f"this {self.kind} scorer {reads}: pass a")
         log_a = a.to(x.dtype).clamp(min=EPS).log()
         return torch.cat([x, log_a[..., None]], -1)
 
-    # priorities (B, H, T) of one layer's keys and values at positions pos: a sequence from 0, or a span of it; a
-    # (B, H, T): the attention each token received from its window's queries, for a scorer that reads it
+    # priorities (B, H, T) of one layer's keys and values at positions pos: a sequence from 0, or a
+    # span of it; a (B, H, T): the attention each token received from its window's queries, for a
+    # scorer that reads it
     def forward(self, layer, k, v, pos, a=None):
         x = self.with_received(self.features(k, v), a)
         r = self.parallel(layer, x)
@@ -259,7 +279,7 @@ class Scorer(Module):
         gamma = softplus(self.theta[layer])
         return gamma[..., None] * t
 
-    # r = w_2 . silu(W_1 [x; z] + b_1) + b_2 of x (B, H, I, X) and what the kind read z (B, H, I, Z) -> (B, H, I)
+    # r (B, H, I) = w_2 . silu(W_1 [x; z] + b_1) + b_2 of x (B, H, I, X) and what the kind read z
     def readout(self, layer, x, z):
         joined = torch.cat([x, z], -1)
         a = joined @ self.w1[layer] + self.b1[layer][..., None, :]
@@ -268,19 +288,20 @@ class Scorer(Module):
 
 
 class Decoder:
-    """A kind's decoding by its definition: as token t leaves the window at step p = t + w, each layer's scorer runs
-    on what the cache then holds, t .. t + span - 1, for t's priority (support/fast.py: faster forms)."""
+    """A kind's decoding by its definition: as token t leaves the window at step p = t + w, each
+    layer's scorer runs on what the cache then holds, t .. t + span - 1, for t's priority
+    (fast.py: faster forms)."""
 
     state = ()  # the tensors charged to the budget (KVCache.nbytes)
 
     def __init__(self, scorer, cache):
         self.scorer, self.cache = scorer, cache
 
-    # one layer's priorities (B, H, T) of a prompt, keys and values (B, H, T, D) at positions pos (a: received)
+    # one layer's priorities (B, H, T) of a prompt's keys and values (B, H, T, D) at positions pos
     def prefill(self, layer, k, v, pos, a=None):
         return self.scorer(layer, k, v, pos, a)
 
-    # every layer's priority (L, B, H, 1) of token t = p - w (p a tensor; t < 0: a number the cache drops)
+    # every layer's priority (L, B, H, 1) of token t = p - w (p a tensor; t < 0: the cache drops it)
     def leaving(self, p):
         t = p - self.cache.window
         span = t + torch.arange(self.scorer.span, device=t.device)
@@ -294,7 +315,7 @@ class Decoder:
 
 
 class MLPScorer(Scorer):
-    """kvpop-mlp (the paper's insertion-time baseline): reads nothing, z[t] is empty; from t alone, so any window."""
+    """kvpop-mlp (the paper's insertion-time baseline): reads nothing, z[t] is empty; any window."""
 
     kind = "kvpop-mlp"
     delayed = False
@@ -308,10 +329,12 @@ class MLPScorer(Scorer):
 
 
 class WindowScorer(Scorer):
-    """kvpop-window (delayed, ours, the default): as t leaves the window it reads the n = min(w - 1, 32) cached
-    tokens after it, two reads a = 0, 1 by content and offset o = 1..n (README, Method: scorers); no state of its own.
+    """kvpop-window (delayed, ours, the default): as t leaves the window it reads the n = min(w - 1,
+    32) cached tokens after it, two reads a = 0, 1 by content and offset o = 1..n (README, Method:
+    scorers); no state of its own.
     alpha_a[o] = softmax_o((W_q x[t])_a . (W_k x[t + o])_a / sqrt(d) + bo_a[o])
-    z_a = sum_o alpha_a[o] (W_v x[t + o])_a; bo_0[o] starts at -(o - 1) (read 0 starts on the next token), bo_1 flat."""
+    z_a = sum_o alpha_a[o] (W_v x[t + o])_a; bo_0[o] starts at -(o - 1) (read 0 starts on the next
+    token), bo_1 flat."""
 
     kind = "kvpop-window"
     receives = True
@@ -321,7 +344,8 @@ class WindowScorer(Scorer):
 
     def build(self):
         if self.window < 2:
-            raise ValueError("kvpop-window reads the tokens between t and the query that pushes t out: use window >= 2")
+            reads = "reads the tokens between t and the query that pushes t out"
+            raise ValueError(f"kvpop-window {reads}: use window >= 2")
         n = min(self.window - 1, self.ahead)
         self.span = 1 + n  # t and the n after it
         width = self.reads * self.d_key
@@ -340,8 +364,9 @@ class WindowScorer(Scorer):
         return reads.transpose(2, 3)
 
     def look(self, layer, x, after, offsets):
-        """r (B, H, I) of tokens x (B, H, I, X) from the tokens `after` them (B, H, J, X), offsets (I, J) apart. The
-        reads see the features alone; log a (received), a last column, goes to the read-out."""
+        """r (B, H, I) of tokens x (B, H, I, X) from the tokens `after` them (B, H, J, X), offsets
+        (I, J) apart. The reads see the features alone; log a (received), a last column, goes to the
+        read-out."""
         n, X = self.bo.shape[-1], self.width
         q = self.split(x[..., :X] @ self.wq[layer])  # (B, H, A, I, d)
         k = self.split(after[..., :X] @ self.wk[layer])  # (B, H, A, J, d)
@@ -357,7 +382,7 @@ class WindowScorer(Scorer):
         z = z.flatten(-2)  # (B, H, I, A d)
         return self.readout(layer, x, z)
 
-    # a whole sequence's features x (B, H, T, X) -> r (B, H, T): chunks of tokens, each reading the n after it
+    # a whole sequence's features x (B, H, T, X) -> r (B, H, T): in chunks, each reading n after it
     def parallel(self, layer, x):
         T = x.shape[2]
         n = self.bo.shape[-1]
@@ -375,10 +400,13 @@ class WindowScorer(Scorer):
 
 
 class MemoryScorer(Scorer):
-    """kvpop (delayed, the paper's): an mLSTM matrix memory [C; n] that takes every token q (README, Method: scorers),
-    C_q = f_q C_{q-1} + i_q v'_q k'_q^T,   n_q = f_q n_{q-1} + i_q k'_q,   k' = W_k x / sqrt(d_m),   v' = W_v x,
-    with an exponential input gate i and a sigmoid forget gate f. Token t is read at q = t + w - 1, as it leaves the
-    window (on arrival, the delay ablation: q = t), with u = W_r x[t]: z[t] = rms(C_q u / max(|n_q . u|, 1))."""
+    """kvpop (delayed, the paper's): an mLSTM matrix memory [C; n] that takes every token q (README,
+    Method: scorers),
+    C_q = f_q C_{q-1} + i_q v'_q k'_q^T,   n_q = f_q n_{q-1} + i_q k'_q,
+    k' = W_k x / sqrt(d_m),   v' = W_v x,
+    with an exponential input gate i and a sigmoid forget gate f. Token t is read at q = t + w - 1,
+    as it leaves the window (on arrival, the delay ablation: q = t), with u = W_r x[t]:
+    z[t] = rms(C_q u / max(|n_q . u|, 1))."""
 
     kind = "kvpop"
     on_arrival = True
@@ -390,14 +418,14 @@ class MemoryScorer(Scorer):
         self.wk = self.randn(self.width, self.d_mem)
         self.wv = self.randn(self.width, self.d_mem)
         self.wr = self.randn(self.width, self.d_mem)
-        # the gates' pre-activations; the forget gate starts near 1 - 1/w: the memory spans the window
+        # the gates' pre-activations; the forget gate starts near 1 - 1/w: memory spans the window
         self.wi = self.randn(self.width)
         self.bi = self.const()
         self.wf = self.randn(self.width)
         self.bf = self.const(math.log(self.window))
         self.add_readout(self.d_mem)
 
-    # m: the entries (a key and a value in `dtype`) of C, n and the log-scale, (d_m + 1) d_m + 1 numbers a KV head
+    # m: the entries (a key and a value in `dtype`) of C, n and s: (d_m + 1) d_m + 1 numbers a head
     def charge(self, dtype):
         numbers = (self.d_mem + 1) * self.d_mem + 1
         entry = 2 * self.shape["head_dim"] * dtype.itemsize
@@ -407,14 +435,15 @@ class MemoryScorer(Scorer):
     def written_under(self, x):
         return x
 
-    def gates(self, layer, x):  # log i (the exponential input gate), log f (the sigmoid forget gate) (B, H, T)
+    # log i (the exponential input gate), log f (the sigmoid forget gate) (B, H, T)
+    def gates(self, layer, x):
         wi, bi = self.wi[layer][:, None], self.bi[layer][:, None]
         log_input = (x * wi).sum(-1) + bi
         wf, bf = self.wf[layer][:, None], self.bf[layer][:, None]
         log_forget = (x * wf).sum(-1) + bf
         return log_input, logsigmoid(log_forget)
 
-    # a whole sequence's features x (B, H, T, X) -> r (B, H, T), by the recurrence (fast.py: the chunked form)
+    # a whole sequence's features x (B, H, T, X) -> r (B, H, T) by the recurrence (fast.py: chunked)
     def parallel(self, layer, x):
         return self.recurrent(layer, x)[0]
 
@@ -432,8 +461,8 @@ class MemoryScorer(Scorer):
         return memory, norm, x.new_full(x.shape[:2], -math.inf)
 
     def remember(self, state, k, v, log_input, log_forget):
-        """The memory after one more token, its k', v' (B, H, M) and gates (B, H): C and n are stored as exp(-s)
-        times their values, s' = max(log f + s, log i) (xLSTM's stabiliser)."""
+        """The memory after one more token, its k', v' (B, H, M) and gates (B, H): C and n are
+        stored as exp(-s) times their values, s' = max(log f + s, log i) (xLSTM's stabiliser)."""
         memory, norm, scale = state
         forgotten = log_forget + scale
         new_scale = torch.maximum(forgotten, log_input)
@@ -444,7 +473,7 @@ class MemoryScorer(Scorer):
         norm = forget * norm + write * k[..., :, None]
         return memory, norm, new_scale
 
-    # z = rms(C u / max(|n . u|, 1)) of read vectors u (B, H, R, M), stabilised: exp(-s) stands for 1
+    # z = rms(C u / max(|n . u|, 1)) of read vectors u (B, H, R, M); stabilised, exp(-s) for 1
     def recall(self, state, u):
         memory, norm, scale = state
         floor = (-scale).exp()[..., None, None]
@@ -452,7 +481,7 @@ class MemoryScorer(Scorer):
         return rms(u @ memory.mT / divisor)
 
     def recurrent(self, layer, x):
-        """The plain recurrence, the definition: r (B, H, T) of x, a token at a time, and the last state."""
+        """The plain recurrence, the definition: r (B, H, T) of x a token at a time, the last state."""
         T = x.shape[2]
         k, v, u = self.project(layer, x)  # (B, H, T, M)
         log_input, log_forget = self.gates(layer, x)
@@ -473,44 +502,46 @@ class MemoryScorer(Scorer):
 
 
 class MemoryDecoder(Decoder):
-    """kvpop's decoding by its definition: as token p comes, each layer's memory takes token p - 1 (now cached),
-    then t = p - w reads it: the recurrence a step. The memory [C; n] and s are charged to the budget."""
+    """kvpop's decoding by its definition: as token p comes, each layer's memory takes token p - 1
+    (now cached), then t = p - w reads it: the recurrence a step. The memory [C; n] and s are
+    charged to the budget."""
 
     def __init__(self, scorer, cache):
         super().__init__(scorer, cache)
         if scorer.arrival:
             ablation = "read on arrival (the delay ablation) runs in the masked pass only"
             raise ValueError(f"a {scorer.kind} scorer {ablation}")
-        grid = cache.pos.shape[:3]  # (L, B, H)
-        x = cache.pos.new_zeros(grid, dtype=scorer.theta.dtype)
-        self.state = scorer.empty(x)  # (L, B, H, ...)
+        x = cache.pos.new_zeros(cache.pos.shape[1:3], dtype=scorer.theta.dtype)  # (B, H)
+        self.memories = [scorer.empty(x) for _ in range(scorer.layers)]  # a layer's C, n, s
         self.start = 0  # the tokens a prompt gave the memories
+
+    @property
+    def state(self):  # the tensors charged to the budget (KVCache.nbytes)
+        return [tensor for memory in self.memories for tensor in memory]
 
     def prefill(self, layer, k, v, pos, a=None):
         x = self.scorer.features(k, v)
-        r, state = self.scorer.recurrent(layer, x)
-        for held, now in zip(self.state, state):
-            held[layer] = now
+        r, self.memories[layer] = self.scorer.recurrent(layer, x)
         self.start = k.shape[2]
         return r + self.scorer.recency(layer, pos.to(r.dtype))
 
     def leaving(self, p):
-        """Every layer's memory takes token p - 1 (unless the prompt gave it), written under the features of the
-        tokens before it that its kind reads (p - 2 .. p - 1); then t = p - w reads it (t < 0: dropped)."""
+        """Every layer's memory takes token p - 1 (unless the prompt gave it), written under the
+        features of the tokens before it that its kind reads (p - 2 .. p - 1); then t = p - w reads
+        it (t < 0: dropped)."""
         scorer, t = self.scorer, p - self.cache.window
         written = torch.arange(max(int(p) - 2, 0), int(p), device=p.device)
         k, v = self.cache.recent_kv(written)  # (L, B, H, 2, D)
         k_t, v_t = self.cache.recent_kv(t)  # (L, B, H, 1, D)
         scores = []
         for layer in range(scorer.layers):
-            state = [held[layer] for held in self.state]
             if p > self.start:
                 x = scorer.features(k[layer], v[layer])
                 key, value, _ = scorer.project(layer, x)
-                gates = scorer.gates(layer, x)
-                state = scorer.remember(state, key[..., -1, :], value[..., -1, :], *[g[..., -1] for g in gates])
-                for held, now in zip(self.state, state):
-                    held[layer] = now
+                gates = [g[..., -1] for g in scorer.gates(layer, x)]
+                state = (self.memories[layer], key[..., -1, :], value[..., -1, :], *gates)
+                self.memories[layer] = scorer.remember(*state)
+            state = self.memories[layer]
             x_t = scorer.features(k_t[layer], v_t[layer])
             u = scorer.project(layer, x_t)[2]
             z = scorer.recall(state, u)
@@ -519,14 +550,15 @@ class MemoryDecoder(Decoder):
         return torch.stack(scores)
 
 
-# the learned kinds by name, the default first: a new kind is a class registered here (README, Add a scorer)
+# the learned kinds by name, the default first: a new kind is a class registered here (README)
 SCORERS = {"kvpop-window": WindowScorer, "kvpop": MemoryScorer, "kvpop-mlp": MLPScorer}
 
 
-# ------------------------------------------------------------------- the boundary loss (README, Method: boundary loss)
+# ------------------------------------------------ the boundary loss (README, Method: boundary loss)
 def boundary(pi, e, q, sinks, window):
-    """At each query q (Q,), whether the teacher (priorities pi, eviction times e) keeps t_new = q - window (B, H, Q),
-    and the cutoff t_bnd: its pool-th best eligible token, or the best dropped one when that is t_new."""
+    """At each query q (Q,), whether the teacher (priorities pi, eviction times e) keeps t_new = q -
+    window (B, H, Q), and the cutoff t_bnd: its pool-th best eligible token, or the best dropped one
+    when that is t_new."""
     T = pi.shape[-1]
     u = torch.arange(T, device=pi.device)
     t_new = q - window
@@ -545,67 +577,35 @@ def boundary(pi, e, q, sinks, window):
     return keep, torch.where(worst == t_new, best_dropped, worst)
 
 
-def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, total=None):
-    """One layer's share of the boundary loss over `layers` and the pools, and of the balanced keep/drop accuracy: the
-    scorer's pi (B, H, T) against the teacher's pi* = r* + gamma_h t at each pool's edge, at its queries qs[j] (Q,).
-    `total` sums the keep/drop counts over processes (training's batch split); None: one process."""
+def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, allsum=None):
+    """One layer's share of the boundary loss over `layers` and the pools, and of the balanced
+    keep/drop accuracy: the scorer's pi (B, H, T) against the teacher's pi* = r* + gamma_h t at each
+    pool's edge, at its queries qs[j] (Q,). `allsum` sums the keep/drop counts over processes
+    (training's batch split); None: one process."""
     loss, hits = 0.0, 0.0
     share = layers * len(pools)
     # each pool's edge, at its queries q (Q,)
     for pool, q in zip(pools, qs):
         q = q.to(pi.device)
         e = kernels.eviction_times(teacher, sinks, window, pool)
-        y, t_bnd = kernels.boundary(teacher, e, q, sinks, window)  # boundary's sweep
+        keep, t_bnd = kernels.boundary(teacher, e, q, sinks, window)  # boundary's sweep
         t_new = (q - window).expand(*pi.shape[:2], -1)
         margin = pi.gather(-1, t_new) - pi.gather(-1, t_bnd)  # (B, H, Q)
         # keeps and drops, over the processes if split
-        counts = [y.sum(), (~y).sum()]
+        counts = [keep.sum(), (~keep).sum()]
         counts = torch.stack(counts)
-        counts = total(counts) if total is not None else counts
+        counts = allsum(counts) if allsum is not None else counts
         halves = 0.5 / counts.clamp(min=1)
-        omega = torch.where(y, halves[0], halves[1])
-        sign = 2 * y.float() - 1
-        losses = omega * softplus(-sign * margin)
+        omega = torch.where(keep, halves[0], halves[1])
+        y = 2 * keep.float() - 1  # the README's y: +1 keep, -1 drop
+        losses = omega * softplus(-y * margin)
         loss = loss + losses.sum() / share
         # the student ranks t_new on the teacher's side of t_bnd; chance is 0.5
-        right = (margin > 0) == y
+        right = (margin > 0) == keep
         hits += (omega * right).sum().item() / share
     return loss, hits
 
 
-# ------------------------------------------------------------------------------------ a scorer on disk (train.py writes)
-# scorer.json (every setting needed to rebuild it, and what it was trained for) beside scorer.safetensors
-def save_scorer(scorer, folder):
-    os.makedirs(folder, exist_ok=True)
-    save_safetensors(scorer.state_dict(), os.path.join(folder, "scorer.safetensors"))
-    settings = dict(kind=scorer.kind, window=scorer.window)
-    settings |= dict(d_mem=scorer.d_mem, d_hidden=scorer.d_hidden)
-    settings |= dict(arrival=scorer.arrival, received=scorer.received) | scorer.shape
-    settings["trained"] = scorer.meta
-    write_json(settings, os.path.join(folder, "scorer.json"))
-
-
-def load_scorer(folder):
-    """A saved scorer, of the class its kind names in SCORERS, frozen, on its definitions (fast.speed_up: faster)."""
-    path = os.path.join(folder, "scorer.json")
-    if not os.path.isfile(path):
-        hint = "pass the --out_dir of a train.py run"
-        raise FileNotFoundError(f"{folder} is not a scorer folder (no scorer.json); {hint}")
-    saved = read_json(path)
-    tensors = read_safetensors(os.path.join(folder, "scorer.safetensors"))
-    try:
-        names = ("num_hidden_layers", "num_key_value_heads", "head_dim")
-        shape = types.SimpleNamespace(**{name: saved[name] for name in names})
-        sizes = (saved["window"], saved["d_mem"], saved["d_hidden"])
-        kind = SCORERS[saved["kind"]]
-        received = saved.get("received", False)
-        scorer = kind(shape, *sizes, arrival=saved["arrival"], received=received)
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{path}: missing or bad field ({e})") from None
-    want = {name: x.shape for name, x in scorer.state_dict().items()}
-    got = {name: x.shape for name, x in tensors.items()}
-    if got != want:
-        raise ValueError(f"{folder}: scorer.safetensors does not hold the tensors scorer.json describes")
-    scorer.load_state_dict({name: x.float() for name, x in tensors.items()})
-    scorer.meta = saved.get("trained", {})
-    return scorer.eval().requires_grad_(False)
+# -------------------------------------------------- a scorer on disk (support/checkpoint.py's files)
+def load_scorer(folder):  # frozen, of its kind in SCORERS, on its definitions (fast.speed_up: faster)
+    return read_scorer(folder, SCORERS)

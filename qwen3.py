@@ -1,6 +1,8 @@
-"""Qwen3, self-contained: Hugging Face's module names, so loading a checkpoint is a 1:1 copy with a count and shape
-check. Every layer's attention is a hook, attn(layer, q, k, v, pos): cache.py's evicting cache and kvpop.py's masked
-pass plug in there. Then generation: sampling, and a stream of new tokens through a cache.
+"""Qwen3, self-contained: Hugging Face's module names, so loading a checkpoint is a 1:1 copy with a
+count and shape check. Every layer's attention is a hook, attn(layer, q, k, v, pos): cache.py's
+evicting cache and kvpop.py's masked pass plug in there. Then generation: sampling, and a stream of
+new tokens through a cache.
+
 """
 
 import math
@@ -109,11 +111,11 @@ class Qwen3(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, idx, cache=None, attn=causal, logits=True):
-        """idx (B, T) -> logits (B, T, vocab), or with logits=False the last layer's output (B, T, hidden). attn(i, q,
-        k, v, pos) is layer i's attention; with a cache the tokens continue the cached sequence and only the last
-        position is returned (B, 1, ...)."""
-        # a prompt the cache cannot take whole goes token by token, each through every layer: exactly the sequence of
-        # decoding steps
+        """idx (B, T) -> logits (B, T, vocab), or with logits=False the last layer's output (B, T,
+        hidden). attn(i, q, k, v, pos) is layer i's attention; with a cache the tokens continue the
+        cached sequence and only the last position is returned (B, 1, ...)."""
+        # a prompt the cache cannot take whole goes token by token, each through every layer:
+        # exactly the sequence of decoding steps
         if cache is not None and idx.shape[1] > 1 and not cache.whole(idx.shape[1]):
             for t in range(idx.shape[1] - 1):
                 self(idx[:, t : t + 1], cache=cache, logits=False)
@@ -135,7 +137,8 @@ class Qwen3(nn.Module):
         return self.lm_head(self.model.norm(x))
 
     @classmethod
-    def from_pretrained(cls, path_or_repo, device=None, dtype=None, config=None):  # config: its config.json, if read
+    # config: its config.json, if read
+    def from_pretrained(cls, path_or_repo, device=None, dtype=None, config=None):
         folder = checkpoint.checkpoint_dir(path_or_repo)
         config = config or Qwen3Config.from_json(os.path.join(folder, "config.json"))
         with torch.device("meta"):
@@ -156,8 +159,8 @@ class Qwen3(nn.Module):
         return model.to(device=device, dtype=dtype).eval()
 
     def save_pretrained(self, folder, weights=None):
-        """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads. weights: the
-        tensors to write instead of the parameters (a sharded model's, gathered)."""
+        """A normal checkpoint folder (config.json + model.safetensors) that from_pretrained loads.
+        weights: the tensors to write instead of the parameters (a sharded model's, gathered)."""
         os.makedirs(folder, exist_ok=True)
         weights = weights or dict(self.named_parameters())
         tensors = {k: weights[k] for k, _ in self.named_parameters()}
@@ -188,10 +191,10 @@ def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop=(), cache=None, step=None):
-    """Stream (B,) next-token tensors. With a cache (cache.KVCache, which sets the budget) each step feeds the newest
-    token, through `step` if given (the model compiled: one graph a step), the prompt through the model; without
-    one, the whole sequence. A sequence that produced a stop id keeps emitting it; generation ends when all have
-    stopped."""
+    """Stream (B,) next-token tensors. With a cache (cache.KVCache, which sets the budget) each step
+    feeds the newest token, through `step` if given (the model compiled: one graph a step), the
+    prompt through the model; without one, the whole sequence. A sequence that produced a stop id
+    keeps emitting it; generation ends when all have stopped."""
     x, seq, nxt = idx, idx, idx[:, -1]
     done = torch.zeros(len(idx), dtype=torch.bool, device=idx.device)
     stop = idx.new_tensor(list(stop))

@@ -20,41 +20,54 @@ from kvpop import SCORERS, budget_size, entries, load_scorer, state_charge
 from qwen3 import Qwen3, Qwen3Config, generate
 from support.checkpoint import DTYPES, checkpoint_dir, read_json
 from support.corpus import CODE_LENGTH, CODE_WINDOW, code_held_out
-from support.flags import auto_dtype, check_budget, check_device, check_dtype, check_seed, configure, fail, need
+from support.flags import auto_dtype, check_budget, check_device, check_dtype, check_seed
+from support.flags import configure, fail, need
 from support.tokenizer import Tokenizer
 from tasks import recall_marks, recall_score, task_ids
 
 # --- model
-model = "baby"  # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby, codebaby: the demos
+# checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby, codebaby: the demos
+model = "baby"
 device = "cuda" if torch.cuda.is_available() else "cpu"  # where the model runs
 dtype = "auto"  # float32 / bfloat16 / float16; auto = the checkpoint's on cuda, float32 on cpu
-threads = 1  # CPU threads (a model over 100M parameters: torch's count); one: a small step's threads wait
-compile = False  # decode with the step compiled, one graph (torch.compile: CUDA graphs on a GPU, inductor on a CPU)
-plain = False  # decode by kvpop.py's definitions alone (kvpop.Decoder), not fast.py's forms: the same text
+# CPU threads (a model over 100M parameters: torch's count); one: a small step's threads wait
+threads = 1
+# decode with the step compiled, one graph (torch.compile: CUDA graphs on a GPU, inductor on a CPU)
+compile = False
+# decode by kvpop.py's definitions alone (kvpop.Decoder), not fast.py's forms: the same text
+plain = False
 # --- prompt
-prompt = "FILE:baby/prompt.txt"  # the text, or FILE:path (codebaby: its held-out file; a real Qwen3: a sentence)
+# the text, or FILE:path (codebaby: its held-out file; a real Qwen3: a sentence)
+prompt = "FILE:baby/prompt.txt"
 chat = False  # wrap the prompt in Qwen3's chat template
 think = False  # with --chat: let the model think first (<think> ... </think>)
-# --- sampling: the baby's own distribution (a nucleus would cut its rare keys); a real Qwen3: Qwen3's advice
+# --- sampling: the baby's own distribution (a nucleus would cut its rare keys); Qwen3's advice
 num_samples = 4  # samples drawn one after another, for the baby's recall scoreboard (others: 1)
-max_new_tokens = 112  # tokens per sample, fewer if the model stops: the baby's task (codebaby: 256, others: 2048)
+# tokens per sample, fewer if the model stops: the baby's task (codebaby: 256, others: 2048)
+max_new_tokens = 112
 temperature = 1.0  # 0 = greedy (a real Qwen3: 0.7, thinking 0.6)
 top_k = 0  # keep the k most likely tokens, 0 = off (a real Qwen3: 20)
 top_p = 1.0  # nucleus sampling, 1 = off (a real Qwen3: 0.8, thinking 0.95)
 seed = 1337  # random seed
 # --- KV budget (README, Method: budget)
 budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer S; 1 = full cache
-policy = "kvpop-window"  # kvpop-window, kvpop, kvpop-mlp, streaming, knorm, random, h2o, tova, full (real Qwen3: streaming)
-scorer = ""  # a learned scorer's folder; empty: out/ if it holds --policy's kind, else the (code)baby's shipped one
+# kvpop-window, kvpop, kvpop-mlp, streaming, knorm, random, h2o, tova, full (real Qwen3: streaming)
+policy = "kvpop-window"
+# a learned scorer's folder; empty: out/ if it holds --policy's kind, else the (code)baby's shipped
+# one
+scorer = ""
 sinks = 4  # first tokens never evicted
-window = 32  # recent tokens never evicted (a learned scorer: its own; codebaby: 192; a real Qwen3: 256)
+# recent tokens never evicted (a learned scorer: its own; codebaby: 192; a real Qwen3: 256)
+window = 32
 show = False  # print the text again, each token shaded by how many (layer, head) caches hold it
 given = configure(globals())
-# the presets of the demos and of a real Qwen3, each unless given: codebaby reads on its held-out file
+# the presets of the demos and of a real Qwen3, each unless given: codebaby reads on its held-out
+# file
 baby, code = model == "baby", model == "codebaby"
 qwen = not (baby or code)
 preset = lambda name, value: globals()[name] if name in given else value
-prompt = preset("prompt", "FILE:baby/prompt.txt" if baby else "" if code else "The capital of France is")
+sentence = "" if code else "The capital of France is"
+prompt = preset("prompt", "FILE:baby/prompt.txt" if baby else sentence)
 num_samples = preset("num_samples", 4 if baby else 1)
 max_new_tokens = preset("max_new_tokens", 112 if baby else 256 if code else 2048)
 temperature = preset("temperature", (0.6 if think else 0.7) if qwen else 1.0)
@@ -68,7 +81,8 @@ policy = preset("policy", str(read_json(kind_file).get("kind", "")) if named els
 policy = preset("policy", "streaming" if qwen and not scorer else policy)
 
 
-# bad input, each flag on its own, before anything is looked up, downloaded or loaded: one line, exit 1
+# bad input, each flag on its own, before anything is looked up, downloaded or loaded: one line,
+# exit 1
 check_device(device)
 check_dtype(dtype, DTYPES)
 need(chat or not think, "--think only applies to the chat template; add --chat or drop --think")
@@ -86,42 +100,51 @@ need(window >= 1, f"--window {window}: use 1 or more")
 learned = ", ".join(SCORERS)
 why = f"only a learned --policy ({learned}) reads one; drop --scorer or choose one of those"
 need(not scorer or policy in SCORERS, f"--scorer {scorer}: {why}")
-# a learned scorer, read before the model: --scorer, else out/ if train.py wrote this kind there, else the baby's
+# a learned scorer, read before the model: --scorer, else out/ if train.py wrote this kind there,
+# else the baby's
 try:
     pol = policy
     if policy in SCORERS:
-        need(scorer or baby or code, f"--policy {policy} needs --scorer DIR, a scorer train.py trained for this model")
+        trained = "a scorer train.py trained for this model"
+        need(scorer or baby or code, f"--policy {policy} needs --scorer DIR, {trained}")
         if not scorer:
-            out = os.path.isfile("out/scorer.json") and read_json("out/scorer.json").get("kind") == policy
+            out = os.path.isfile("out/scorer.json")
+            out = out and read_json("out/scorer.json").get("kind") == policy
             shipped = "codebaby/scorers/code-max" if code else "baby/scorers/recall-helpful"
             scorer = "out" if out else f"{shipped}/{policy}"
         pol = load_scorer(scorer).to(device)
         pol = pol if plain else fast.speed_up(pol)  # fast.py's forms, unless --plain
         need(policy == pol.kind, f"--scorer {scorer} holds a {pol.kind} scorer, not {policy}")
-        need(not pol.arrival, f"--scorer {scorer} reads on arrival (the delay ablation): bench.py quality runs it")
+        ablation = "reads on arrival (the delay ablation): bench.py quality runs it"
+        need(not pol.arrival, f"--scorer {scorer} {ablation}")
         window = preset("window", pol.window)  # a delayed scorer reads at its own window
     rule = resolve(pol)[0]
 except (OSError, ValueError) as e:
     fail(f"--policy {policy}: {e}")
-need(rule != "full" or budget == 1, "--policy full never evicts; use --budget 1 or an evicting --policy")
+never = "--policy full never evicts; use --budget 1 or an evicting --policy"
+need(rule != "full" or budget == 1, never)
 try:
     text = open(prompt[5:], encoding="utf-8").read() if prompt.startswith("FILE:") else prompt
 except (OSError, UnicodeDecodeError) as e:
     why = getattr(e, "strerror", None) or e
     fail(f"--prompt {prompt}: cannot read it ({why}); use FILE:path of a UTF-8 file")
-# then against the checkpoint, before the (slow) weights load; a scorer's state is charged to the budget
+# then against the checkpoint, before the (slow) weights load; a scorer's state is charged to the
+# budget
 try:
     folder = checkpoint_dir(model)
     config = Qwen3Config.from_json(os.path.join(folder, "config.json"))
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode(tok.chat(text, think) if chat else text)
-    # codebaby: the first held-out torch file (support/corpus.py) with 2048 tokens, continued from its opening
+    # codebaby: the first held-out torch file (support/corpus.py) with 2048 tokens, continued from
+    # its opening
     if code and not text:
-        opening = code_held_out(tok, "torch", CODE_LENGTH, 2)[0, : CODE_LENGTH - max_new_tokens].tolist()
+        opening = code_held_out(tok, "torch", CODE_LENGTH, 2)[0, : CODE_LENGTH - max_new_tokens]
+        opening = opening.tolist()
         ids, text = opening, tok.decode(opening)
     total, limit = len(ids) + max_new_tokens, config.max_position_embeddings
     need(ids, "--prompt is empty; give some text or FILE:path")
-    asked = f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's {limit} positions"
+    asked = f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens})"
+    asked += f" exceeds the model's {limit} positions"
     need(total <= limit, f"{asked}; shorten the prompt or lower --max_new_tokens")
     if policy in SCORERS:
         pol.check(config, window)
@@ -131,28 +154,31 @@ try:
     net = Qwen3.from_pretrained(folder, device=device, dtype=dtype, config=config)
 except (OSError, ValueError) as e:
     fail(e)
-# a small model's decoding step is too small to share: one thread, unless --threads says otherwise (LOG.md)
+# a small model's decoding step is too small to share: one thread, unless --threads says otherwise
+# (LOG.md)
 small = sum(p.numel() for p in net.parameters()) < 1e8
 torch.set_num_threads(threads if small or "threads" in given else torch.get_num_threads())
 # --compile: one graph a decoding step; on a GPU replayed as a CUDA graph
 mode = "reduce-overhead" if device.startswith("cuda") else None
 compiled = torch.compile(net, fullgraph=True, dynamic=False, mode=mode) if compile else None
-# the policy the cache runs (full: the budget keeps every token), and the baby's token id -> task word
+# the policy the cache runs (full: the budget keeps every token), and the baby's token id -> task
+# word
 name = policy if S < total else "full"
 word = {i: w for w, i in task_ids(tok)[0].items()} if baby else {}
 
 
 def shade(ids, kept):
-    """ids as text, each token grey (evicted everywhere) to white (kept everywhere) in 256-colour ANSI."""
+    """ids as text, each token grey (evicted everywhere) to white (kept everywhere) in 256-colour
+    ANSI."""
     dec = tok.decode_stream()
     out = [f"\x1b[38;5;{238 + round(17 * f)}m{dec(i)}" for i, f in zip(ids, kept.tolist())]
     return "".join(out) + dec() + "\x1b[0m"
 
 
 def draw(pol, size, echo):
-    """num_samples samples under policy pol with `size` entries per head, seeded alike -> their ids; echo: print
-    the prompt, then each sample (the baby's marked when it ends, any other as it comes) and its report;
-    t[1]: the prompt is in the cache and the first token sampled."""
+    """num_samples samples under policy pol with `size` entries per head, seeded alike -> their ids;
+    echo: print the prompt, then each sample (the baby's marked when it ends, any other as it comes)
+    and its report; t[1]: the prompt is in the cache and the first token sampled."""
     torch.manual_seed(seed)
     x, outs = torch.tensor([ids], device=device), []
     if echo:
@@ -163,7 +189,8 @@ def draw(pol, size, echo):
         cache = KVCache(net, 1, size, pol, sinks, window)
         dec, out, t = tok.decode_stream(), [], [time.time()]
         outs.append(out)
-        for nxt in generate(net, x, max_new_tokens, temperature, top_k, top_p, tok.stop, cache, step):
+        drawn = (max_new_tokens, temperature, top_k, top_p, tok.stop)
+        for nxt in generate(net, x, *drawn, cache, step):
             out.append(int(nxt[0]))
             t.append(time.time())
             if out[-1] in tok.stop:
@@ -177,7 +204,8 @@ def draw(pol, size, echo):
 
 
 def marked(out):
-    """The baby's sample, each word the scoreboard counts marked: ✓ its key's current value, ✗ another."""
+    """The baby's sample, each word the scoreboard counts marked: ✓ its key's current value, ✗
+    another."""
     marks = recall_marks([word.get(i) for i in ids + out], len(ids))
     dec, sign = tok.decode_stream(), {True: "✓", False: "✗", None: ""}
     text = [dec(i) + sign[marks.get(len(ids) + j)] for j, i in enumerate(out) if i not in tok.stop]
@@ -185,9 +213,10 @@ def marked(out):
 
 
 def report(cache, out, t, dec):
-    """Flush dec (a character cut off by the end of generation), then print the sample's timing and cache
-    lines, and with --show its shading. The full cache: every position, every layer; most: the most entries
-    any (layer, row, KV head) holds; p: (L, Hkv, entries) positions held, -1 = empty."""
+    """Flush dec (a character cut off by the end of generation), then print the sample's timing and
+    cache lines, and with --show its shading. The full cache: every position, every layer; most: the
+    most entries any (layer, row, KV head) holds; p: (L, Hkv, entries) positions held, -1 =
+    empty."""
     print(dec(), end="")
     rate = (len(out) - 1) / (t[-1] - t[1]) if len(out) > 1 else 0.0
     prefill = f"prefill {len(ids)} tokens in {t[1] - t[0]:.2f} s"

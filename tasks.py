@@ -1,9 +1,11 @@
-"""The baby's tasks (README, The baby) and the teacher-forced evaluation of eviction on them: the words, the task's
-sequences, the recall scoreboard sample.py marks a sample by, `evaluate` (the online cache or the masked pass), the
-quality runs and table (train.py's held-out checks, bench.py quality).
+"""The baby's tasks (README, The baby) and the teacher-forced evaluation of eviction on them: the
+words, the task's sequences, the recall scoreboard sample.py marks a sample by, `evaluate` (the
+online cache or the masked pass), the quality runs and table (train.py's held-out checks, bench.py
+quality).
 
-recall: multi-query associative recall in single-token Qwen3 words. cue: the same, plus distractor bindings that only
-the next word marks as useless.
+recall: multi-query associative recall in single-token Qwen3 words. cue: the same, plus distractor
+bindings that only the next word marks as useless.
+
 """
 
 import random
@@ -15,9 +17,10 @@ import kvpop
 from cache import KVCache, resolve
 
 # ----------------------------------------------------------------------------------------------------------
-# the words. A binding is the bigram `key value`; a later `key value'` reassigns (the old value is useless from then
-# on); a query is `key value` with the current value, predicted at the key. Fillers are never needed again. cue: a
-# distractor `key' value' no` binds a key never queried in that sequence, and the marker `no` says so.
+# the words. A binding is the bigram `key value`; a later `key value'` reassigns (the old value is
+# useless from then on); a query is `key value` with the current value, predicted at the key.
+# Fillers are never needed again. cue: a distractor `key' value' no` binds a key never queried in
+# that sequence, and the marker `no` says so.
 
 KEYS = "name time data value type file user key size state model color group table game car".split()
 VALUES = (
@@ -41,15 +44,17 @@ def task_ids(tok):  # word -> token id of every task word (each must be one toke
     ids = {w: tok.encode(" " + w) for w in KEYS + VALUES + FILLERS + [MARK]}
     for w, t in ids.items():
         if len(t) != 1:
-            raise ValueError(f"task word {w!r} is {len(t)} tokens for this tokenizer; the task needs one each")
+            count = f"task word {w!r} is {len(t)} tokens for this tokenizer"
+            raise ValueError(f"{count}; the task needs one each")
     return {w: t[0] for w, t in ids.items()}, tok.special["<|endoftext|>"]
 
 
 def task(rng, T, keys=8, p_mention=0.06, p_reassign=0.1, p_oldest=0.7, p_cue=0.0):
-    """One sequence of T words (after bos) -> words, [(q, value, q - p)]: at position q (a key) the next word is
-    `value`, last written at position p. Keys are bound first; later mentions go mostly to the key mentioned longest
-    ago, which is what puts bindings far back. With p_cue > 0 (the cue task) that share of the words that would be
-    fillers start a distractor `key' value' no` instead, key' one never queried here."""
+    """One sequence of T words (after bos) -> words, [(q, value, q - p)]: at position q (a key) the
+    next word is `value`, last written at position p. Keys are bound first; later mentions go mostly
+    to the key mentioned longest ago, which is what puts bindings far back. With p_cue > 0 (the cue
+    task) that share of the words that would be fillers start a distractor `key' value' no` instead,
+    key' one never queried here."""
     K = rng.sample(KEYS, min(keys, len(KEYS), max(2, T // 32)))
     spare = [k for k in KEYS if k not in K]  # the distractors' keys
     words, val, last, ans = ["<|endoftext|>"], {}, {}, []
@@ -76,9 +81,10 @@ def task(rng, T, keys=8, p_mention=0.06, p_reassign=0.1, p_oldest=0.7, p_cue=0.0
 
 
 def task_batch(tok, n, T, rng, p_cue=0.0, **kw):
-    """n sequences of task(rng, T, p_cue, **kw) -> idx (n, T) token ids, tgt (n, T) answer ids (-1 elsewhere), dist
-    (n, T) how far back the answer was last written (0 elsewhere). p_cue a pair (low, high): each sequence's rate
-    is drawn uniformly from it, by rng, just before the sequence."""
+    """n sequences of task(rng, T, p_cue, **kw) -> idx (n, T) token ids, tgt (n, T) answer ids (-1
+    elsewhere), dist (n, T) how far back the answer was last written (0 elsewhere). p_cue a pair
+    (low, high): each sequence's rate is drawn uniformly from it, by rng, just before the
+    sequence."""
     ids, bos = task_ids(tok)
     idx, tgt, dist = (torch.full((n, T), f, dtype=torch.long) for f in (bos, -1, 0))
     for row in range(n):
@@ -91,19 +97,20 @@ def task_batch(tok, n, T, rng, p_cue=0.0, **kw):
     return idx, tgt, dist
 
 
-def held_out_batch(tok, task, n, T, seed=0, p_cue=-1.0):
-    """bench.py's n held-out sequences of a task (task_batch), from the stream test-<seed> that training never draws;
-    p_cue >= 0 replaces the cue task's rate."""
-    rate = dict(p_cue=p_cue) if task == "cue" and p_cue >= 0 else {}
+def held_out_batch(tok, task, n, T, seed=0, p_cue=TASKS["cue"]["p_cue"]):
+    """bench.py's n held-out sequences of a task (task_batch), from the stream test-<seed> that
+    training never draws; the cue task's at distractor rate p_cue."""
+    rate = dict(p_cue=p_cue) if task == "cue" else {}
     return task_batch(tok, n, T, random.Random(f"test-{seed}"), **TASKS[task] | rate)
 
 
 def recall_answers(words, start):
-    """The recall scoreboard of a sample: words (the prompt's, then the sample's from index start) -> {j + 1: (hit, d)}
-    for each j >= start where the sample writes a bound key and a word after it: hit when that word is the key's
-    current value; d how far back it was bound, j less the position of the value last written after the key.
-    Bindings come from the prompt and from the sample itself: `key value` binds or reassigns; a distractor `key value
-    no` (the cue task) neither binds nor counts."""
+    """The recall scoreboard of a sample: words (the prompt's, then the sample's from index start)
+    -> {j + 1: (hit, d)} for each j >= start where the sample writes a bound key and a word after
+    it: hit when that word is the key's current value; d how far back it was bound, j less the
+    position of the value last written after the key. Bindings come from the prompt and from the
+    sample itself: `key value` binds or reassigns; a distractor `key value no` (the cue task)
+    neither binds nor counts."""
     val, at, marks = {}, {}, {}
     for j in range(len(words) - 1):
         a, b = words[j], words[j + 1]
@@ -126,15 +133,16 @@ def recall_score(words, start):  # (R, N): the hits and the count of recall_mark
 
 
 @torch.no_grad()
-def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, target="mean"):
-    """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True, token by token through
-    the evicting KVCache; online=False (static policies only), one pass with the eviction-time mask. The two agree.
-    target: the oracle's, one of TARGETS."""
+def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, target=kvpop.TARGETS[0]):
+    """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True, token
+    by token through the evicting KVCache; online=False (static policies only), one pass with the
+    eviction-time mask. The two agree. target: the oracle's, one of TARGETS."""
     B, T = idx.shape
     if isinstance(policy, kvpop.Scorer):
         policy.check(model.config, window)
     charge = kvpop.state_charge(policy, next(model.parameters()).dtype)  # a delayed scorer's state
-    size, pool = kvpop.budget_size(budget, T, sinks, window, charge)  # the cache's size S, and its pool
+    # the cache's size S, and its pool
+    size, pool = kvpop.budget_size(budget, T, sinks, window, charge)
     if isinstance(policy, str) and policy == "oracle":
         policy = kvpop.oracle_policy(model, idx, window, target)
     if online:
@@ -143,7 +151,7 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, targe
     rule, priority = resolve(policy)
     if rule == "dynamic":
         raise ValueError(
-            f"policy {policy} re-scores tokens at every query: it has no eviction-time mask, use online=True"
+            f"policy {policy} re-scores tokens at every query: no eviction-time mask, use online=True"
         )
     if rule == "full" or size >= T:
         return model(idx)
@@ -160,14 +168,17 @@ def policy_name(policy):  # a learned scorer is named by its kind
     return policy if isinstance(policy, str) else policy.kind + " on arrival" * policy.arrival
 
 
-def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None, target="mean"):
-    """Every (policy, budget) on the same sequences, teacher-forced through evaluate -> rows of accuracy on all
-    queries, on far ones, relative to full, and mean KL(full || policy) from position S on. `full` is the dense pass of
-    ref (a fine-tuned net's starting point), default net itself."""
+def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None,
+                 target=kvpop.TARGETS[0]):
+    """Every (policy, budget) on the same sequences, teacher-forced through evaluate -> rows of
+    accuracy on all queries, on far ones, relative to full, and mean KL(full || policy) from
+    position S on. `full` is the dense pass of ref (a fine-tuned net's starting point), default net
+    itself."""
     size = lambda budget: kvpop.budget_size(budget, idx.shape[1], sinks, window)[0]
     # queries out of reach of a window at every budget
     far = (dist >= max(map(size, budgets)) - sinks)[tgt >= 0]
-    runs = [("full", 1)] + [(policy, budget) for policy in policies if policy != "full" for budget in budgets]
+    evicting = [policy for policy in policies if policy != "full"]
+    runs = [("full", 1)] + [(policy, budget) for policy in evicting for budget in budgets]
     hit, kl = {run: [] for run in runs}, {run: [] for run in runs}
     rows = []
     log_probs = lambda logits: logits.float().log_softmax(-1)
@@ -179,9 +190,11 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
             online = policy_name(policy) in kvpop.DYNAMIC
             args = (policy, budget, sinks, window, online, target)
             lp = full if policy == "full" else log_probs(evaluate(net, part, *args))
-            hit[policy, budget].append(lp.argmax(-1)[answered] == tgt[start : start + chunk][answered])
+            right = lp.argmax(-1)[answered] == tgt[start : start + chunk][answered]
+            hit[policy, budget].append(right)
             # (chunk * (T - S),)
-            kl[policy, budget].append((full.exp() * (full - lp)).sum(-1)[:, size(budget) :].flatten())
+            per_token = (full.exp() * (full - lp)).sum(-1)
+            kl[policy, budget].append(per_token[:, size(budget) :].flatten())
     acc_full = torch.cat(hit["full", 1]).float().mean().item()
     for policy, budget in runs:
         hits, divergence = torch.cat(hit[policy, budget]).float(), torch.cat(kl[policy, budget])
@@ -193,7 +206,8 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
     return rows, far.float().mean().item(), len(far)
 
 
-def quality_table(rows):  # a markdown table of quality_runs' rows; task and target columns when they have them
+# a markdown table of quality_runs' rows; task and target columns when they have them
+def quality_table(rows):
     cols = [col for col in ("task", "target") if col in rows[0]]
     columns = cols + ["policy", "budget", "accuracy", "far accuracy", "relative", "KL"]
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]

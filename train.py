@@ -1,14 +1,21 @@
 """Training, nanoGPT style: defaults below, override any with --name value (--help lists them).
 
-  python train.py                                     # the default delayed scorer (kvpop-window) on the frozen baby
-  python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25  # a real Qwen3
-  python train.py --task code --batch_size 2 --max_iters 600 --out_dir codebaby/scorers/code-max/kvpop-window
-  python train.py --finetune --out_dir out-ft         # the paper's recipe: the model trains too, under eviction
-  python train.py --finetune --policy streaming       # its control, StreamingLLM+ (recency eviction, no scorer)
-  torchrun --nproc_per_node=2 train.py ...            # several processes: DDP (scorer), FSDP2 (--finetune)
+python train.py                                     # the default delayed scorer (kvpop-window) on
+the frozen baby
+python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25  # a
+real Qwen3
+python train.py --task code --batch_size 2 --max_iters 600 --out_dir
+codebaby/scorers/code-max/kvpop-window
+python train.py --finetune --out_dir out-ft         # the paper's recipe: the model trains too,
+under eviction
+python train.py --finetune --policy streaming       # its control, StreamingLLM+ (recency eviction,
+no scorer) torchrun --nproc_per_node=2 train.py ...            # several processes: DDP (scorer),
+FSDP2 (--finetune)
 
-The scorer learns the keep-or-drop decisions of a teacher that ranks tokens by the model's future attention (README,
-Method: boundary loss); --finetune trains the model too, under that eviction, by KL to the dense model (fine-tune).
+The scorer learns the keep-or-drop decisions of a teacher that ranks tokens by the model's future
+attention (README, Method: boundary loss); --finetune trains the model too, under that eviction, by
+KL to the dense model (fine-tune).
+
 """
 
 import math
@@ -40,37 +47,46 @@ dtype = "auto"  # the frozen model's: auto = the checkpoint's on cuda, float32 o
 threads = 1  # CPU threads; 2 give the same bits, faster when idle, far slower when busy
 # --- scorer (README, Method: scorers)
 model = "baby"  # the frozen model: checkpoint folder or Hugging Face repo id
-kind = "kvpop-window"  # delayed: kvpop-window (the 32 tokens after t), kvpop (mLSTM), kvpop-shifted; kvpop-mlp
-d_mem = 16  # kvpop, kvpop-shifted: memory d_mem x d_mem; sets the state charge (3 entries on the baby)
+# delayed: kvpop-window (the 32 tokens after t), kvpop (mLSTM), kvpop-shifted; kvpop-mlp
+kind = "kvpop-window"
+# kvpop, kvpop-shifted: memory d_mem x d_mem; sets the state charge (3 entries on the baby)
+d_mem = 16
 d_hidden = 64  # the read-out's hidden width (every kind)
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
-arrival = False  # kvpop, kvpop-shifted: read tokens on arrival, not on leaving the window (delay ablation)
-received = False  # kvpop-window: its read-out also reads log a[t], the attention t got in its window (code: true)
+# kvpop, kvpop-shifted: read tokens on arrival, not on leaving the window (delay ablation)
+arrival = False
+# kvpop-window: its read-out also reads log a[t], the attention t got in its window (code: true)
+received = False
 init_from = ""  # a trained scorer's folder to start from (its sizes), e.g. a frozen run's
-target = "helpful"  # the teacher's future attention: helpful, max (ours) or mean (the paper's) (--task code: max)
+# the teacher's future attention: helpful, max (ours) or mean (the paper's) (--task code: max)
+target = "helpful"
 # --- data
 data = "baby"  # baby: a baby task (tasks.py); else .txt/.jsonl files (folder, glob), packed
-task = "recall"  # --data baby: recall, cue (distractors only the next word marks), or code (the code baby's corpus)
-corpus = "torch"  # --task code: torch (the installed package's .py/.txt source) or a folder of such files
+# --data baby: recall, cue (distractors only the next word marks), or code (the code baby's corpus)
+task = "recall"
+# --task code: torch (the installed package's .py/.txt source) or a folder of such files
+corpus = "torch"
 keys = 8  # --data baby: keys per sequence
 p_cue_min = 0.05  # --task cue: each sequence's distractor rate drawn uniformly from
-p_cue_max = 0.35  # [p_cue_min, p_cue_max] (both 0.17: the task's own rate alone, as before the range)
+# [p_cue_min, p_cue_max] (both 0.17: the task's own rate alone, as before the range)
+p_cue_max = 0.35
 seq_len = 512  # tokens per sequence (--task code: 2048, support/corpus.py's CODE_LENGTH)
 queries = 0  # the loss's query positions per sequence and pool, at random (0: all)
 edges = 3  # the loss at the edges of this many pools: the budget's, then each half the last
 # --- eviction at training time (README, Method: budget)
 budget = 0.125  # the training budget: fraction of seq_len (or an integer S) per head
 sinks = 4  # first tokens never evicted
-window = 32  # recent tokens never evicted; a delayed scorer reads this many tokens late (--task code: 192)
+# recent tokens never evicted; a delayed scorer reads this many tokens late (--task code: 192)
+window = 32
 # --- optimisation
 batch_size = 8  # sequences per step
-max_iters = -1  # steps; -1: 600, or 1200 for --task cue (its range of rates takes longer)
+max_iters = 600  # steps (--task cue: 1200, its range of rates takes longer)
 lr = 3e-3  # the scorer's AdamW peak learning rate
 min_lr = 3e-4  # cosine decay down to this
 warmup = 50  # linear warmup steps
 weight_decay = 1e-4  # AdamW weight decay (--finetune: the model's too)
 grad_clip = 1.0  # clip the gradient norm (--finetune: the model's too)
-model_lr = -1.0  # --finetune: the model's AdamW peak rate; -1: the paper's 8e-5, the baby's 1e-5
+model_lr = 8e-5  # --finetune: the model's AdamW peak rate, the paper's (--model baby: 1e-5)
 top_logits = 256  # --finetune: KL to the dense model's top this many next tokens
 # --- logging, evaluation, checkpoints
 log_interval = 25  # print loss, keep/drop accuracy and tokens/s every this many steps
@@ -78,27 +94,30 @@ eval_interval = 100  # held-out far accuracy (baby) and a checkpoint, every this
 eval_seqs = 32  # held-out sequences per evaluation
 final_seqs = 128  # held-out sequences of the final quality table (bench.py quality's; 0: none)
 given = flags.configure(globals(), None if __name__ == "__main__" else [])  # tests: the defaults
-# --task code, unless given: the code baby at its length and window, the max target, kvpop-window reading a[t]
+# --task code, unless given: the code baby at its length and window, the max target, kvpop-window
+# reading a[t]
 code = task == "code"
 model = "codebaby" if code and "model" not in given else model
 seq_len = CODE_LENGTH if code and "seq_len" not in given else seq_len
 window = CODE_WINDOW if code and "window" not in given else window
 target = "max" if code and "target" not in given else target
 received = kind == "kvpop-window" if code and "received" not in given else received
-model_lr = (1e-5 if model == "baby" else 8e-5) if model_lr == -1 else model_lr
-max_iters = (1200 if data == "baby" and task == "cue" else 600) if max_iters == -1 else max_iters
+model_lr = 1e-5 if model == "baby" and "model_lr" not in given else model_lr
+max_iters = 1200 if data == "baby" and task == "cue" and "max_iters" not in given else max_iters
 rank, world = processes.rank(), processes.world()  # torchrun's
 log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None  # rank 0 logs
 need = lambda ok, msg: flags.need(ok, msg, "train.py")  # bad input: one line, exit 1
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the scorer on the frozen model: its loss (kvpop.boundary_loss at each pool's queries), data, checkpoints, the loop
+# the scorer on the frozen model: its loss (kvpop.boundary_loss at each pool's queries), data,
+# checkpoints, the loop
 
 
 def query_positions(T, it, sinks, window, pools):
-    """The loss's queries, a tensor for each of `pools`: every q at which that pool is over-full (q >= sinks + window
-    + pool), or --queries of them drawn at random, a draw per (--seed, step it, pool)."""
+    """The loss's queries, a tensor for each of `pools`: every q at which that pool is over-full (q
+    >= sinks + window + pool), or --queries of them drawn at random, a draw per (--seed, step it,
+    pool)."""
     qs = []
     for j, p in enumerate(pools):
         q = torch.arange(sinks + window + p, T)
@@ -110,16 +129,19 @@ def query_positions(T, it, sinks, window, pools):
 
 
 def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
-    """kvpop.boundary_loss of every layer (target rs[i] (B, H, T), -inf past T - window) at each pool's queries qs[j],
-    backward per layer if grad is enabled -> (loss, keep/drop accuracy), means over layers and pools. `ddp`: training's
-    scorer; the counts, gradients (reduced in the last layer's backward) and results are then the global batch's."""
+    """kvpop.boundary_loss of every layer (target rs[i] (B, H, T), -inf past T - window) at each
+    pool's queries qs[j], backward per layer if grad is enabled -> (loss, keep/drop accuracy), means
+    over layers and pools. `ddp`: training's scorer; the counts, gradients (reduced in the last
+    layer's backward) and results are then the global batch's."""
     T, L = rs[0].shape[-1], len(kv)
     pos = torch.arange(T, device=rs[0].device)
     total, hits = 0.0, 0.0
     count = processes.allsum if ddp else None
-    for i, ((k, v, *a), r) in enumerate(zip(kv, rs)):  # a: the attention received, for a scorer that reads it
+    # a: the attention received, for a scorer that reads it
+    for i, ((k, v, *a), r) in enumerate(zip(kv, rs)):
         with processes.no_sync(ddp, i < L - 1):
-            teacher = r + scorer.recency(i, pos).detach()  # the teacher's priorities pi* = r* + gamma_h t
+            # the teacher's priorities pi* = r* + gamma_h t
+            teacher = r + scorer.recency(i, pos).detach()
             pi = (ddp or scorer)(i, k, v, pos, *a)
             loss, right = kvpop.boundary_loss(pi, teacher, qs, sinks, window, pools, L, count)
             hits += right
@@ -132,11 +154,13 @@ def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
 
 
 def batch(tok, texts, it):
-    """Step it's sequences (batch_size, seq_len), a function of (--seed, it): a checkpoint's data position is its step.
-    The baby task's are drawn fresh; of --data's texts[0] (N), the j-th is the (j % N)-th in epoch j // N's order."""
+    """Step it's sequences (batch_size, seq_len), a function of (--seed, it): a checkpoint's data
+    position is its step. The baby task's are drawn fresh; of --data's texts[0] (N), the j-th is the
+    (j % N)-th in epoch j // N's order."""
     if data == "baby" and task != "code":
         rng = random.Random(f"scorer-train-{seed}-{it}")
-        # cue: a range of distractor rates, a rate per sequence (one rate: the stream of the code before the range)
+        # cue: a range of distractor rates, a rate per sequence (one rate: the stream of the code
+        # before the range)
         rate = (p_cue_min, p_cue_max) if p_cue_min < p_cue_max else p_cue_min
         rates = dict(p_cue=rate) if task == "cue" else {}
         return task_batch(tok, batch_size, seq_len, rng, keys=keys, **TASKS[task] | rates)[0]
@@ -149,9 +173,10 @@ def batch(tok, texts, it):
 
 
 def load():
-    """Every check against the model's config, tokenizer and data first, the weights last -> the checkpoint folder,
-    tokenizer, --data's sequences (pack_files; None: the baby's task), the frozen dense model, the model to fine-tune
-    (--finetune), the scorer (None: StreamingLLM+), the loss's pools, the checkpoint to resume from."""
+    """Every check against the model's config, tokenizer and data first, the weights last -> the
+    checkpoint folder, tokenizer, --data's sequences (pack_files; None: the baby's task), the frozen
+    dense model, the model to fine-tune (--finetune), the scorer (None: StreamingLLM+), the loss's
+    pools, the checkpoint to resume from."""
     learned = policy == "scorer"
     folder = checkpoint.checkpoint_dir(model)
     config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
@@ -165,7 +190,8 @@ def load():
     torch.manual_seed(seed)
     sizes = (window, d_mem, d_hidden, gamma, arrival, received)
     scorer = kvpop.SCORERS[kind](config, *sizes).to(device) if learned else None
-    saved = torch.load(os.path.join(out_dir, "train_state.pt"), weights_only=True) if resume else None
+    state = os.path.join(out_dir, "train_state.pt")
+    saved = torch.load(state, weights_only=True) if resume else None
     if learned and (resume or init_from):
         scorer = kvpop.load_scorer(out_dir if resume else init_from)
         scorer.check(config, window)
@@ -184,18 +210,22 @@ def load():
     # the boundary loss's pools: the budget's, then halved, --edges in all
     pools = list(dict.fromkeys(max(pool >> j, 1) for j in range(edges)))
     # the final table's budgets fit too
-    for b in (0.25, 0.125) if data == "baby" and (task != "code" or finetune) and final_seqs else ():
+    tabled = data == "baby" and (task != "code" or finetune) and final_seqs
+    for b in (0.25, 0.125) if tabled else ():
         try:
             kvpop.budget_size(b, seq_len, sinks, window, charge)
         except ValueError:
-            where = f"at --seq_len {seq_len}, --window {window}; use --final_seqs 0 or a longer --seq_len"
-            need(False, f"--final_seqs {final_seqs}: the final table's budget {b} leaves no room {where}")
+            where = f"at --seq_len {seq_len}, --window {window}"
+            fix = "use --final_seqs 0 or a longer --seq_len"
+            why = f"the final table's budget {b} leaves no room {where}"
+            need(False, f"--final_seqs {final_seqs}: {why}; {fix}")
     # the frozen dense model; --finetune: the model it trains, at the step train_state.pt records
     net = qwen3.Qwen3.from_pretrained(folder, device, dt).requires_grad_(False)
     student = qwen3.Qwen3.from_pretrained(folder, device, dt).train() if finetune else None
     if resume and finetune:
         student.load_state_dict(saved["model"])
-    what = f"{kind} scorer: {sum(p.numel() for p in scorer.parameters())} parameters" if learned else "StreamingLLM+"
+    count = sum(p.numel() for p in scorer.parameters()) if learned else 0
+    what = f"{kind} scorer: {count} parameters" if learned else "StreamingLLM+"
     heads = f"{config.num_hidden_layers} layers x {config.num_key_value_heads} KV heads"
     what += f" for {model} ({heads}){', fine-tuning the model' * finetune}"
     split = f"S = {size} per head: {sinks} sinks + {window} window + {pool} pool + {charge} state"
@@ -204,9 +234,11 @@ def load():
 
 
 def save(it, folder, scorer, scorer_opt, student, model_opt):
-    """Everything to resume, written atomically by rank 0; --finetune: the model too, its full state gathered from every
-    process's shards, and the tokenizer files beside it."""
-    weights, model_opt_saved = processes.gather(student, model_opt) if student is not None else (None, None)
+    """Everything to resume, written atomically by rank 0; --finetune: the model too, its full state
+    gathered from every process's shards, and the tokenizer files beside it."""
+    weights, model_opt_saved = None, None
+    if student is not None:
+        weights, model_opt_saved = processes.gather(student, model_opt)
     if rank:
         return
     if student is not None:
@@ -218,24 +250,27 @@ def save(it, folder, scorer, scorer_opt, student, model_opt):
                 os.replace(dst + ".tmp", dst)
     if scorer is not None:
         # what the scorer was trained for, in scorer.json
-        names = "model budget sinks window seq_len data task" + " corpus" * (task == "code") + " target edges"
+        names = "model budget sinks window seq_len data task"
+        names += " corpus" * (task == "code") + " target edges"
         names += " p_cue_min p_cue_max" * (task == "cue")
         scorer.meta = {k: globals()[k] for k in names.split()}
         scorer.meta.update(iters=it, finetune=finetune)
-        kvpop.save_scorer(scorer, out_dir)
-    scorer_saved = dict(scorer=scorer and scorer.state_dict(), opt=scorer_opt and scorer_opt.state_dict())
+        checkpoint.save_scorer(scorer, out_dir)
+    scorer_saved = dict(scorer=scorer and scorer.state_dict())
+    scorer_saved["opt"] = scorer_opt and scorer_opt.state_dict()
     saved = dict(scorer_saved, model=weights, model_opt=model_opt_saved, iter=it)
     torch.save(saved, os.path.join(out_dir, "tmp.pt"))
     os.replace(os.path.join(out_dir, "tmp.pt"), os.path.join(out_dir, "train_state.pt"))
 
 
 def held_out(evaluated, tok, pol, texts, pools):
-    """Held-out (rank 0), of `evaluated` (the frozen model, or --finetune's as saved) under `pol`: far accuracy at the
-    training budget (baby), else loss and keep/drop accuracy on texts[1]."""
+    """Held-out (rank 0), of `evaluated` (the frozen model, or --finetune's as saved) under `pol`:
+    far accuracy at the training budget (baby), else loss and keep/drop accuracy on texts[1]."""
     if data == "baby" and task != "code":
         rng = random.Random(f"valid-{seed}")
         x = task_batch(tok, eval_seqs, seq_len, rng, keys=keys, **TASKS[task])
-        rows = quality_runs(evaluated, *[t.to(device) for t in x], [pol], [budget], sinks, window)[0]
+        x = [t.to(device) for t in x]
+        rows = quality_runs(evaluated, *x, [pol], [budget], sinks, window)[0]
         full, at_b = (r["far_accuracy"] for r in rows)
         return f"held-out far accuracy at budget {budget:g}: {at_b:.3f} (full {full:.3f})"
     if finetune:
@@ -248,19 +283,22 @@ def held_out(evaluated, tok, pol, texts, pools):
 
 
 def final_table(folder, tok, net, scorer):
-    """The quality table on bench.py quality's held-out sequences: the scorer beside the oracle, streaming and h2o, or
-    (--finetune) the fine-tuned model as saved under its eviction, against the dense model before. Code: the command
-    that measures it (bench.py quality, its files)."""
+    """The quality table on bench.py quality's held-out sequences: the scorer beside the oracle,
+    streaming and h2o, or (--finetune) the fine-tuned model as saved under its eviction, against the
+    dense model before. Code: the command that measures it (bench.py quality, its files)."""
     if task == "code":
-        scorers = f"--scorer {out_dir} --target {target}" if scorer is not None else "--scorer '' --policies streaming"
-        return print(f"measure it: python bench.py quality --task code --model {out_dir} --ref {model} {scorers}")
+        learned = f"--scorer {out_dir} --target {target}"
+        scorers = learned if scorer is not None else "--scorer '' --policies streaming"
+        bench = f"python bench.py quality --task code --model {out_dir} --ref {model}"
+        return print(f"measure it: {bench} {scorers}")
     seqs = task_batch(tok, final_seqs, seq_len, random.Random("test-0"), **TASKS[task])
     ref, evaluated, pols = None, net, ["oracle", "streaming", "h2o", scorer]
     if finetune:
         ref = qwen3.Qwen3.from_pretrained(folder, dtype="float32")
         evaluated = qwen3.Qwen3.from_pretrained(out_dir)
         pols = [scorer or "streaming"]
-    rows, far, n = quality_runs(evaluated, *seqs, pols, [0.25, 0.125], sinks, window, ref=ref, target=target)
+    budgets = [0.25, 0.125]
+    rows, far, n = quality_runs(evaluated, *seqs, pols, budgets, sinks, window, ref=ref, target=target)
     for r in rows[1:] if finetune else []:
         r["policy"] = f"{r['policy']} (fine-tuned)" if scorer is not None else "StreamingLLM+"
     print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
@@ -294,7 +332,8 @@ def train():
     n = batch_size // world  # this process's share of a batch
     t0, seen = time.time(), []
     for it in range(it0, max_iters):
-        # the model's rate follows the scorer's, in proportion to its peak (its optimizer's defaults)
+        # the model's rate follows the scorer's, in proportion to its peak (its optimizer's
+        # defaults)
         for o in opts.values():
             o.zero_grad(set_to_none=True)
             o.param_groups[0]["lr"] = learning_rate(it) * (o.defaults["lr"] / lr)
@@ -322,24 +361,30 @@ def train():
             seen = seen if (it + 1) % log_interval else []
         if (it + 1) % eval_interval == 0 or it + 1 == max_iters:
             save(it + 1, folder, scorer, opts.get(scorer), student, opts.get(student))
-            # held-out, the scorer as it trains: it has no dropout, so eval mode would change nothing
+            # held-out, the scorer as it trains: it has no dropout, so eval mode would change
+            # nothing
             if rank == 0:
-                evaluated = qwen3.Qwen3.from_pretrained(out_dir, device, torch.float32) if finetune else net
-                log(f"step {it + 1}: {held_out(evaluated, tok, scorer or 'streaming', texts, pools)}; saved {out_dir}/")
+                evaluated = net
+                if finetune:
+                    evaluated = qwen3.Qwen3.from_pretrained(out_dir, device, torch.float32)
+                measured = held_out(evaluated, tok, scorer or "streaming", texts, pools)
+                log(f"step {it + 1}: {measured}; saved {out_dir}/")
     log(f"trained in {time.time() - t0:.0f}s")
     if data == "baby" and (task != "code" or finetune) and final_seqs and rank == 0:
         final_table(folder, tok, net, scorer)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the fine-tune (--finetune) and several processes (torchrun: DDP for the scorer, FSDP2 for the fine-tune)
+# the fine-tune (--finetune) and several processes (torchrun: DDP for the scorer, FSDP2 for the
+# fine-tune)
 
 
-def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top_logits, target, ddp=None):
-    """One --finetune step's backward: the student (the model fine-tuned) learns under the scorer's eviction by KL to
-    the frozen dense model net's top `top_logits`; the scorer by the boundary loss at each pool's queries qs against
-    net's --target future attention (the frozen run's teacher), on the student's keys and values -> KL, boundary loss,
-    keep/drop accuracy."""
+def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top_logits, target,
+                  ddp=None):
+    """One --finetune step's backward: the student (the model fine-tuned) learns under the scorer's
+    eviction by KL to the frozen dense model net's top `top_logits`; the scorer by the boundary loss
+    at each pool's queries qs against net's --target future attention (the frozen run's teacher), on
+    the student's keys and values -> KL, boundary loss, keep/drop accuracy."""
     with torch.no_grad():
         top = net(idx).float().topk(min(top_logits, net.config.vocab_size), -1)  # (B, T, K)
         rs = kvpop.dense_targets(net, idx, window, target)[1] if scorer is not None else None
@@ -349,7 +394,8 @@ def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top
     def attn(i, q, k, v, pos):
         with torch.no_grad():
             # the scorer's priorities, with the attention each token received if it reads it
-            a = [kernels.window_received(q, k, window)] if scorer is not None and scorer.received else []
+            reads = scorer is not None and scorer.received
+            a = [kernels.window_received(q, k, window)] if reads else []
             e = kernels.eviction_times(evict_by(i, k, v, pos, *a), sinks, window, pool)
         kv.append((k.detach(), v.detach(), *a))
         return kernels.attention(q, k, v, e, sinks)[0]
@@ -358,22 +404,26 @@ def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top
     lp = student(idx, attn=attn).float().log_softmax(-1).gather(-1, top.indices)
     kl = (lt.exp() * (lt - lp)).sum(-1).mean()
     kl.backward()
-    b = scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp) if scorer is not None else (0.0, 0.0)
+    b = (0.0, 0.0)
+    if scorer is not None:
+        b = scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp)
     return processes.allsum(kl.detach().double()).item() / world, *b
 
 
 def check(given):
-    """Bad input, before any work: each flag on its own, then against the others and the files they name, every
-    failure one line on stderr and exit 1. given: the flags the command line set."""
+    """Bad input, before any work: each flag on its own, then against the others and the files they
+    name, every failure one line on stderr and exit 1. given: the flags the command line set."""
     flags.check_device(device, "train.py")
     flags.check_dtype(dtype, ("float32", "bfloat16", "float16"), "train.py")
     # a choice from a list
-    choices = dict(kind=kvpop.SCORERS, task=(*TASKS, "code"), target=kvpop.TARGETS, policy=("scorer", "streaming"))
+    choices = dict(kind=kvpop.SCORERS, task=(*TASKS, "code"), target=kvpop.TARGETS)
+    choices["policy"] = ("scorer", "streaming")
     for name, among in choices.items():
         value = globals()[name]
         need(value in among, f"--{name} {value!r}: choose from {', '.join(among)}")
     # a number in range
-    counts = "threads d_mem d_hidden seq_len window batch_size max_iters log_interval eval_interval eval_seqs"
+    counts = "threads d_mem d_hidden seq_len window batch_size max_iters"
+    counts += " log_interval eval_interval eval_seqs"
     lowest = dict.fromkeys((counts + " top_logits edges").split(), 1)
     lowest.update(dict.fromkeys("queries warmup final_seqs sinks".split(), 0))
     for name, low in lowest.items():
@@ -383,7 +433,8 @@ def check(given):
         value = globals()[name]
         need(value > 0, f"--{name} {value}: must be positive")
     # the rest, each its own line
-    need(finetune or policy == "scorer", "--policy streaming is StreamingLLM+, a fine-tune: add --finetune")
+    fine_tune = "--policy streaming is StreamingLLM+, a fine-tune: add --finetune"
+    need(finetune or policy == "scorer", fine_tune)
     split = f"--batch_size {batch_size}: must split evenly over {world} processes"
     need(batch_size % world == 0, split)
     need(0 < gamma < 1, f"--gamma {gamma}: must be in (0, 1)")
@@ -394,7 +445,8 @@ def check(given):
     rates = f"--p_cue_min {p_cue_min}, --p_cue_max {p_cue_max}"
     need(0 <= p_cue_min <= p_cue_max < 1, f"{rates}: use 0 <= min <= max < 1")
     flags.check_seed(seed, "train.py")
-    need(out_dir.strip("/") and not os.path.isfile(out_dir), f"--out_dir {out_dir!r}: give a folder name")
+    folder = out_dir.strip("/") and not os.path.isfile(out_dir)
+    need(folder, f"--out_dir {out_dir!r}: give a folder name")
     # the training budget (train.load charges the scorer's state too)
     try:
         size = kvpop.budget_size(budget, seq_len, sinks, window)[0]
@@ -404,7 +456,8 @@ def check(given):
     # a flag that this run would ignore is an error, as an unknown one is
     unread = [
         ("no --finetune", not finetune, "policy model_lr top_logits"),
-        ("--policy streaming", policy == "streaming", "kind d_mem d_hidden gamma queries target edges init_from"),
+        ("--policy streaming", policy == "streaming", "kind d_mem d_hidden gamma queries target edges"),
+        ("--policy streaming", policy == "streaming", "init_from"),
         (f"--kind {kind}", not issubclass(kvpop.SCORERS[kind], kvpop.MemoryScorer), "d_mem arrival"),
         ("--init_from (the folder's sizes)", bool(init_from), "d_mem d_hidden gamma arrival"),
         (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
@@ -419,7 +472,8 @@ def check(given):
     # a scorer to start from, of --kind's kind
     if init_from:
         found = os.path.join(init_from, "scorer.json")
-        need(os.path.isfile(found), f"--init_from {init_from}: no scorer.json; give a train.py --out_dir")
+        give = "give a train.py --out_dir"
+        need(os.path.isfile(found), f"--init_from {init_from}: no scorer.json; {give}")
         got = checkpoint.read_json(found).get("kind")
         need(got == kind, f"--init_from {init_from} holds a {got} scorer; use --kind {got}")
     ok = not resume or os.path.isfile(os.path.join(out_dir, "train_state.pt"))

@@ -6,6 +6,7 @@ import ctypes
 import json
 import math
 import os
+import types
 import urllib.error
 import urllib.request
 from dataclasses import fields
@@ -260,3 +261,41 @@ def save_safetensors(tensors, path):
         for _, t in ts:
             f.write(ctypes.string_at(t.data_ptr(), t.nbytes) if t.nbytes else b"")
     os.replace(f"{path}.incomplete", path)
+
+
+# ------------------------------------------------ a learned scorer on disk (kvpop.load_scorer, train.py)
+# scorer.json (every setting needed to rebuild it, and what it was trained for) beside scorer.safetensors
+def save_scorer(scorer, folder):
+    os.makedirs(folder, exist_ok=True)
+    save_safetensors(scorer.state_dict(), os.path.join(folder, "scorer.safetensors"))
+    settings = dict(kind=scorer.kind, window=scorer.window)
+    settings |= dict(d_mem=scorer.d_mem, d_hidden=scorer.d_hidden)
+    settings |= dict(arrival=scorer.arrival, received=scorer.received) | scorer.shape
+    settings["trained"] = scorer.meta
+    write_json(settings, os.path.join(folder, "scorer.json"))
+
+
+def read_scorer(folder, kinds):
+    """A saved scorer, of the class `kinds` (kvpop.SCORERS) names for its kind, frozen."""
+    path = os.path.join(folder, "scorer.json")
+    if not os.path.isfile(path):
+        hint = "pass the --out_dir of a train.py run"
+        raise FileNotFoundError(f"{folder} is not a scorer folder (no scorer.json); {hint}")
+    saved = read_json(path)
+    tensors = read_safetensors(os.path.join(folder, "scorer.safetensors"))
+    try:
+        names = ("num_hidden_layers", "num_key_value_heads", "head_dim")
+        shape = types.SimpleNamespace(**{name: saved[name] for name in names})
+        sizes = (saved["window"], saved["d_mem"], saved["d_hidden"])
+        received = saved.get("received", False)
+        scorer = kinds[saved["kind"]](shape, *sizes, arrival=saved["arrival"], received=received)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: missing or bad field ({e})") from None
+    want = {name: x.shape for name, x in scorer.state_dict().items()}
+    got = {name: x.shape for name, x in tensors.items()}
+    if got != want:
+        what = "scorer.safetensors does not hold the tensors scorer.json describes"
+        raise ValueError(f"{folder}: {what}")
+    scorer.load_state_dict({name: x.float() for name, x in tensors.items()})
+    scorer.meta = saved.get("trained", {})
+    return scorer.eval().requires_grad_(False)

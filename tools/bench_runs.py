@@ -132,8 +132,8 @@ def baby_setup(opts, need, policies, spare=0):
     code = task_names == ["code"]
     need(code or "code" not in task_names, f"--task {opts.task}: code runs alone (its own model, codebaby/)")
     opts.model = opts.model or ("codebaby" if code else "baby")
-    opts.window = opts.window or (corpus.CODE_WINDOW if code else 32)
-    opts.T = opts.T or (corpus.CODE_LENGTH if code else 512)
+    opts.window = opts.window if "window" in opts.given or not code else corpus.CODE_WINDOW
+    opts.T = opts.T if "T" in opts.given or not code else corpus.CODE_LENGTH
     # every name known, or exit naming the first that is not
     for flag, what, names, known in [
         ("policies", "policy", policies, kvpop.POLICIES),
@@ -144,7 +144,7 @@ def baby_setup(opts, need, policies, spare=0):
         need(not bad, f"--{flag}: unknown {what} {(bad or [''])[0]!r}; choose from {','.join(known)}")
     for name, least in dict(T=64, sinks=0, window=1, threads=1).items():
         need(getattr(opts, name) >= least, f"--{name} {getattr(opts, name)}: use {least} or more")
-    need(opts.p_cue < 1, f"--p_cue {opts.p_cue}: use a rate below 1 (-1: the cue task's own)")
+    need(0 <= opts.p_cue < 1, f"--p_cue {opts.p_cue}: use a rate in [0, 1)")
     budgets = [flags.parse_value(opts.prog, "budgets", b, float) for b in opts.budgets.split(",")]
     try:
         folder = checkpoint.checkpoint_dir(opts.model)

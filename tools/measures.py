@@ -47,7 +47,7 @@ def interval(x):
     return x.mean().item(), 1.96 * x.std().item() / math.sqrt(len(x))
 
 
-def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target="mean", ref=None):
+def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target=kvpop.TARGETS[0], ref=None):
     """Every (policy, budget) on held-out files idx (files, T), teacher-forced through evaluate -> rows of each
     file_metrics' mean over files and 95% half-width (_ci), and the perplexity ratio exp(log_ppl) with its interval
     (ppl_lo, ppl_hi). Key tokens at a budget are streaming's there; `full` first, a row a budget (its key top-1 is
