@@ -1,16 +1,17 @@
 """Does each fast decoding form pay? A random Qwen3 of bench.py speed's shape takes decoding steps with every learned
-kind, through its form in support/fast.py and, where the kind has one, by its definition (kvpop.Decoder), beside
-streaming, the rounds interleaved so that the machine's noise falls on all alike -> tokens/s and the ratio to
+kind, through its form in fast.py and by its definition (the kind's `decoding` in kvpop.py), beside streaming, the rounds interleaved so that the machine's noise falls on all alike -> tokens/s and the ratio to
 streaming (LOG.md, 2026-12-06: the refactor).
 
 python -m experiments.fast_forms --layers 28 --context 8192
 """
 
+import copy
 import types
 
 import torch
 
 import bench
+import fast
 import kvpop
 import qwen3
 from support import flags
@@ -34,18 +35,15 @@ dtype = torch.float32
 torch.manual_seed(0)
 net = bench.shape_model(config, "cpu", dtype).requires_grad_(False)
 step = torch.compile(net, fullgraph=True, dynamic=False) if compile else net
-# each run: streaming, then every kind by its fast form and (where it has one) by its definition
+# each run: streaming, then every kind by its fast form and by its definition
 runs = {"streaming": "streaming"}
 for kind, cls in kvpop.SCORERS.items():
     scorer = cls(config, opts.window, 128).eval()
-    runs[f"{kind} fast"] = scorer
-    if not issubclass(cls, kvpop.MemoryScorer):  # the memory kinds decode only by their fast form
-        runs[f"{kind} definition"] = scorer
+    runs[f"{kind} fast"] = fast.speed_up(copy.deepcopy(scorer))
+    runs[f"{kind} definition"] = scorer
 caches = {}
 for name, policy in runs.items():
     cache = bench.empty_cache(net, policy, budget, context, context + steps + 1, opts, dtype)
-    if name.endswith("definition"):
-        cache.decoder = kvpop.Decoder(policy, cache)
     bench.fill(cache, context)
     caches[name] = cache, []
 token = torch.tensor([[13]])
