@@ -273,7 +273,8 @@ def test_kernels_triton_interpreter():
     # CPU only (CUDA runs the kernels natively); one thread, as the interpreter runs many tiny numpy
     # ops
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider", "-k", sel]
+    # -n 0: in this one process (the suite's own workers already take the cores)
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-k", sel]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]
     assert " passed" in res.stdout and "skipped" not in res.stdout, res.stdout[-2000:]
