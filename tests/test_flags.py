@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
+import qwen3
 from support import flags
 
-from tests.common import HERE, MODEL_DIR, exits, hf_checkpoint, one_line_error, run, small_model
+from tests.common import HERE, MODEL_DIR, exits, hf_checkpoint, one_line_error
 
 
 # the checks that need the checkpoint's files
@@ -353,7 +354,28 @@ def test_bench_quality_bad_flags(args, msg, monkeypatch):
     one_line_error(exits(monkeypatch, "bench.py quality", "--model", MODEL_DIR, *args), msg)
 
 
-def test_train_bad_input(tmp_path, small_model):
+def _train_fails(monkeypatch, *args):
+    """train.py run as __main__ in this process (its flag checks, then load()'s checks against the model, the budget,
+    --data and the final table), no CUDA GPU visible -> its stderr as a run's: what it wrote there, then the line it
+    exits with (a string: exit status 1). Loading the weights, the first step after every check, fails the test."""
+    import contextlib
+    import io
+    import runpy
+
+    monkeypatch.chdir(HERE)
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process's threads stay
+    monkeypatch.setattr(qwen3.Qwen3, "from_pretrained", lambda *a, **k: pytest.fail(f"train.py {args}: no error"))
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        runpy.run_path(os.path.join(HERE, "train.py"), run_name="__main__")
+    assert isinstance(e.value.code, str), (args, e.value.code)
+    return err.getvalue() + e.value.code + "\n"
+
+
+# in-process (one line each, before the weights load); test_bad_input_end_to_end runs train.py for real
+def test_train_bad_input(tmp_path, monkeypatch):
     bad = tmp_path / "texts"
     bad.mkdir()
     (bad / "a.txt").write_text("  \n")
@@ -372,7 +394,7 @@ def test_train_bad_input(tmp_path, small_model):
         (("--seq_len", "128", "--window", "16", "--budget", "0.375"), ["--final_seqs 128", "final table"]),
     ]
     for args, words in cases:
-        one_line_error(run("train.py", "--out_dir", str(tmp_path / "o"), *args), *words)
+        one_line_error(_train_fails(monkeypatch, "--out_dir", str(tmp_path / "o"), *args), *words)
         assert not (tmp_path / "o").exists()
 
 
