@@ -20,7 +20,7 @@ import tasks
 from support import corpus, tokenizer
 
 
-from test_kvpop import HERE, one_line_error
+from tests.common import HERE, one_line_error
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from support.tokenizer import QWEN3_ADDED, Tokenizer
-from test_kvpop import CORPUS, HF_DIR, tok
+from tests.common import CORPUS, HF_DIR, tok
 
 
 # =========================================================================================================
