@@ -3,6 +3,7 @@ the budget and the state's charge, the eviction rule, the static and dynamic pol
 kind's equations (recurrence, chunked and decoding forms), the boundary labels and the boundary loss. The rest of the
 suite is in tests/."""
 
+import copy
 import itertools
 import math
 import random
@@ -15,8 +16,8 @@ import kernels
 import kvpop
 import qwen3
 import tasks
+import fast
 from cache import KVCache
-from support import fast
 
 from tests.common import (
     _held, _k_one_thread, _k_simulate, _ref_attention, _ref_boundary_loss, _scorers, _simulate_boundary, small_model,
@@ -326,12 +327,12 @@ class _Held:
 @pytest.mark.parametrize("prompt", [0, 20])
 @pytest.mark.parametrize("kind", ["kvpop-mlp", "kvpop-window", "kvpop", "kvpop-shifted", "kvpop-window received"])
 def test_decoding_forms_equal_the_definition(kind, prompt):
-    """Each kind's decoding forms, support/fast.py's (every layer at once; kvpop's RMS folded into the update, its
-    reads prepared in blocks; kvpop-window's ring) and the plain one where the kind has it (kvpop.Decoder: the
-    definition on the tokens the cache holds), against the definition in fp64 to 1e-10: the score each token gets
-    as it leaves the window, after a prompt given whole (prefill) or from the first token. The definition: the
-    parallel form (kvpop-mlp, kvpop-window) or the plain recurrence (kvpop, kvpop-shifted, which reads under the
-    key of the token before)."""
+    """Each kind's two decoding forms: fast.py's (every layer at once; kvpop's RMS folded into the update, its
+    reads prepared in blocks; kvpop-window's ring) and its definition's (the kind's own `decoding`: kvpop.Decoder,
+    the definition on the tokens the cache holds; kvpop.MemoryDecoder, the recurrence a step), against the
+    definition in fp64 to 1e-10: the score each token gets as it leaves the window, after a prompt given whole
+    (prefill) or from the first token. The definition: the parallel form (kvpop-mlp, kvpop-window) or the plain
+    recurrence (kvpop, kvpop-shifted, which reads under the key of the token before)."""
     c = qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=3, head_dim=16)
     torch.manual_seed(1)
     w, T = 7, 50
@@ -345,7 +346,7 @@ def test_decoding_forms_equal_the_definition(kind, prompt):
             s.wi.mul_(2), s.bf.fill_(1.0)
     k, v = torch.randn(2, 2, 3, T, 16, dtype=torch.float64) * 3, torch.randn(2, 2, 3, T, 16, dtype=torch.float64)
     pos = torch.arange(T)
-    plain = lambda i: s.recurrent(i, s.features(k[i], v[i])) + s.recency(i, pos.double())
+    plain = lambda i: s.recurrent(i, s.features(k[i], v[i]))[0] + s.recency(i, pos.double())
     # the attention each token received (any positive numbers: the forms only carry it to the read-out)
     a = torch.rand(2, 2, 3, T, dtype=torch.float64) + 0.01 if received else None
     a_of = lambda i, n=T: a[i][..., :n] if received else None
@@ -353,14 +354,14 @@ def test_decoding_forms_equal_the_definition(kind, prompt):
     if received:  # it reads a: another a, other scores
         other = torch.stack([s(i, k[i], v[i], pos, a_of(i) * 2) for i in range(2)])[..., : T - w]
         assert (other - want).abs().max().item() > 1e-3
-    for form in [fast.decoder] + [kvpop.Decoder] * (not memory):
-        decoder = form(s, _Held(k, v, w, a))
+    for scorer in [fast.speed_up(copy.deepcopy(s)), s]:  # the fast forms, then the definitions
+        decoder = scorer.decoding(_Held(k, v, w, a))
         got = [torch.stack([decoder.prefill(i, k[i, ..., :prompt, :], v[i, ..., :prompt, :], pos[:prompt], a_of(i, prompt)) for i in range(2)])] if prompt else []
         got = [got[0][..., : max(prompt - w, 0)]] if prompt else []
         # every step from the prompt on, as the cache asks; t = p - w < 0 is no token
         got += [decoder.leaving(torch.tensor(p)) for p in range(prompt, T)][max(w - prompt, 0) :]
         got = torch.cat(got, -1)  # (L, B, H, T - w)
-        assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-10, form
+        assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-10, type(decoder)
 
 
 # one chunk; several; chunks shorter than the window; read on arrival
@@ -368,7 +369,7 @@ def test_decoding_forms_equal_the_definition(kind, prompt):
 @pytest.mark.parametrize("kind", ["kvpop", "kvpop-shifted"])
 def test_mlstm_chunked_form_is_its_plain_recurrence(chunk, arrival, kind):
     """kvpop's plain recurrence (MemoryScorer.recurrent) against the README's equations (the unstabilised reference
-    below), and its chunked form (training, prefill) against the plain one, in fp64 to rounding."""
+    below), and its chunked form (fast.chunked: training, prefill) against the plain one, in fp64 to rounding."""
     c = qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=3, head_dim=16)
     torch.manual_seed(1)
     s = kvpop.SCORERS[kind](c, window=7, d_mem=12, arrival=arrival).double()
@@ -378,9 +379,9 @@ def test_mlstm_chunked_form_is_its_plain_recurrence(chunk, arrival, kind):
     k, v = torch.randn(2, 3, 30, 16, dtype=torch.float64) * 3, torch.randn(2, 3, 30, 16, dtype=torch.float64)
     x, pos = s.features(k, v), torch.arange(30)
     for i in range(2):
-        plain = s.recurrent(i, x)
+        plain = s.recurrent(i, x)[0]
         assert (plain + s.recency(i, pos.double()) - _ref_mlstm_scores(s, i, k, v)).abs().max().item() <= 1e-10
-        assert (s.chunked(i, x)[0] - plain).abs().max().item() <= 1e-10
+        assert (fast.chunked(s, i, x)[0] - plain).abs().max().item() <= 1e-10
 
 
 def _ref_head(P, h, x, z, t):

@@ -14,6 +14,7 @@ import torch
 
 import bench
 import kvpop
+from experiments import shifted  # noqa: F401 (registers kvpop-shifted, whose scorers ship)
 import qwen3
 import tasks
 from support import tokenizer

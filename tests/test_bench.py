@@ -17,7 +17,8 @@ import bench
 import kvpop
 import qwen3
 import tasks
-from support import bench_runs, checkpoint, scorer_files
+from support import checkpoint
+from tools import bench_runs
 
 from tests.common import HERE, MODEL_DIR, baby, hf_checkpoint, _ref_marks, run
 
@@ -309,7 +310,7 @@ def test_bench_runs_a_named_scorer_once_under_its_own_target(tmp_path):
     import bench
 
     helpful, maxed = "baby/scorers/recall-helpful/kvpop-window", "baby/scorers/recall-max/kvpop-window"
-    assert [scorer_files.load(d).meta["target"] for d in (helpful, maxed)] == ["helpful", "max"]
+    assert [kvpop.load_scorer(d).meta["target"] for d in (helpful, maxed)] == ["helpful", "max"]
     out = tmp_path / "rows.json"
     argv = f"--task recall --n 4 --budgets 0.25 --policies full --target helpful,max --json {out}".split()
     bench.cmd_quality(argv + ["--scorer", f"{helpful},{maxed}"])

@@ -16,7 +16,7 @@ import kvpop
 import qwen3
 import tasks
 from cache import KVCache, resolve
-from support import fast, scorer_files
+import fast
 
 from tests.common import MODEL_DIR, SHIPPED, baby, _held, _scorers, small_model
 
@@ -210,7 +210,7 @@ def test_decoding_step_is_one_graph(baby, policy, steps):
 
     net, tok = baby
     idx = tasks.task_batch(tok, 1, 40, random.Random("one-graph"))[0]
-    pol = scorer_files.load(os.path.join(MODEL_DIR, "scorers", "recall-helpful", policy)) if policy in kvpop.SCORERS else policy
+    pol = kvpop.load_scorer(os.path.join(MODEL_DIR, "scorers", "recall-helpful", policy)) if policy in kvpop.SCORERS else policy
     slots = 40 + steps - 1 if policy == "full" else 40 + steps // 4 + kvpop.state_charge(pol, torch.float32)
     torch._dynamo.reset()
     step = torch.compile(net, fullgraph=True, backend="eager")
@@ -323,7 +323,7 @@ def test_received_scorer_online_equals_masked(model_fp64):
 
 @pytest.mark.parametrize("kind", kvpop.SCORERS)
 def test_trained_scorer_online_equals_masked(baby, kind):
-    s = scorer_files.load(os.path.join(SHIPPED, kind))
+    s = kvpop.load_scorer(os.path.join(SHIPPED, kind))
     net, tok = baby
     idx = tasks.task_batch(tok, 2, 256, random.Random("t"))[0]
     for budget in (0.25, 48):

@@ -18,6 +18,7 @@ import kvpop
 import qwen3
 import tasks
 from support import corpus, tokenizer
+from tools import measures
 
 
 from tests.common import HERE, one_line_error
@@ -114,8 +115,8 @@ def test_code_metrics_match_their_definitions():
     local = (logits + 3 * torch.randn(B, T, V, generator=g)).log_softmax(-1)
     local[3] = full[3]
     lp = (logits + 1.5 * torch.randn(B, T, V, generator=g)).log_softmax(-1)
-    key = corpus.key_tokens(full, local, idx, S)
-    got = corpus.file_metrics(full, lp, idx, S, key)
+    key = measures.key_tokens(full, local, idx, S)
+    got = measures.file_metrics(full, lp, idx, S, key)
     ref = torch.tensor(_ref_file_metrics(full, local, lp, idx, S), dtype=torch.float64)
     for j, name in enumerate(METRICS):
         assert torch.allclose(got[name].double(), ref[:, j], atol=1e-5, equal_nan=True), (name, got[name], ref[:, j])
@@ -124,12 +125,12 @@ def test_code_metrics_match_their_definitions():
     assert 0 < ref[:3, 4].mean() < 1 and (ref[:, 1] < 1).all()
     # the normal 95% interval over files, nan files left out
     x = torch.tensor([0.2, math.nan, 0.5, 0.9, 0.4])
-    mean, half = corpus.interval(x)
+    mean, half = measures.interval(x)
     kept = [0.2, 0.5, 0.9, 0.4]
     m = sum(kept) / 4
     sd = math.sqrt(sum((v - m) ** 2 for v in kept) / 3)
     assert mean == pytest.approx(m) and half == pytest.approx(1.96 * sd / 2)
-    assert math.isnan(corpus.interval(torch.tensor([0.3, math.nan]))[0])
+    assert math.isnan(measures.interval(torch.tensor([0.3, math.nan]))[0])
 
 
 def test_code_commands_run_on_a_tiny_corpus(tmp_path, monkeypatch, capsys):
@@ -149,15 +150,20 @@ def test_code_commands_run_on_a_tiny_corpus(tmp_path, monkeypatch, capsys):
         assert _main(monkeypatch, "train.py", *args, "--out_dir", str(out)) is None
     assert "held-out boundary loss" in capsys.readouterr().out
     assert sha(scorer / "scorer.safetensors") == sha(tmp_path / "s2" / "scorer.safetensors")
-    # the fine-tune (default kind from that scorer, and StreamingLLM+): a row before and after at each budget
-    tune = ["--task", "code", "--corpus", root, "--model", str(model), *small, "--finetune", "--final_seqs", "2"]
-    runs = [(["--init_from", str(scorer)], "kvpop-window (fine-tuned)"), (["--policy", "streaming"], "StreamingLLM+")]
-    for extra, name in runs:
-        assert _main(monkeypatch, "train.py", *tune, *extra, "--out_dir", str(tmp_path / "ft")) is None
-        table = capsys.readouterr().out.split("frozen -> fine-tuned")[1]
-        before = "kvpop-window" if "init_from" in extra[0] else "streaming"
-        rows = [line.split(" | ")[1:3] for line in table.strip().splitlines()[2:]]  # (policy, budget)
-        assert rows == [[before, "0.25"], [before, "0.125"], [name, "0.25"], [name, "0.125"]], table
+    # the fine-tune (default kind from that scorer, and StreamingLLM+) prints the command that measures it, bench.py
+    # quality --ref: the fine-tuned model's rows (a row a budget) judged against the model before
+    tune = ["--task", "code", "--corpus", root, "--model", str(model), *small, "--finetune"]
+    ft = str(tmp_path / "ft")
+    for extra, learned in [(["--init_from", str(scorer)], ["kvpop-window"]), (["--policy", "streaming"], [])]:
+        assert _main(monkeypatch, "train.py", *tune, *extra, "--out_dir", ft) is None
+        assert f"quality --task code --model {ft} --ref {model}" in capsys.readouterr().out
+        scorers = ["--scorer", ft, "--target", "max"] if learned else ["--scorer", ""]
+        bench_args = ["--task", "code", "--corpus", root, "--model", ft, "--ref", str(model), "--T", "128"]
+        bench_args += ["--window", "8", "--policies", "full,streaming", "--n", "4", "--json", str(tmp_path / "f.json")]
+        assert _main(monkeypatch, "bench.py", *bench_args, *scorers) is None
+        rows = json.loads((tmp_path / "f.json").read_text())
+        want = [(p, b) for p in ["full", "streaming", *learned] for b in (0.25, 0.125)]
+        assert [(r["policy"], r["budget"]) for r in rows] == want
     q = tmp_path / "q.json"
     args = ["--task", "code", "--corpus", root, "--model", str(model), "--T", "128", "--window", "8", "--target", "max"]
     assert _main(monkeypatch, "bench.py", *args, "--n", "4", "--json", str(q)) is None
@@ -319,7 +325,7 @@ def test_code_runs_judge_against_the_reference_over_every_file(tmp_path):
     """code_runs(tuned, ref=ref) in chunks of 2 files: every metric and interval equals the definition's over all 5
     files, against the dense model before (ref), and the perplexity ratio's interval brackets it (lo < ratio < hi)."""
     ref, tuned, files = _tuned(tmp_path)
-    rows = corpus.code_runs(tuned, files, ["streaming"], [0.25], 4, 8, chunk=2, ref=ref)
+    rows = measures.code_runs(tuned, files, ["streaming"], [0.25], 4, 8, chunk=2, ref=ref)
     row = next(r for r in rows if r["policy"] == "streaming")
     want = _ref_rows(ref, tuned, files, 0.25, 4, 8)
     for name in ("kl", "top1", "key_share"):
@@ -332,17 +338,20 @@ def test_code_runs_judge_against_the_reference_over_every_file(tmp_path):
     assert want["key_share"][0] > 0  # the files have key tokens: the key columns are measured
 
 
-def test_finetune_table_compares_with_the_model_before(tmp_path):
-    """train.py --finetune's code table: StreamingLLM+'s rows after the fine-tune are the fine-tuned model (the
-    checkpoint in out_dir) under streaming, against the dense model before (the folder it started from)."""
-    ref, tuned, files = _tuned(tmp_path)
-    table = corpus.finetune_table(os.path.join(HERE, "baby"), str(tmp_path / "tuned"), files, "", None, 4, 8, "max")
-    after = [line.split(" | ") for line in table.splitlines() if "StreamingLLM+" in line]
-    assert [cells[2] for cells in after] == ["0.25", "0.125"]
-    for cells, budget in zip(after, (0.25, 0.125)):
-        want = _ref_rows(ref, tuned, files, budget, 4, 8)
-        assert float(cells[3].split(" ± ")[0]) == pytest.approx(want["kl"][0], abs=1e-4)
-        assert float(cells[6].split(" ± ")[0].rstrip("%")) == pytest.approx(100 * want["key_top1"][0], abs=0.06)
+def test_bench_quality_ref_judges_against_the_model_before(tmp_path, monkeypatch, capsys):
+    """bench.py quality --ref: the fine-tuned model's rows under streaming, and full's, are tasks.quality_runs' of the
+    fine-tuned model (the checkpoint in out_dir) against the dense model before (--ref, the folder it started from)."""
+    ref, tuned, _ = _tuned(tmp_path)
+    out = tmp_path / "q.json"
+    args = ["--model", str(tmp_path / "tuned"), "--ref", os.path.join(HERE, "baby"), "--policies", "full,streaming"]
+    assert _main(monkeypatch, "bench.py", *args, "--scorer", "", "--n", "8", "--json", str(out)) is None
+    rows = json.loads(out.read_text())
+    tok = tokenizer.Tokenizer.from_pretrained(os.path.join(HERE, "baby"))
+    seqs = tasks.held_out_batch(tok, "recall", 8, 512)
+    want = tasks.quality_runs(tuned, *seqs, ["streaming"], [0.25, 0.125], 4, 32, ref=ref)[0]
+    assert [{k: r[k] for k in w} for r, w in zip(rows, want)] == want and len(rows) == len(want)
+    alone = tasks.quality_runs(tuned, *seqs, ["streaming"], [0.25, 0.125], 4, 32)[0]
+    assert alone[1]["kl"] != want[1]["kl"]  # judged against itself, another KL: --ref is read
 
 
 def test_code_table_puts_each_metric_in_its_column():
@@ -351,7 +360,7 @@ def test_code_table_puts_each_metric_in_its_column():
     row = dict(target="max", policy="p", budget=0.25, ppl_ratio=1.5, ppl_lo=1.25, ppl_hi=1.75)
     for j, name in enumerate(names):
         row[name], row[name + "_ci"] = 0.1 * (j + 1), 0.01 * (j + 1)
-    lines = corpus.code_table([row]).splitlines()
+    lines = measures.code_table([row]).splitlines()
     header = [c.strip() for c in lines[0].strip("| ").split("|")]
     cells = dict(zip(header, (c.strip() for c in lines[2].strip("| ").split("|"))))
     assert cells["KL"] == "0.1000 ± 0.0100" and cells["top-1"] == "20.0% ± 2.0%"
@@ -360,18 +369,17 @@ def test_code_table_puts_each_metric_in_its_column():
 
 
 def test_read_on_counts_each_policys_far_copies(capsys):
-    """sample.py --model codebaby's reading (read_on) on a recall sequence of the baby read on from token 200 at S =
+    """bench.py read's reading (read_on) on a recall sequence of the baby read on from token 200 at S =
     64: each policy's printed count, and its ✓ marks, equal the key tokens (full beats streaming at S by 2 nats) its
     likeliest next token gets right, computed here from the masked passes; full's count is the ceiling."""
-    from support import scorer_files
-
+    
     net = qwen3.Qwen3.from_pretrained(os.path.join(HERE, "baby"), dtype="float32")
     tok = tokenizer.Tokenizer.from_pretrained(os.path.join(HERE, "baby"))
     read = tasks.task_batch(tok, 1, 320, random.Random("read"))[0][0].tolist()
     n, S, sinks, window = 200, 64, 4, 32
-    learned = scorer_files.load(os.path.join(HERE, "baby", "scorers", "recall-helpful", "kvpop-window"))
+    learned = kvpop.load_scorer(os.path.join(HERE, "baby", "scorers", "recall-helpful", "kvpop-window"))
     policies = {"kvpop-window": learned, "streaming": "streaming", "full": "full"}
-    corpus.read_on(net, tok, read, n, policies, S, sinks, window, 0.125)
+    measures.read_on(net, tok, read, n, policies, S, sinks, window, 0.125)
     out = capsys.readouterr().out
     seq = torch.tensor([read])
     lp = lambda p, size, w: tasks.evaluate(net, seq, p, size, sinks, w, online=False)[0].float().log_softmax(-1)
@@ -469,26 +477,23 @@ def test_pretrain_data_sees_every_sequence_once_an_epoch(tmp_path, monkeypatch):
     assert len({tuple(r) for r in read}) == len(read)  # no sequence twice
 
 
-def test_sample_reads_on_under_the_policy_streaming_and_full(monkeypatch):
-    """sample.py --model codebaby hands read_on the learned scorer, streaming and full by name, at the scorer's
-    window and the budget's S (read_on itself: test_read_on_counts_each_policys_far_copies)."""
-    import runpy
-
-    from support import scorer_files
+def test_bench_read_hands_read_on_the_scorer_streaming_and_full(monkeypatch):
+    """bench.py read hands read_on the learned scorer, streaming and full by name, at the scorer's window, the
+    budget's S and the file read on from T - tokens (read_on itself: test_read_on_counts_each_policys_far_copies)."""
+    import bench
 
     got = {}
-    monkeypatch.setattr(corpus, "read_on", lambda *args: got.update(args=args))
+    monkeypatch.setattr(bench, "read_on", lambda *args: got.update(args=args))
     monkeypatch.chdir(HERE)
-    monkeypatch.setattr(sys, "argv", ["sample.py", "--model", "codebaby", "--budget", "0.125"])
-    with pytest.raises(SystemExit):
-        runpy.run_path(os.path.join(HERE, "sample.py"), run_name="__main__")
+    bench.cmd_read(["--target", "max", "--budgets", "0.125", "--tokens", "256"])
     net, tok, read, n, policies, S, sinks, window, budget = got["args"]
-    shipped = scorer_files.load(os.path.join(HERE, "codebaby", "scorers", "code-max", "kvpop-window"))
+    shipped = kvpop.load_scorer(os.path.join(HERE, "codebaby", "scorers", "code-max", "kvpop-window"))
     assert list(policies) == ["kvpop-window", "streaming", "full"] and policies["streaming"] == "streaming"
     assert policies["full"] == "full" and policies["kvpop-window"].state_dict().keys() == shipped.state_dict().keys()
     given, want = policies["kvpop-window"].state_dict(), shipped.state_dict()
     assert all(torch.equal(given[name], want[name]) for name in want)
     assert window == shipped.window and S == kvpop.budget_size(0.125, len(read), sinks, window)[0] and budget == 0.125
+    assert len(read) == 2048 and n == 2048 - 256
 
 
 def test_student_measures_score_the_teacher_and_streaming_as_they_must():

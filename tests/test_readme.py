@@ -13,7 +13,6 @@ import torch
 
 import kvpop
 import tasks
-from support import scorer_files
 
 from tests.common import (
     CORPUS, HERE, HF_DIR, baby, _check_quality_table, hf_checkpoint, _parse_quality_table, _ref_quality, small_model,
@@ -61,7 +60,7 @@ def test_readme_add_a_scorer(small_model):
 
 README_SMALL = {  # each README command -> the flags appended to run it here (a later flag wins)
     "python sample.py --budget 0.25 --show": [],
-    "python sample.py --model codebaby --budget 0.125": ["--max_new_tokens", "16"],
+    "python bench.py read --target max --budgets 0.125 --tokens 256": ["--tokens", "16"],
     "python bench.py quality": ["--n", "2"],
     "python train.py": ["--max_iters", "2", "--final_seqs", "2", "--eval_seqs", "2", "--out_dir", "{tmp}/a"],
     "python bench.py quality --task recall,cue --target mean,helpful --policies full,oracle,streaming,h2o": [
@@ -196,14 +195,16 @@ README_NOT_RUN = {  # the commands no test runs, and why
     "python train.py --task code --batch_size 2 --max_iters 600 --out_dir codebaby/scorers/code-max/kvpop-window": "13"
     " minutes; the same test runs it on a tiny corpus, test_code_presets_are_the_shipped_scorers one step of it",
     "python train.py --task code --finetune --max_iters 300 --batch_size 1 --init_from codebaby/scorers/code-max/"
-    "kvpop-window --final_seqs 64 --out_dir out-code-ft": "30 minutes; the same test runs it on a tiny corpus",
+    "kvpop-window --out_dir out-code-ft": "30 minutes; the same test runs it on a tiny corpus",
+    "python bench.py quality --task code --n 64 --model out-code-ft --ref codebaby --scorer out-code-ft --target max":
+    "needs out-code-ft (30 minutes); the same test runs it on a tiny corpus",
     "python bench.py quality --task code --n 64 --target helpful,max,mean": "20 minutes; the same test runs it on a tiny"
     " corpus",
     "python bench.py kernels --targets sm_75,sm_80,sm_86,sm_89,sm_90,sm_120 --json kernels.json": "222 compiles, minutes;"
     " test_kernels_compile_for_gpus compiles a slice of it",
     "pip install -r requirements.txt": "CI runs it (.ci/run)",
     "python -m pytest -q": "this is the test run",
-    "python -m pytest -q test_kvpop.py -k cuda && python bench.py kernels --lengths 4096,16384 && "
+    "python -m pytest -q -k cuda && python bench.py kernels --lengths 4096,16384 && "
     "python bench.py speed --prefill 16384 --train 4096 --compile && python sample.py --device cuda --budget 0.25 --compile": "needs a GPU",
 }
 
@@ -262,7 +263,7 @@ def test_readme_command_runs(cmd, tmp_path, baby):
         net, tok = baby
         task, target = flag("task", "recall"), flag("target", "helpful")
         seqs = tasks.task_batch(tok, int(flag("final_seqs", 128)), 512, random.Random("test-0"), **tasks.TASKS[task])
-        scorer = scorer_files.load(flag("out_dir", "out"))
+        scorer = kvpop.load_scorer(flag("out_dir", "out"))
         runs = [(p, p, target) for p in ("oracle", "streaming", "h2o")] + [(scorer.kind, scorer, target)]
         _check_quality_table(r.stdout, _ref_quality(net, seqs, runs, [0.25, 0.125]))
     if cmd.startswith("python bench.py quality"):
@@ -284,9 +285,9 @@ def test_readme_command_runs(cmd, tmp_path, baby):
                 runs += [("oracle", "oracle", target)]
                 for kind in kvpop.SCORERS:  # the shipped scorers of this task and target (bench.py: those there)
                     d = os.path.join(HERE, "baby", "scorers", f"{task}-{target}", kind)
-                    runs += [(kind, scorer_files.load(d), target)] if os.path.isdir(d) else []
+                    runs += [(kind, kvpop.load_scorer(d), target)] if os.path.isdir(d) else []
             _check_quality_table(r.stdout, _ref_quality(net, seqs, runs, [0.25, 0.125]), task)
-    if cmd.startswith("python sample.py --model codebaby"):  # the scoreboard: both policies' far copies
+    if cmd.startswith("python bench.py read"):  # the scoreboard: each policy's far copies
         board = r"far copies kvpop-window 0.125: \d+/\d+\n(.*\n)*far copies streaming 0.125: \d+/\d+"
         assert re.search(board + r"\n(.*\n)*far copies full 0.125: \d+/\d+", r.stdout)
     elif cmd.startswith("python sample.py"):  # B = ceil(0.25 (399 + 112)) entries, no state

@@ -13,7 +13,7 @@ import torch
 import kvpop
 import qwen3
 import tasks
-from support import scorer_files, tokenizer
+from support import checkpoint, tokenizer
 
 from tests.common import HERE, MODEL_DIR, baby, hf_checkpoint, _ref_marks, _ref_recall, run
 
@@ -240,7 +240,7 @@ def test_sample_scoreboard_streaming_row_keeps_all_s_entries(tmp_path):
     config = qwen3.Qwen3Config.from_json(os.path.join(HERE, "baby", "config.json"))
     s = kvpop.SCORERS["kvpop"](config, 32, d_mem=64, d_hidden=16)
     assert s.charge(torch.float32) == 33
-    scorer_files.save(s, tmp_path / "sc")
+    checkpoint.save_scorer(s, tmp_path / "sc")
     # the recall prompt's first 70 words (the file starts with a space): its keys bound, little to prefill
     prompt = open(os.path.join(HERE, "baby", "prompt.txt"), encoding="utf-8").read().split(" ")[:71]
     (tmp_path / "p.txt").write_text(" ".join(prompt))

@@ -18,7 +18,6 @@ import torch
 import kvpop
 import qwen3
 import tasks
-from support import scorer_files
 
 from tests.common import (
     HERE, MODEL_DIR, SHIPPED, baby, _k_simulate, _ref_boundary_loss, _ref_edges_loss, _ref_pass, run,
@@ -38,7 +37,7 @@ def test_finetune_loss_is_the_kl_to_the_teachers_top_k_under_eviction(baby):
     with torch.no_grad():  # a student that differs from its teacher
         for p in student.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
-    scorer = scorer_files.load(os.path.join(SHIPPED, "kvpop")).requires_grad_(True)
+    scorer = kvpop.load_scorer(os.path.join(SHIPPED, "kvpop")).requires_grad_(True)
     budget, sinks, window, K = 0.5, 4, 32, 256
     B, pool = kvpop.budget_size(budget, 128, sinks, window, kvpop.state_charge(scorer, torch.float32))
     kl = train.finetune_loss(
@@ -164,7 +163,7 @@ def test_train_killed_then_resumed_reproduces_the_loss_curve(tmp_path):
             break
     p.wait()
     assert p.returncode == -9 and len(_losses("".join(seen))) == 3
-    s = scorer_files.load(tmp_path / "b")  # what the killed run left loads
+    s = kvpop.load_scorer(tmp_path / "b")  # what the killed run left loads
     assert s.meta["iters"] == 3
     res = run(*_train_args(tmp_path / "b", "--resume"))
     assert res.returncode == 0, res.stderr
@@ -218,12 +217,12 @@ def test_training_learns_the_teachers_decisions(tmp_path, baby):
     torch.manual_seed(0)
     init = kvpop.SCORERS["kvpop-window"](net.config, 32, d_hidden=64)
     before = _held_out_keep_drop_accuracy(net, tok, init, 0.125, "helpful")[1]
-    after = _held_out_keep_drop_accuracy(net, tok, scorer_files.load(tmp_path), 0.125, "helpful")[1]
+    after = _held_out_keep_drop_accuracy(net, tok, kvpop.load_scorer(tmp_path), 0.125, "helpful")[1]
     assert after >= 0.75 and after >= before + 0.2, (before, after)
     # trained by python train.py at budget 0.125: 0.874, 0.843, 0.856 on the whole-sequence baby,
     # whose layer 1 also predicts every filler (0.914, 0.906, 0.877 on the answers-only one; LOG.md)
     for kind in kvpop.SCORERS:
-        shipped = scorer_files.load(os.path.join(SHIPPED, kind))
+        shipped = kvpop.load_scorer(os.path.join(SHIPPED, kind))
         assert _held_out_keep_drop_accuracy(net, tok, shipped, 0.125, "helpful")[1] >= 0.8, kind
 
 
@@ -364,7 +363,7 @@ def test_distributed_finetune_killed_then_resumed(tmp_path):
             _kill_tree(p.pid)
             break
     p.wait()
-    n = scorer_files.load(tmp_path / "b").meta["iters"]
+    n = kvpop.load_scorer(tmp_path / "b").meta["iters"]
     assert 3 <= n < 12 and torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)["iter"] == n
     qwen3.Qwen3.from_pretrained(tmp_path / "b")  # what the killed run left loads
     res = _torchrun(*_ft_args(tmp_path / "b", *args, "--resume"))
@@ -494,7 +493,7 @@ def test_train_on_text_holds_out_the_boundary_loss_of_its_target(tmp_path, baby)
     ids = tok.encode(text) + [tok.special["<|endoftext|>"]]
     n = len(ids) // T
     held = torch.tensor(ids[(n - 1) * T : n * T])[None]  # --eval_seqs 1: the last packed sequence is held out
-    scorer = scorer_files.load(tmp_path / "o")
+    scorer = kvpop.load_scorer(tmp_path / "o")
     d, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
     _, seen = _ref_pass(net, held, lambda i, k, v: (t <= d).expand(len(held), k.shape[1], T, T))
     with torch.no_grad():
