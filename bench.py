@@ -460,7 +460,8 @@ def speed_train(net, scorers, opts, dt, b, policies):
     q = torch.arange(opts.sinks + opts.window + pool, T)  # the queries where the pool is over-full
     kv = [(k, v) for _, k, v, _ in seen]
     # fwd + bwd, less the eviction times kvpop.boundary_loss makes again
-    loss = clock(lambda: trainer.scorer_loss(scorer, kv, rs, [q], opts.sinks, opts.window, [pool]), dev)
+    budgets = [kvpop.Budget(opts.sinks, opts.window, pool)]
+    loss = clock(lambda: trainer.scorer_loss(scorer, kv, rs, [q], budgets), dev)
     parts["scorer forward + backward"] = loss - parts["eviction times"]
     total = sum(parts.values())
     print(f"\n{kind} scorer training step, 1 x {T} tokens, budget {b:g}\n")

@@ -11,7 +11,7 @@ import math
 import torch
 
 import kernels
-from kvpop import DYNAMIC, POLICIES, STATIC, Scorer, masked_attention
+from kvpop import DYNAMIC, POLICIES, STATIC, Budget, Scorer, masked_attention
 
 
 def resolve(policy):
@@ -49,7 +49,7 @@ class KVCache:
         self.rule, self.priority = resolve(policy)
         self.policy, self.slots = policy, slots
         self.sinks, self.window = sinks, window
-        self.pool = slots - sinks - window
+        self.budget = Budget(sinks, window, slots - sinks - window)
         self.t = torch.tensor(0, device=param.device)
         learned = self.rule == "learned"
         if learned:
@@ -112,8 +112,7 @@ class KVCache:
         # longer than the budget (static, learned): the eviction-time mask; keep what the last query
         # still sees, exactly `slots` a head: sinks + window + pool, in position order
         else:
-            edges = (self.sinks, self.window, self.pool)
-            out, e = masked_attention(q, k, v, pi, *edges)
+            out, e = masked_attention(q, k, v, pi, self.budget)
             seen = (pos < self.sinks) | (e > T - 1)
             seen = seen.byte()
             order = seen.sort(dim=-1, descending=True, stable=True)

@@ -305,13 +305,14 @@ def _evict_torch(priority, sinks, window, pool):
 
 
 # ----------------------------------------------------------------------------------------- boundary
-def boundary(pi, e, q, sinks, window):
+def boundary(pi, e, q, budget):
     """kvpop.boundary's (keep, t_bnd) (B, H, Q) by one sweep over the steps, O(B H T), no (Q, T)
     mask. From the first full step on, each step p evicts one token, ev[p] (e == p). The pool at q
     loses its worst token at the first later step p that evicts a pool token rather than the
     newcomer p - window; till then it is unchanged, so that token is its worst at q. The best
     dropped by q is the running max of the order over ev[..q]."""
     batch, H, T = pi.shape
+    sinks, window = budget.sinks, budget.window
     u = torch.arange(T, device=pi.device)
     # each token's place in the order of (pi, t), and the token at each place
     ranked = pi.sort(stable=True).indices  # (B, H, T)

@@ -4,6 +4,7 @@ definition -> the boundary loss. cache.py is the evicting cache, kernels.py the 
 the target and eviction times; fast.py the forms that exist only for speed."""
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch.nn import Module, Parameter
@@ -14,6 +15,18 @@ from support.checkpoint import read_scorer
 
 
 # -------------------------------------------------------------- the budget (README, Method: budget)
+class Budget(NamedTuple):
+    """A KV head's cache: the first `sinks` tokens, the last `window` and a `pool` of older ones."""
+
+    sinks: int
+    window: int
+    pool: int
+
+    @property
+    def slots(self):  # the entries they take
+        return self.sinks + self.window + self.pool
+
+
 def budget_size(budget, total, sinks=4, window=256, charge=0):
     """S from `budget` (a fraction 0 < x <= 1 of `total` tokens, or an integer S > 1) and pool =
     S - sinks - window - m per KV head, m = charge: the entries a scorer's state takes (S >= total:
@@ -46,22 +59,22 @@ def entries(size, charge, total):
 
 
 # ------------------------- the eviction rule, plainly: one KV head, one step (README, How it works)
-def evict(held, pi, p, sinks, window, slots):
-    """The position whose entry the newcomer p takes, of the positions `held` by a cache of `slots`
-    entries: None while there is room, else the eligible token (sinks <= t <= p - window) with the
-    lowest (pi[t], t)."""
-    if len(held) < slots:
+def evict(held, pi, p, budget):
+    """The position whose entry the newcomer p takes, of the positions `held` by a cache of `budget`:
+    None while there is room, else the eligible token (sinks <= t <= p - window) with the lowest
+    (pi[t], t)."""
+    if len(held) < budget.slots:
         return None
-    eligible = [t for t in held if sinks <= t <= p - window]
+    eligible = [t for t in held if budget.sinks <= t <= p - budget.window]
     return min(eligible, key=lambda t: (pi[t], t))
 
 
-def run_rule(pi, sinks, window, slots):
+def run_rule(pi, budget):
     """The sorted positions one head holds after each of T steps under static priorities pi (T,);
     kernels.eviction_times is the same run as one mask."""
     held, after = [], []
     for p in range(len(pi)):
-        gone = evict(held, pi, p, sinks, window, slots)
+        gone = evict(held, pi, p, budget)
         held = [t for t in held if t != gone] + [p]
         after.append(sorted(held))
     return after
@@ -114,10 +127,10 @@ DYNAMIC = {"h2o": h2o, "tova": tova}
 POLICIES = ("full", *STATIC, "oracle", *DYNAMIC)
 
 
-def masked_attention(q, k, v, pi, sinks, window, pool):
+def masked_attention(q, k, v, pi, budget):
     """The whole online run as one causal mask: eviction times, then masked flash attention."""
-    e = kernels.eviction_times(pi, sinks, window, pool)  # (B, H, T)
-    return kernels.attention(q, k, v, e, sinks)[0], e
+    e = kernels.eviction_times(pi, *budget)  # (B, H, T)
+    return kernels.attention(q, k, v, e, budget.sinks)[0], e
 
 
 # ------------------------------------------------- the targets (README, Method: future attention)
@@ -555,11 +568,11 @@ SCORERS = {"kvpop-window": WindowScorer, "kvpop": MemoryScorer, "kvpop-mlp": MLP
 
 
 # ------------------------------------------------ the boundary loss (README, Method: boundary loss)
-def boundary(pi, e, q, sinks, window):
+def boundary(pi, e, q, budget):
     """At each query q (Q,), whether the teacher (priorities pi, eviction times e) keeps t_new = q -
     window (B, H, Q), and the cutoff t_bnd: its pool-th best eligible token, or the best dropped one
     when that is t_new."""
-    T = pi.shape[-1]
+    T, (sinks, window, _) = pi.shape[-1], budget
     u = torch.arange(T, device=pi.device)
     t_new = q - window
     # each token's place in the order of (pi, t)
@@ -577,19 +590,19 @@ def boundary(pi, e, q, sinks, window):
     return keep, torch.where(worst == t_new, best_dropped, worst)
 
 
-def boundary_loss(pi, teacher, qs, sinks, window, pools, layers=1, allsum=None):
-    """One layer's share of the boundary loss over `layers` and the pools, and of the balanced
+def boundary_loss(pi, teacher, qs, budgets, layers=1, allsum=None):
+    """One layer's share of the boundary loss over `layers` and the budgets, and of the balanced
     keep/drop accuracy: the scorer's pi (B, H, T) against the teacher's pi* = r* + gamma_h t at each
-    pool's edge, at its queries qs[j] (Q,). `allsum` sums the keep/drop counts over processes
+    budget's pool edge, at its queries qs[j] (Q,). `allsum` sums the keep/drop counts over processes
     (training's batch split); None: one process."""
     loss, hits = 0.0, 0.0
-    share = layers * len(pools)
+    share = layers * len(budgets)
     # each pool's edge, at its queries q (Q,)
-    for pool, q in zip(pools, qs):
+    for budget, q in zip(budgets, qs):
         q = q.to(pi.device)
-        e = kernels.eviction_times(teacher, sinks, window, pool)
-        keep, t_bnd = kernels.boundary(teacher, e, q, sinks, window)  # boundary's sweep
-        t_new = (q - window).expand(*pi.shape[:2], -1)
+        e = kernels.eviction_times(teacher, *budget)
+        keep, t_bnd = kernels.boundary(teacher, e, q, budget)  # boundary's sweep
+        t_new = (q - budget.window).expand(*pi.shape[:2], -1)
         margin = pi.gather(-1, t_new) - pi.gather(-1, t_bnd)  # (B, H, Q)
         # keeps and drops, over the processes if split
         counts = [keep.sum(), (~keep).sum()]

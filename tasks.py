@@ -16,7 +16,7 @@ import kernels
 import kvpop
 from cache import KVCache, resolve
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the words. A binding is the bigram `key value`; a later `key value'` reassigns (the old value is
 # useless from then on); a query is `key value` with the current value, predicted at the key.
 # Fillers are never needed again. cue: a distractor `key' value' no` binds a key never queried in
@@ -143,6 +143,7 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, targe
     charge = kvpop.state_charge(policy, next(model.parameters()).dtype)  # a delayed scorer's state
     # the cache's size S, and its pool
     size, pool = kvpop.budget_size(budget, T, sinks, window, charge)
+    per_head = kvpop.Budget(sinks, window, pool)
     if isinstance(policy, str) and policy == "oracle":
         policy = kvpop.oracle_policy(model, idx, window, target)
     if online:
@@ -159,7 +160,7 @@ def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, targe
     def attn(i, q, k, v, pos):
         # a learned scorer that reads a[t]: the attention each token received in its window
         a = [kernels.window_received(q, k, window)] if rule == "learned" and policy.received else []
-        return kvpop.masked_attention(q, k, v, priority(i, k, v, pos, *a), sinks, window, pool)[0]
+        return kvpop.masked_attention(q, k, v, priority(i, k, v, pos, *a), per_head)[0]
 
     return model(idx, attn=attn)
 

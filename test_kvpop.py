@@ -36,9 +36,12 @@ def test_state_charge_comes_off_the_pool(small_model):
     kinds = _scorers(small_model.config, 16)  # kvpop, kvpop-mlp, kvpop-window, kvpop-shifted
     assert [t.charge(torch.bfloat16) for t in kinds] == [3, 0, 0, 3]  # the memory's, or none
     assert kvpop.budget_size(50, 200, 4, 16, s.charge(torch.float32)) == (50, 28)
-    cache = KVCache(small_model, 1, 48, s, 4, 16)
-    kv = 2 * cache.k.numel() * cache.k.element_size()
-    assert cache.nbytes() - kv == 4 * (cache.decoder.memory.numel() + cache.decoder.scale.numel())
+    # the state's fp32 numbers held, (d_m + 1) d_m + 1 a layer and KV head, by its definition and its fast form
+    heads = small_model.config.num_hidden_layers * small_model.config.num_key_value_heads
+    for scorer in (s, fast.speed_up(copy.deepcopy(s))):
+        cache = KVCache(small_model, 1, 48, scorer, 4, 16)
+        kv = 2 * cache.k.numel() * cache.k.element_size()
+        assert cache.nbytes() - kv == 4 * heads * (8 * 9 + 1)
 
 
 def test_bf16_cache_holds_entries_and_state_within_the_budgets_bytes():
@@ -82,7 +85,7 @@ def test_plain_rule_is_the_step_by_step_pool(sinks, window, pool):
     with u < sinks or p < e[u] (ties in priority included)."""
     pri = torch.randint(0, 9, (1, 1, 60), generator=torch.Generator().manual_seed(4)).float()
     e = _k_simulate(pri, sinks, window, pool)[0, 0].tolist()
-    held = kvpop.run_rule(pri[0, 0].tolist(), sinks, window, sinks + window + pool)
+    held = kvpop.run_rule(pri[0, 0].tolist(), kvpop.Budget(sinks, window, pool))
     for p, got in enumerate(held):
         assert got == [u for u in range(p + 1) if u < sinks or p < e[u]], p
 
@@ -230,7 +233,7 @@ def test_cache_matches_reference_simulation(small_model, policy, size, sinks, wi
             small_model,
             2,
             size,
-            kvpop.oracle_policy(small_model, idx, window) if policy == "oracle" else policy,
+            kvpop.oracle_policy(small_model, idx, window, "mean") if policy == "oracle" else policy,
             sinks,
             window,
         )
@@ -238,7 +241,7 @@ def test_cache_matches_reference_simulation(small_model, policy, size, sinks, wi
             got = small_model(idx[:, t : t + 1], cache=cache)[:, -1]
             assert torch.equal((cache.pos[..., None] == torch.arange(T)).any(-2), held), f"held sets differ at step {t}"
             assert (got - logits).abs().max().item() <= 1e-4, t
-        on = tasks.evaluate(small_model, idx, policy, size, sinks, window, online=True)[:, -1]
+        on = tasks.evaluate(small_model, idx, policy, size, sinks, window, online=True, target="mean")[:, -1]
     assert (on - want[-1][1]).abs().max().item() <= 1e-4
     # eviction happened: every head dropped T - size tokens
     assert held.sum(-1).eq(size).all() and size < T
@@ -532,12 +535,12 @@ def test_window_scorer_equals_its_definition(small_model, w, ahead, monkeypatch)
 
 
 def test_scorer_parallel_memory_is_linear():
-    """A long prefill runs the parallel form over the whole prompt: beyond the features x (T, 2D)
-    and one RMS temporary while making them, it may hold only one chunk's working set, never a (T,
-    M) projection or read-out."""
+    """A long prefill runs the memory's chunked form (fast.py) over the whole prompt: beyond the
+    features x (T, 2D) and one RMS temporary while making them, it may hold only one chunk's working
+    set, never a (T, M) projection or read-out."""
     c = qwen3.Qwen3Config(num_hidden_layers=1, num_key_value_heads=2, head_dim=64)
     # M = 2D: each full-length projection is one x more
-    s, T = kvpop.SCORERS["kvpop"](c, window=256, d_mem=128), 4096
+    s, T = fast.speed_up(kvpop.SCORERS["kvpop"](c, window=256, d_mem=128)), 4096
     k, v = torch.randn(1, 2, T, 64), torch.randn(1, 2, T, 64)
     with torch.no_grad(), bench.Meter() as meter:
         s(0, k, v, torch.arange(T))
@@ -596,9 +599,9 @@ def test_boundary_labels_equal_brute_force():
         if trial % 3 == 0:  # a target's -inf past T - window
             pi[..., T - window :] = -math.inf
         e = kernels.eviction_times(pi, sinks, window, k)
-        y, bnd = kvpop.boundary(pi, e, q, sinks, window)
+        y, bnd = kvpop.boundary(pi, e, q, kvpop.Budget(sinks, window, k))
         # the sweep training runs (kernels.boundary) gives the definition's labels and cutoffs
-        fast_y, fast_bnd = kernels.boundary(pi, e, q, sinks, window)
+        fast_y, fast_bnd = kernels.boundary(pi, e, q, kvpop.Budget(sinks, window, k))
         assert torch.equal(fast_y, y) and torch.equal(fast_bnd, bnd), trial
         for b in range(2):
             for h in range(3):
@@ -642,7 +645,7 @@ def test_boundary_loss_equals_its_definition():
         # gamma_h 0.08..0.2 a step: the recency term reorders the teacher
         theta = torch.rand(L, H, generator=g) - 2.5
         s, kv, q = _FixedScorer(pi, theta), [(None, None)] * L, torch.arange(sinks + window + k, T)
-        loss, acc = train.scorer_loss(s, kv, list(r), [q], sinks, window, [k])
+        loss, acc = train.scorer_loss(s, kv, list(r), [q], [kvpop.Budget(sinks, window, k)])
         ref_pi = pi.clone().requires_grad_(True)
         ref, _, pairs = _ref_boundary_loss(ref_pi, r, torch.nn.functional.softplus(theta), sinks, window, k)
         ref.backward()
@@ -656,7 +659,7 @@ def test_boundary_loss_equals_its_definition():
         # each pair alone
         q1 = torch.tensor([T - 1])
         s = _FixedScorer(pi, theta)
-        train.scorer_loss(s, kv, list(r), [q1], sinks, window, [k])
+        train.scorer_loss(s, kv, list(r), [q1], [kvpop.Budget(sinks, window, k)])
         step = pi - 0.1 * s.pi.grad
         for i, b, h, qq, kept, bnd in [p for p in pairs if p[3] == T - 1]:
             t = qq - window
@@ -673,7 +676,7 @@ def test_boundary_loss_accuracy_is_the_balanced_one():
     pi, r, theta = (torch.randn(2, 2, 2, 60, generator=g), torch.randn(2, 2, 2, 60, generator=g), torch.zeros(2, 2))
     with torch.no_grad():
         _, acc = train.scorer_loss(
-            _FixedScorer(pi, theta), [(None, None)] * 2, list(r), [torch.arange(14, 60)], 2, 8, [4]
+            _FixedScorer(pi, theta), [(None, None)] * 2, list(r), [torch.arange(14, 60)], [kvpop.Budget(2, 8, 4)]
         )
     _, ref, _ = _ref_boundary_loss(pi, r, torch.nn.functional.softplus(theta), 2, 8, 4)
     assert abs(acc - ref) <= 1e-6, (acc, ref)

@@ -109,18 +109,18 @@ log = (lambda *a: print(*a, flush=True)) if rank == 0 else lambda *a: None  # ra
 need = lambda ok, msg: flags.need(ok, msg, "train.py")  # bad input: one line, exit 1
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the scorer on the frozen model: its loss (kvpop.boundary_loss at each pool's queries), data,
 # checkpoints, the loop
 
 
-def query_positions(T, it, sinks, window, pools):
-    """The loss's queries, a tensor for each of `pools`: every q at which that pool is over-full (q
-    >= sinks + window + pool), or --queries of them drawn at random, a draw per (--seed, step it,
-    pool)."""
+def query_positions(T, it, budgets):
+    """The loss's queries, a tensor for each of `budgets`: every q at which its pool is over-full
+    (q >= sinks + window + pool), or --queries of them drawn at random, a draw per (--seed, step it,
+    budget)."""
     qs = []
-    for j, p in enumerate(pools):
-        q = torch.arange(sinks + window + p, T)
+    for j, budget in enumerate(budgets):
+        q = torch.arange(budget.slots, T)
         if queries and queries < len(q):
             g = torch.Generator().manual_seed(seed * 1_000_003 + it + 7_919 * j)
             q = q[torch.randperm(len(q), generator=g)[:queries].sort().values]
@@ -128,10 +128,10 @@ def query_positions(T, it, sinks, window, pools):
     return qs
 
 
-def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
+def scorer_loss(scorer, kv, rs, qs, budgets, ddp=None):
     """kvpop.boundary_loss of every layer (target rs[i] (B, H, T), -inf past T - window) at each
-    pool's queries qs[j], backward per layer if grad is enabled -> (loss, keep/drop accuracy), means
-    over layers and pools. `ddp`: training's scorer; the counts, gradients (reduced in the last
+    budget's queries qs[j], backward per layer if grad is enabled -> (loss, keep/drop accuracy),
+    means over layers and budgets. `ddp`: training's scorer; the counts, gradients (reduced in the last
     layer's backward) and results are then the global batch's."""
     T, L = rs[0].shape[-1], len(kv)
     pos = torch.arange(T, device=rs[0].device)
@@ -143,7 +143,7 @@ def scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp=None):
             # the teacher's priorities pi* = r* + gamma_h t
             teacher = r + scorer.recency(i, pos).detach()
             pi = (ddp or scorer)(i, k, v, pos, *a)
-            loss, right = kvpop.boundary_loss(pi, teacher, qs, sinks, window, pools, L, count)
+            loss, right = kvpop.boundary_loss(pi, teacher, qs, budgets, L, count)
             hits += right
             if torch.is_grad_enabled():
                 (loss * world).backward()  # DDP averages over the processes
@@ -207,8 +207,9 @@ def load():
     room = f"sinks + window + the scorer's state ({charge})"
     fix = "raise --budget or lower --window/--d_mem"
     need(pool >= 1, f"--budget {budget}: S = {size} leaves no pool after {room}; {fix}")
-    # the boundary loss's pools: the budget's, then halved, --edges in all
-    pools = list(dict.fromkeys(max(pool >> j, 1) for j in range(edges)))
+    # the boundary loss's budgets: the training one, then its pool halved, --edges in all
+    pools = dict.fromkeys(max(pool >> j, 1) for j in range(edges))
+    budgets = [kvpop.Budget(sinks, window, p) for p in pools]
     # the final table's budgets fit too
     tabled = data == "baby" and (task != "code" or finetune) and final_seqs
     for b in (0.25, 0.125) if tabled else ():
@@ -230,7 +231,7 @@ def load():
     what += f" for {model} ({heads}){', fine-tuning the model' * finetune}"
     split = f"S = {size} per head: {sinks} sinks + {window} window + {pool} pool + {charge} state"
     log(f"{what}; budget {budget:g} = {split}; {world} process(es)")
-    return folder, tok, texts, net, student, scorer, pools, saved
+    return folder, tok, texts, net, student, scorer, budgets, saved
 
 
 def save(it, folder, scorer, scorer_opt, student, model_opt):
@@ -263,7 +264,7 @@ def save(it, folder, scorer, scorer_opt, student, model_opt):
     os.replace(os.path.join(out_dir, "tmp.pt"), os.path.join(out_dir, "train_state.pt"))
 
 
-def held_out(evaluated, tok, pol, texts, pools):
+def held_out(evaluated, tok, pol, texts, budgets):
     """Held-out (rank 0), of `evaluated` (the frozen model, or --finetune's as saved) under `pol`:
     far accuracy at the training budget (baby), else loss and keep/drop accuracy on texts[1]."""
     if data == "baby" and task != "code":
@@ -275,10 +276,10 @@ def held_out(evaluated, tok, pol, texts, pools):
         return f"held-out far accuracy at budget {budget:g}: {at_b:.3f} (full {full:.3f})"
     if finetune:
         return "no held-out measure for --finetune on text"
-    qs = query_positions(seq_len, 0, sinks, window, pools)
+    qs = query_positions(seq_len, 0, budgets)
     with torch.no_grad():
         kv, rs = kvpop.dense_targets(evaluated, texts[1].to(device), window, target, pol.received)
-        loss, acc = scorer_loss(pol, kv, rs, qs, sinks, window, pools)
+        loss, acc = scorer_loss(pol, kv, rs, qs, budgets)
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
 
@@ -314,7 +315,7 @@ def learning_rate(it):
 def train():
     # a bad checkpoint or data file: one line
     try:
-        folder, tok, texts, net, student, scorer, pools, saved = load()
+        folder, tok, texts, net, student, scorer, budgets, saved = load()
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         sys.exit(f"train.py: {e}")
     ddp = processes.distribute(net, student, scorer, finetune)
@@ -338,15 +339,15 @@ def train():
             o.zero_grad(set_to_none=True)
             o.param_groups[0]["lr"] = learning_rate(it) * (o.defaults["lr"] / lr)
         idx = batch(tok, texts, it)[rank * n : (rank + 1) * n].to(device)
-        qs = query_positions(seq_len, it, sinks, window, pools)
+        qs = query_positions(seq_len, it, budgets)
         if finetune:
             # the model under the scorer's eviction, and the scorer on that pass
-            args = (sinks, window, pools[0], pools, top_logits, target, ddp)
+            args = (budgets, top_logits, target, ddp)
             kl, loss, acc = finetune_loss(student, net, scorer, idx, qs, *args)
         else:
             # the scorer on the frozen model's keys, values and targets
             kv, rs = kvpop.dense_targets(net, idx, window, target, scorer.received)
-            kl, (loss, acc) = 0.0, scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp)
+            kl, (loss, acc) = 0.0, scorer_loss(scorer, kv, rs, qs, budgets, ddp)
         for m, o in opts.items():
             torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
             o.step()
@@ -367,24 +368,25 @@ def train():
                 evaluated = net
                 if finetune:
                     evaluated = qwen3.Qwen3.from_pretrained(out_dir, device, torch.float32)
-                measured = held_out(evaluated, tok, scorer or "streaming", texts, pools)
+                measured = held_out(evaluated, tok, scorer or "streaming", texts, budgets)
                 log(f"step {it + 1}: {measured}; saved {out_dir}/")
     log(f"trained in {time.time() - t0:.0f}s")
     if data == "baby" and (task != "code" or finetune) and final_seqs and rank == 0:
         final_table(folder, tok, net, scorer)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the fine-tune (--finetune) and several processes (torchrun: DDP for the scorer, FSDP2 for the
 # fine-tune)
 
 
-def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top_logits, target,
-                  ddp=None):
+def finetune_loss(student, net, scorer, idx, qs, budgets, top_logits, target, ddp=None):
     """One --finetune step's backward: the student (the model fine-tuned) learns under the scorer's
-    eviction by KL to the frozen dense model net's top `top_logits`; the scorer by the boundary loss
-    at each pool's queries qs against net's --target future attention (the frozen run's teacher), on
-    the student's keys and values -> KL, boundary loss, keep/drop accuracy."""
+    eviction at budgets[0] by KL to the frozen dense model net's top `top_logits`; the scorer by the
+    boundary loss at each budget's queries qs against net's --target future attention (the frozen
+    run's teacher), on the student's keys and values -> KL, boundary loss, keep/drop accuracy."""
+    budget = budgets[0]
+    window = budget.window
     with torch.no_grad():
         top = net(idx).float().topk(min(top_logits, net.config.vocab_size), -1)  # (B, T, K)
         rs = kvpop.dense_targets(net, idx, window, target)[1] if scorer is not None else None
@@ -396,9 +398,9 @@ def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top
             # the scorer's priorities, with the attention each token received if it reads it
             reads = scorer is not None and scorer.received
             a = [kernels.window_received(q, k, window)] if reads else []
-            e = kernels.eviction_times(evict_by(i, k, v, pos, *a), sinks, window, pool)
+            e = kernels.eviction_times(evict_by(i, k, v, pos, *a), *budget)
         kv.append((k.detach(), v.detach(), *a))
-        return kernels.attention(q, k, v, e, sinks)[0]
+        return kernels.attention(q, k, v, e, budget.sinks)[0]
 
     # KL(net's top K || student); FSDP averages gradients: every process holds as many tokens
     lp = student(idx, attn=attn).float().log_softmax(-1).gather(-1, top.indices)
@@ -406,7 +408,7 @@ def finetune_loss(student, net, scorer, idx, qs, sinks, window, pool, pools, top
     kl.backward()
     b = (0.0, 0.0)
     if scorer is not None:
-        b = scorer_loss(scorer, kv, rs, qs, sinks, window, pools, ddp)
+        b = scorer_loss(scorer, kv, rs, qs, budgets, ddp)
     return processes.allsum(kl.detach().double()).item() / world, *b
 
 

@@ -101,7 +101,7 @@ for i, ((k, v), r) in enumerate(zip(kv, rs)):
         with torch.no_grad():
             mine = r + s.recency(i, pos)
             pi = s(i, k, v, pos)
-            right = kvpop.boundary_loss(pi, mine, queries, sinks, window, [pool])[1]
+            right = kvpop.boundary_loss(pi, mine, queries, [kvpop.Budget(sinks, window, pool)])[1]
             share = next_share(s, i, k, v)
         name = s.kind + " on arrival" * s.arrival
         reads = f"{share[live].mean():.3f} | {share[distractor].mean():.3f}"

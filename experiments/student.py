@@ -51,7 +51,7 @@ def measure(net, policy, idx, window, pool, goal):
             teacher = r + policy.recency(layer, pos)
         e_teacher = kernels.eviction_times(teacher, sinks, window, pool)
         e_student = kernels.eviction_times(pi, sinks, window, pool)
-        keep, cut = kernels.boundary(teacher, e_teacher, q, sinks, window)
+        keep, cut = kernels.boundary(teacher, e_teacher, q, kvpop.Budget(sinks, window, pool))
         t_new = (q - window).expand_as(keep)
         right = (pi.gather(-1, t_new) > pi.gather(-1, cut)) == keep  # (B, H, Q)
         kept = eligible & (e_teacher > last)  # the teacher's pool at the last query

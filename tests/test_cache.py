@@ -67,11 +67,11 @@ def test_fast_cache_is_the_plain_rule(small_model, kind):
 
     def attn(i, q, k, v, pos):  # the masked pass, keeping each layer's priorities
         pis.append(sc(i, k, v, pos))
-        return kvpop.masked_attention(q, k, v, pis[-1], sinks, w, size - sinks - w)[0]
+        return kvpop.masked_attention(q, k, v, pis[-1], kvpop.Budget(sinks, w, size - sinks - w))[0]
 
     net(idx, attn=attn)
     cache = KVCache(net, 2, size, sc, sinks, w)
-    want = [[[kvpop.run_rule(pi[b, h].tolist(), sinks, w, size) for h in range(pi.shape[1])]
+    want = [[[kvpop.run_rule(pi[b, h].tolist(), kvpop.Budget(sinks, w, size - sinks - w)) for h in range(pi.shape[1])]
              for b in range(2)] for pi in pis]
     for t in range(idx.shape[1]):
         net(idx[:, t : t + 1], cache=cache)

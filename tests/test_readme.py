@@ -37,13 +37,13 @@ def test_readme_add_a_scorer(small_model):
         after = torch.cat([x[..., 1:, :], torch.zeros_like(x[..., :1, :])], -2)
         want = (torch.nn.functional.silu(torch.cat([x, after], -1) @ s.w1[0] + s.b1[0][:, None]) * s.w2[0][:, None]).sum(-1)
         assert (s.parallel(0, x) - want - s.b2[0][:, None]).abs().max().item() <= 1e-5
-        pools = [40 - 4 - 8]
-        qs = train.query_positions(96, 0, 4, 8, pools)
+        budgets = [kvpop.Budget(4, 8, 40 - 4 - 8)]
+        qs = train.query_positions(96, 0, budgets)
         opt = torch.optim.Adam(s.parameters(), lr=3e-2)
         losses = []
         for _ in range(6):
             opt.zero_grad()
-            losses.append(train.scorer_loss(s, kv, rs, qs, 4, 8, pools)[0])
+            losses.append(train.scorer_loss(s, kv, rs, qs, budgets)[0])
             opt.step()
         assert losses[-1] < losses[0], losses
         s.eval().requires_grad_(False)

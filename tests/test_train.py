@@ -41,7 +41,7 @@ def test_finetune_loss_is_the_kl_to_the_teachers_top_k_under_eviction(baby):
     budget, sinks, window, K = 0.5, 4, 32, 256
     B, pool = kvpop.budget_size(budget, 128, sinks, window, kvpop.state_charge(scorer, torch.float32))
     kl = train.finetune_loss(
-        student, net, scorer, idx, [torch.arange(sinks + window + pool, 128)], sinks, window, pool, [pool], K, "mean"
+        student, net, scorer, idx, [torch.arange(sinks + window + pool, 128)], [kvpop.Budget(sinks, window, pool)], K, "mean"
     )[0]
     with torch.no_grad():
         top = net(idx).float().topk(K, -1)
@@ -450,7 +450,7 @@ def test_finetune_boundary_loss_is_on_the_dense_teachers_helpful_target(baby):
     scorer = kvpop.SCORERS["kvpop-window"](net.config, window, d_hidden=16)
     pool = kvpop.budget_size(budget, T, sinks, window)[1]
     qpos = torch.arange(sinks + window + pool, T)
-    _, loss, _ = train.finetune_loss(student, net, scorer, idx, [qpos], sinks, window, pool, [pool], 256, "helpful")
+    _, loss, _ = train.finetune_loss(student, net, scorer, idx, [qpos], [kvpop.Budget(sinks, window, pool)], 256, "helpful")
     d, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
 
     def visible(i, k, v):  # the student's eviction: the scorer's priorities, the online pool simulated
@@ -544,7 +544,7 @@ def test_audit_edges_sets_the_number_of_pools(monkeypatch):
     monkeypatch.chdir(HERE)
     for edges, want in [(1, [28]), (2, [28, 14]), (5, [28, 14, 7, 3, 1]), (7, [28, 14, 7, 3, 1])]:
         monkeypatch.setattr(train, "edges", edges)
-        assert train.load()[6] == want, edges
+        assert [budget.pool for budget in train.load()[6]] == want, edges
 
 
 def test_audit_model_lr_defaults(monkeypatch):
