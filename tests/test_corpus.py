@@ -461,8 +461,8 @@ def test_pretrain_data_copies_two_spans_of_t_over_32_to_t_over_8(monkeypatch):
 
 def test_pretrain_data_sees_every_sequence_once_an_epoch(tmp_path, monkeypatch):
     """code_steps reads the packed sequences in a seeded order, --tokens / --seq_len a step: over as many steps as an
-    epoch has, every sequence once (no batch overlaps the next)."""
-    root = str(_code_corpus(tmp_path / "c"))
+    epoch has, every sequence once (no batch overlaps the next). Files of 6 functions: 36 sequences, 18 steps."""
+    root = str(_code_corpus(tmp_path / "c", lines=6))
     seqs = corpus.code_sequences(tokenizer.Tokenizer.from_pretrained("codebaby"), root, 128)
     steps = len(seqs) // 2
     tiny = ["--data", root, "--seq_len", "128", "--tokens", "256", "--final_steps", str(steps), "--copies", "0"]

@@ -78,11 +78,15 @@ _K_TILES = sorted({gpus.launch_config(*case)["BLOCK_M"] for case in _K_CASES}) i
 @pytest.fixture(params=_K_TILES if gpus.INTERPRET else [None], ids=lambda tile: f"tile{tile}" if tile else "chosen")
 def _k_tile(request, monkeypatch):
     """Under the interpreter, the Triton kernels run at every tile size some GPU gets (the tests' small head_dims
-    alone would always get 64 x 64); elsewhere the chosen tiles."""
+    alone would always get 64 x 64); elsewhere the chosen tiles. -> the length T of a case at this tile: at a tile
+    under 64, T x tile / 64 rounded up, as many blocks (and a partial last one) as T has at 64 x 64, for a half or a
+    quarter of the interpreter's work; T itself at 64 and at the chosen tiles."""
     if request.param:
         chosen = gpus.launch_config
         tiles = dict(BLOCK_M=request.param, BLOCK_N=request.param)
         monkeypatch.setattr(gpus, "launch_config", lambda *gpu: chosen(*gpu) | tiles)
+    tile = min(request.param or 64, 64)
+    return lambda T: -(-T * tile // 64)
 
 
 def _k_qkv(B, G, T, D, device, seed, Hkv=2):
@@ -110,10 +114,9 @@ def test_kernels_plain_forms_are_the_definitions(G):
         assert _k_err(got, _k_dense_future(q, k, lse, 5, 1e-6, 16**-0.5, reduce)) <= 1e-5, reduce
 
 
-@pytest.mark.usefixtures("_k_tile")
 @pytest.mark.parametrize("device", _K_DEVICES)
 @pytest.mark.parametrize("G", [1, 2, 4])
-def test_kernels_attention(device, G):
+def test_kernels_attention(_k_tile, device, G):
     for seed, (B, T, D, sinks, mode) in enumerate(
         [
             (1, 1, 16, 0, "causal"),
@@ -124,6 +127,7 @@ def test_kernels_attention(device, G):
             (1, 67, 48, 1, "random"),
         ]
     ):
+        T = _k_tile(T)
         q, k, v = _k_qkv(B, G, T, D, device, seed)
         pri = torch.randn(B, 2, T)
         e = {
@@ -150,11 +154,10 @@ def test_kernels_attention_bf16_and_scale():
     assert ((out.double() - ref).abs() <= 2**-7 * ref.abs() + 1e-5).all()
 
 
-@pytest.mark.usefixtures("_k_tile")
 @pytest.mark.parametrize("device", _K_DEVICES)
 @pytest.mark.parametrize("G", [1, 2, 4])
 @pytest.mark.parametrize("reduce", ["mean", "max"])
-def test_kernels_future_attention(device, G, reduce):
+def test_kernels_future_attention(_k_tile, device, G, reduce):
     for seed, (B, T, D, window) in enumerate(
         [
             (1, 1, 16, 1),
@@ -167,6 +170,7 @@ def test_kernels_future_attention(device, G, reduce):
             (2, 67, 32, 3),
         ]
     ):
+        T = _k_tile(T)
         q, k, _ = _k_qkv(B, G, T, D, device, seed)
         # ties: keys repeated in pairs, queries in runs of four, so equal p[d, t] compete for the
         # max

@@ -339,9 +339,9 @@ def test_distributed_finetune_killed_then_resumed(tmp_path):
     """A 2-process --finetune run killed (SIGKILL to every process) after a checkpoint resumes where
     it stopped: the steps after its last checkpoint print the uninterrupted run's losses, and what
     it left is a model Qwen3 loads. (Checkpoints every step: the processes may run on a little
-    before the kill lands.)"""
-    args = ("--finetune", "--eval_interval", "1", "--max_iters", "12")
-    ref = _torchrun(*_ft_args(tmp_path / "a", *args))
+    before the kill lands.) One sequence a process a step, 8 steps."""
+    args = ("--finetune", "--eval_interval", "1", "--max_iters", "8")
+    ref = _torchrun(*_train_args(tmp_path / "a", *args))
     assert ref.returncode == 0, _why(ref)
     p = subprocess.Popen(
         [
@@ -350,7 +350,7 @@ def test_distributed_finetune_killed_then_resumed(tmp_path):
             "torch.distributed.run",
             "--standalone",
             "--nproc_per_node=2",
-            *_ft_args(tmp_path / "b", *args),
+            *_train_args(tmp_path / "b", *args),
         ],
         cwd=HERE,
         stdout=subprocess.PIPE,
@@ -364,13 +364,13 @@ def test_distributed_finetune_killed_then_resumed(tmp_path):
             break
     p.wait()
     n = kvpop.load_scorer(tmp_path / "b").meta["iters"]
-    assert 3 <= n < 12 and torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)["iter"] == n
+    assert 3 <= n < 8 and torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)["iter"] == n
     qwen3.Qwen3.from_pretrained(tmp_path / "b")  # what the killed run left loads
-    res = _torchrun(*_ft_args(tmp_path / "b", *args, "--resume"))
+    res = _torchrun(*_train_args(tmp_path / "b", *args, "--resume"))
     assert res.returncode == 0, _why(res)
     assert f"resuming {tmp_path / 'b'} at step {n}" in res.stdout
     a, b = _curve(ref.stdout)[3 * n :], _curve(res.stdout)
-    assert len(a) == len(b) == 3 * (12 - n) and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b))
+    assert len(a) == len(b) == 3 * (8 - n) and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b))
 
 
 def test_finetuned_checkpoint_loads_and_samples(tmp_path):
