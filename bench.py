@@ -20,7 +20,8 @@ import kvpop
 import qwen3
 import tasks
 from cache import KVCache
-from experiments import shifted  # noqa: F401 (registers the research kind kvpop-shifted, whose scorers ship)
+# registers the research kind kvpop-shifted, whose scorers ship
+from experiments import shifted  # noqa: F401
 from support import checkpoint, flags, gpus
 from support.corpus import CODE_LENGTH, code_held_out
 from tools import bench_runs
@@ -65,13 +66,15 @@ lengths = ""  # comma-separated T; empty: 4096,16384,32768 on cuda, 1024,2048,40
 D = 128  # head dim
 group = 2  # query heads of the one KV head timed
 targets = ""  # comma-separated GPUs, e.g. sm_75,sm_90: compile every kernel for each instead (no GPU needed)
-COMMAND_FLAGS = {  # what each command reads (another's flag is an unknown option)
-    "quality": "model policies budgets sinks window json plain task corpus target scorer seed p_cue n T threads ref",
-    "generate": "model policies budgets sinks window json plain task target scorer seed p_cue T threads prompts"
-    " tokens temperature",
+# what each command reads (another's flag is an unknown option)
+COMMAND_FLAGS = {
+    "quality": "model policies budgets sinks window json plain task corpus target scorer"
+    " seed p_cue n T threads ref",
+    "generate": "model policies budgets sinks window json plain task target scorer"
+    " seed p_cue T threads prompts tokens temperature",
     "read": "model policies budgets sinks window plain corpus target scorer T tokens",
-    "speed": "model policies budgets sinks window device json shape layers contexts steps prefill train d_mem dtype"
-    " compile",
+    "speed": "model policies budgets sinks window device json shape layers contexts"
+    " steps prefill train d_mem dtype compile",
     "kernels": "device lengths D group targets json",
 }
 
@@ -79,23 +82,32 @@ COMMAND_FLAGS = {  # what each command reads (another's flag is an unknown optio
 def settings(command, argv):
     """The command's defaults above, overridden by --key value (flags.configure), checked for what commands share."""
     g = {k: globals()[k] for k in COMMAND_FLAGS[command].split()}
-    g.update(__file__=__file__, __prog__=f"bench.py {command}")
+    prog = f"bench.py {command}"
+    g.update(__file__=__file__, __prog__=prog)
     given = flags.configure(g, argv)
-    need = lambda ok, msg: flags.need(ok, msg, g["__prog__"])
+    need = lambda ok, msg: flags.need(ok, msg, prog)
     # kernels, speed on a GPU: made the current one, where Triton kernels launch
     if g.get("device", "cpu") != "cpu":
-        flags.check_device(g["device"], g["__prog__"])
+        flags.check_device(g["device"], prog)
         torch.cuda.set_device(torch.device(g["device"]).index or 0)
     j = g.get("json", "")
     folder = os.path.dirname(j) or "."
-    ok = not j or not os.path.isdir(j) and os.path.isdir(folder) and os.access(folder, os.W_OK)
+    writable = os.path.isdir(folder) and os.access(folder, os.W_OK)
+    ok = not j or not os.path.isdir(j) and writable
     need(ok, f"--json {j}: give a file name in an existing, writable folder")
-    settings = {k: v for k, v in g.items() if k[0] != "_"}  # and the command's name, for messages
-    opts = types.SimpleNamespace(prog=g["__prog__"], given=given, **settings)
+    # the settings, and the command's name, for messages
+    settings = {k: v for k, v in g.items() if k[0] != "_"}
+    opts = types.SimpleNamespace(prog=prog, given=given, **settings)
     return opts, need
 
 
 # ------------------------------------------------------------------------------------------------ kernels
+# the storages of the tensors among xs
+def storages(xs):
+    tensors = [x for x in xs if isinstance(x, torch.Tensor)]
+    return [x.untyped_storage() for x in tensors]
+
+
 class Meter(TorchDispatchMode):
     """The ops dispatched while active: how many (calls), and the peak of the bytes held by the storages they create
     (peak, on a CPU; a storage leaves the count when freed). A compiled graph runs under it untraced: its calls are the
@@ -114,9 +126,10 @@ class Meter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls += 1
         out = func(*args, **(kwargs or {}))
-        storages = lambda xs: [x.untyped_storage() for x in xs if isinstance(x, torch.Tensor)]
-        ins = {s.data_ptr() for s in storages(args)}  # outputs on one: views, in-place
-        for s in storages(out if isinstance(out, (tuple, list)) else [out]):
+        # outputs on an input's storage: views, in-place
+        ins = {s.data_ptr() for s in storages(args)}
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        for s in storages(outs):
             ptr, size = s.data_ptr(), s.nbytes()
             if size and ptr not in ins and ptr not in self.live:
                 self.live[ptr] = size
@@ -158,22 +171,33 @@ def calls(fn):
 
 # a markdown table's header from its comma-separated column names, then the rule under it
 def table(cols):
-    return "| " + cols.replace(",", " | ") + " |\n" + "|---" * (cols.count(",") + 1) + "|"
+    header = "| " + cols.replace(",", " | ") + " |\n"
+    rule = "|---" * (cols.count(",") + 1) + "|"
+    return header + rule
 
 
 def compile_targets(opts, need):
     """--targets: every kernel compiled for each GPU (gpus.py), a row printed as it comes."""
+    targets = opts.targets.split(",")
     known = ",".join(gpus.SHARED_KIB)
-    need(set(opts.targets.split(",")) <= set(gpus.SHARED_KIB), f"--targets {opts.targets}: use GPUs among {known}")
-    need(os.path.isfile(gpus.ptxas()), f"--targets: no {gpus.ptxas()}; reinstall triton (its wheel ships ptxas)")
-    print(table("kernel,target,dtype,head_dim,tiles,stages,warps,shared,limit,registers,spills,ok"))
+    ok = set(targets) <= set(gpus.SHARED_KIB)
+    need(ok, f"--targets {opts.targets}: use GPUs among {known}")
+    ptxas = gpus.ptxas()
+    why = "reinstall triton (its wheel ships ptxas)"
+    need(os.path.isfile(ptxas), f"--targets: no {ptxas}; {why}")
+    cols = "kernel,target,dtype,head_dim,tiles,stages,warps"
+    print(table(cols + ",shared,limit,registers,spills,ok"))
+    # a row's cells, a refusal's reason marked
+    cell = lambda k, v: f"refused: {v}" if k == "refused" else str(v)
     rows = []
-    for row in gpus.compile_targets(opts.targets.split(",")):
+    for row in gpus.compile_targets(targets):
         rows.append(row)
-        cells = [f"refused: {v}" if k == "refused" else str(v) for k, v in row.items()]
+        cells = [cell(k, v) for k, v in row.items()]
         print("| " + " | ".join(cells) + " |", flush=True)
     if opts.json:
-        checkpoint.write_json([dict(row, ok=row.get("ok", False)) for row in rows], opts.json)
+        # a refused row is not ok
+        rows = [dict(row, ok=row.get("ok", False)) for row in rows]
+        checkpoint.write_json(rows, opts.json)
 
 
 def cmd_kernels(argv):
@@ -185,33 +209,53 @@ def cmd_kernels(argv):
     dev = opts.device
     sinks, window = 4, 256
     dt = torch.float32 if dev == "cpu" else torch.bfloat16
-    opts.lengths = opts.lengths or ("1024,2048,4096" if dev == "cpu" else "4096,16384,32768")
-    ok = all(x.strip().isdecimal() and int(x) >= 1 for x in opts.lengths.split(","))
-    need(ok, f"--lengths {opts.lengths!r}: use comma-separated lengths >= 1, e.g. 1024,2048")
+    default = "1024,2048,4096" if dev == "cpu" else "4096,16384,32768"
+    opts.lengths = opts.lengths or default
+    lengths = opts.lengths.split(",")
+    ok = all(x.strip().isdecimal() and int(x) >= 1 for x in lengths)
+    example = "use comma-separated lengths >= 1, e.g. 1024,2048"
+    need(ok, f"--lengths {opts.lengths!r}: {example}")
     ok = opts.D >= 1 and (dev == "cpu" or opts.D <= 256)
-    need(ok, f"--D {opts.D}: use a head dim >= 1 (at most 256 on CUDA, the Triton kernels' limit)")
+    limit = "at most 256 on CUDA, the Triton kernels' limit"
+    need(ok, f"--D {opts.D}: use a head dim >= 1 ({limit})")
+
     # best ms of 3 after a warm-up, and peak MiB
-    measure = lambda fn: (min([clock(fn, dev) for _ in range(4)][1:]) * 1e3, peak(fn, dev)[1] / 2**20)
-    print(f"{dev}, {dt}, D {opts.D}, 1 KV head x {opts.group} query heads", end=", ")
+    def measure(fn):
+        times = [clock(fn, dev) for _ in range(4)]
+        return min(times[1:]) * 1e3, peak(fn, dev)[1] / 2**20
+
+    heads = f"1 KV head x {opts.group} query heads"
+    print(f"{dev}, {dt}, D {opts.D}, {heads}", end=", ")
     print(f"sinks {sinks}, window {window}, pool T/4\n")
-    print(table("op,T,ours ms,naive ms,naive/ours,SDPA ms,ours MiB,naive MiB,naive/ours"))
-    for T in map(int, opts.lengths.split(",")):
-        q, k, v = (torch.randn(1, h, T, opts.D, device=dev, dtype=dt) for h in (opts.group, 1, 1))
+    cols = "op,T,ours ms,naive ms,naive/ours"
+    print(table(cols + ",SDPA ms,ours MiB,naive MiB,naive/ours"))
+    attend = F.scaled_dot_product_attention
+    for T in map(int, lengths):
+        draw = lambda h: torch.randn(1, h, T, opts.D, device=dev, dtype=dt)
+        q, k, v = draw(opts.group), draw(1), draw(1)
         pri = torch.randn(1, 1, T, device=dev)
-        e = kernels.eviction_times(pri, sinks, window, T // 4)
+        pool = T // 4
+        e = kernels.eviction_times(pri, sinks, window, pool)
         lse = kernels.attention(q, k, v)[1]
-        sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        sdpa = lambda: attend(q, k, v, is_causal=True, enable_gqa=True)
         # each op, ours and its naive plain_ version, on the same inputs
-        ops = [("attention", (q, k, v)), ("attention+evict", (q, k, v, e, sinks))]
-        ops += [("future_attention", (q, k, lse, window)), ("eviction_times", (pri, sinks, window, T // 4))]
+        ops = [("attention", (q, k, v))]
+        ops += [("attention+evict", (q, k, v, e, sinks))]
+        ops += [("future_attention", (q, k, lse, window))]
+        ops += [("eviction_times", (pri, sinks, window, pool))]
         for name, x in ops:
             op = name.split("+")[0]
-            ours, naive = getattr(kernels, op), getattr(kernels, "plain_" + op)
+            ours = getattr(kernels, op)
+            naive = getattr(kernels, "plain_" + op)
             ours_ms, ours_mib = measure(lambda: ours(*x))
             naive_ms, naive_mib = measure(lambda: naive(*x))
-            sdpa_ms = f"{measure(sdpa)[0]:.1f}" if name == "attention" and dev != "cpu" else "-"
-            speed = f"| {name} | {T} | {ours_ms:.1f} | {naive_ms:.1f} | {naive_ms / ours_ms:.2f} | {sdpa_ms} | "
-            print(speed + f"{ours_mib:.1f} | {naive_mib:.1f} | {naive_mib / max(ours_mib, 1e-3):.0f} |", flush=True)
+            sdpa_ms = "-"
+            if name == "attention" and dev != "cpu":
+                sdpa_ms = f"{measure(sdpa)[0]:.1f}"
+            ms = f"{ours_ms:.1f} | {naive_ms:.1f} | {naive_ms / ours_ms:.2f}"
+            mib_ratio = naive_mib / max(ours_mib, 1e-3)
+            mib = f"{ours_mib:.1f} | {naive_mib:.1f} | {mib_ratio:.0f}"
+            print(f"| {name} | {T} | {ms} | {sdpa_ms} | {mib} |", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------- quality
@@ -219,37 +263,61 @@ def cmd_quality(argv):
     """Teacher-forced quality on held-out task sequences (or code files): every policy, then each target's oracle
     and scorers."""
     opts, need = settings("quality", argv)
-    policies = (opts.policies or "full,oracle,streaming,h2o,tova,knorm,random").split(",")
+    every = "full,oracle,streaming,h2o,tova,knorm,random"
+    policies = (opts.policies or every).split(",")
     need(opts.n >= 1, f"--n {opts.n}: use 1 or more")
-    net, tok, budgets, task_names, targets, folders, scorers, files = bench_runs.baby_setup(opts, need, policies)
+    setup = bench_runs.baby_setup(opts, need, policies)
+    net, tok, budgets, task_names = setup[:4]
+    targets, folders, scorers, files = setup[4:]
     code = files is not None
     # a fine-tuned model: judged against the dense model before it
+    ref = None
     try:
-        ref = qwen3.Qwen3.from_pretrained(opts.ref, dtype=torch.float32) if opts.ref else None
+        if opts.ref:
+            ref = qwen3.Qwen3.from_pretrained(opts.ref, dtype=torch.float32)
     except (OSError, ValueError) as e:
         need(False, f"--ref {opts.ref}: {e}")
     t0 = time.time()
     rows, counts = [], []
     # the same held-out sequences for every policy and target of a task
     for task in task_names:
-        # the task's held-out sequences (idx, tgt, dist); code: the held-out files, its metrics per file (code_runs)
-        seqs = lambda: tasks.held_out_batch(tok, task, opts.n, opts.T, opts.seed, opts.p_cue)
-        measure, batch = (code_runs, (net, files)) if code else (tasks.quality_runs, (net, *seqs()))
+        # code: the held-out files, its metrics per file (code_runs)
+        measure, batch = code_runs, (net, files)
+        if not code:
+            # the task's held-out sequences (idx, tgt, dist)
+            held_out = (opts.n, opts.T, opts.seed, opts.p_cue)
+            seqs = tasks.held_out_batch(tok, task, *held_out)
+            measure, batch = tasks.quality_runs, (net, *seqs)
         cache = (budgets, opts.sinks, opts.window)
-        heuristics = [p for p in policies if p != "oracle"]  # full and the heuristics read no target
+        # full and the heuristics read no target
+        heuristics = [p for p in policies if p != "oracle"]
         found = measure(*batch, heuristics, *cache, ref=ref)
-        rows += [dict(task=task, target="-", **r) for r in (found if code else found[0])]
+        found_rows = found if code else found[0]
+        rows += [dict(task=task, target="-", **r) for r in found_rows]
         for target in targets:
-            learned = ["oracle"] * ("oracle" in policies) + [scorers[d] for d in folders[task, target]]
+            oracle = ["oracle"] * ("oracle" in policies)
+            learned = oracle + [scorers[d] for d in folders[task, target]]
             runs = measure(*batch, learned, *cache, target=target, ref=ref)
-            rows += [dict(task=task, target=target, **r) for r in (runs if code else runs[0]) if r["policy"] != "full"]
-        # code: the share of key tokens at each budget (full's rows); a task: its queries and the far ones
-        keys = ", ".join(f"{r['key_share']:.2%} at {r['budget']:g}" for r in found if code and r["policy"] == "full")
-        counts.append(f"{task}: " + (f"key tokens {keys}" if code else f"{found[2]} queries ({found[1]:.0%} far)"))
-    what = f"{len(files)} held-out files, the first" if code else f"{opts.n} held-out sequences of"
-    title = f"{opts.model}: {what} {opts.T} tokens (seed {opts.seed}), {'; '.join(counts)}"
+            runs = runs if code else runs[0]
+            # full's rows: the heuristics' (target "-")
+            runs = [r for r in runs if r["policy"] != "full"]
+            rows += [dict(task=task, target=target, **r) for r in runs]
+        if code:
+            # code: the share of key tokens at each budget (full's rows)
+            share = lambda r: f"{r['key_share']:.2%} at {r['budget']:g}"
+            keys = ", ".join(share(r) for r in found if r["policy"] == "full")
+            counts.append(f"{task}: key tokens {keys}")
+        else:
+            # a task: its queries and the far ones
+            counts.append(f"{task}: {found[2]} queries ({found[1]:.0%} far)")
+    what = f"{opts.n} held-out sequences of"
+    if code:
+        what = f"{len(files)} held-out files, the first"
+    counted = "; ".join(counts)
+    title = f"{opts.model}: {what} {opts.T} tokens (seed {opts.seed}), {counted}"
     print(f"{title}; sinks {opts.sinks}, window {opts.window}\n")
-    print(f"{(code_table if code else tasks.quality_table)(rows)}\n\n{time.time() - t0:.0f}s")
+    show = code_table if code else tasks.quality_table
+    print(f"{show(rows)}\n\n{time.time() - t0:.0f}s")
     if opts.json:
         checkpoint.write_json(rows, opts.json)
 
@@ -260,30 +328,49 @@ def cmd_generate(argv):
     scoreboard -> (rows per task, target, policy and budget, target "-" for full and the heuristics; samples
     {(task, target, policy, budget): (prompts, continuations)})."""
     opts, need = settings("generate", argv)
-    policies = (opts.policies or "full,streaming,knorm,random,h2o,tova").split(",")
-    need("oracle" not in policies, "--policies oracle: teacher-forced only (bench.py quality)")
+    every = "full,streaming,knorm,random,h2o,tova"
+    policies = (opts.policies or every).split(",")
+    why = "teacher-forced only (bench.py quality)"
+    need("oracle" not in policies, f"--policies oracle: {why}")
     need(opts.prompts >= 1, f"--prompts {opts.prompts}: use 1 or more")
-    need(opts.temperature >= 0, f"--temperature {opts.temperature:g}: use 0 (greedy) or more")
-    need("code" not in opts.task.split(","), "--task code: generate scores the baby's tasks; code: bench.py quality")
-    need(1 <= opts.tokens <= opts.T - 2, f"--tokens {opts.tokens}: use 1 .. T - 2 (a prompt of 1 or more)")
-    net, tok, budgets, task_names, targets, folders, scorers, _ = bench_runs.baby_setup(opts, need, policies, spare=1)
+    msg = f"--temperature {opts.temperature:g}: use 0 (greedy) or more"
+    need(opts.temperature >= 0, msg)
+    why = "generate scores the baby's tasks; code: bench.py quality"
+    need("code" not in opts.task.split(","), f"--task code: {why}")
+    why = "use 1 .. T - 2 (a prompt of 1 or more)"
+    need(1 <= opts.tokens <= opts.T - 2, f"--tokens {opts.tokens}: {why}")
+    setup = bench_runs.baby_setup(opts, need, policies, spare=1)
+    net, tok, budgets, task_names = setup[:4]
+    targets, folders, scorers = setup[4:7]
     # far: bound at least S back, S the largest budget's (the same answers' bar at every budget)
-    far = max(kvpop.budget_size(b, opts.T - 1, opts.sinks, opts.window)[0] for b in budgets)
+    S = lambda b: kvpop.budget_size(b, opts.T - 1, opts.sinks, opts.window)[0]
+    far = max(S(b) for b in budgets)
     t0 = time.time()
     rows, samples = [], {}
     for task in task_names:
-        # held-out prompts: bench.py quality's sequences (test-<seed>), their bos dropped as in baby/prompt.txt
-        idx = tasks.held_out_batch(tok, task, opts.prompts, opts.T, opts.seed, opts.p_cue)[0]
+        # held-out prompts: bench.py quality's sequences (test-<seed>),
+        # their bos dropped as in baby/prompt.txt
+        held_out = (opts.prompts, opts.T, opts.seed, opts.p_cue)
+        idx = tasks.held_out_batch(tok, task, *held_out)[0]
         prompt = idx[:, 1 : opts.T - opts.tokens]  # (N, P)
-        runs = [("-", "full", 1)] + [("-", p, b) for p in policies if p != "full" for b in budgets]
-        runs += [(r, scorers[d], b) for r in targets for d in folders[task, r] for b in budgets]
-        cache = (opts.sinks, opts.window, opts.tokens, opts.temperature, opts.seed)
-        got = bench_runs.generate_runs(net, tok, prompt, tqdm(runs, desc=task, leave=False), far, *cache)
-        rows += [dict(task=task) | r for r in got[0]]
-        samples |= {(task, *k): v for k, v in got[1].items()}
-    prompts = f"{opts.prompts} held-out prompts a task (seed {opts.seed}) of {opts.T - opts.tokens - 1} tokens"
-    title = f"{opts.model}: {prompts}"
-    print(f"{title}, {opts.tokens} written each at temperature {opts.temperature:g}; far: >= {far} back\n")
+        # full, each heuristic at each budget, then each target's scorers
+        heuristics = [p for p in policies if p != "full"]
+        runs = [("-", "full", 1)]
+        runs += [("-", p, b) for p in heuristics for b in budgets]
+        learned = [(r, scorers[d]) for r in targets for d in folders[task, r]]
+        runs += [(r, s, b) for r, s in learned for b in budgets]
+        cache = (opts.sinks, opts.window)
+        sampling = (opts.tokens, opts.temperature, opts.seed)
+        bar = tqdm(runs, desc=task, leave=False)
+        args = (net, tok, prompt, bar, far, *cache, *sampling)
+        got_rows, got_samples = bench_runs.generate_runs(*args)
+        rows += [dict(task=task) | r for r in got_rows]
+        samples |= {(task, *k): v for k, v in got_samples.items()}
+    P = opts.T - opts.tokens - 1
+    prompts = f"{opts.prompts} held-out prompts a task (seed {opts.seed})"
+    title = f"{opts.model}: {prompts} of {P} tokens"
+    written = f"{opts.tokens} written each at temperature {opts.temperature:g}"
+    print(f"{title}, {written}; far: >= {far} back\n")
     print(f"{bench_runs.generate_table(rows)}\n\n{time.time() - t0:.0f}s")
     if opts.json:
         checkpoint.write_json(rows, opts.json)
@@ -298,23 +385,34 @@ def cmd_read(argv):
     opts, need = settings("read", argv)
     opts.task, opts.n, opts.p_cue, opts.threads = "code", 2, 0.0, 1
     policies = (opts.policies or "streaming,full").split(",")
-    net, tok, budgets, _, targets, folders, scorers, files = bench_runs.baby_setup(opts, need, policies)
+    setup = bench_runs.baby_setup(opts, need, policies)
+    net, tok, budgets = setup[:3]
+    targets, folders, scorers, files = setup[4:]
     need(1 <= opts.tokens < opts.T, f"--tokens {opts.tokens}: use 1 .. T - 1")
     read, n = files[0].tolist(), opts.T - opts.tokens
-    learned = {tasks.policy_name(scorers[d]): scorers[d] for t in targets for d in folders["code", t]}
+    # every target's scorers, by name, then the policies named
+    chosen = [scorers[d] for t in targets for d in folders["code", t]]
+    learned = {tasks.policy_name(s): s for s in chosen}
+    runs = learned | {p: p for p in policies}
     # the prompt's last lines, then the file read on under each policy at each budget
-    print("...\n" + "\n".join(tok.decode(read[:n]).splitlines()[-20:]), end="\n" + "=" * 80 + "\n")
+    last = tok.decode(read[:n]).splitlines()[-20:]
+    print("...\n" + "\n".join(last), end="\n" + "=" * 80 + "\n")
     for b in budgets:
         S = kvpop.budget_size(b, opts.T, opts.sinks, opts.window)[0]
-        read_on(net, tok, read, n, learned | {p: p for p in policies}, S, opts.sinks, opts.window, b)
+        read_on(net, tok, read, n, runs, S, opts.sinks, opts.window, b)
 
 
 # ---------------------- speed: a step reads every weight and every kept key and value once: its cost follows bytes
 # a shape: layers, hidden, MLP width, query heads, tied head; the rest: Qwen3Config's (vocab, 8 KV heads of 128, ...)
-SHAPES = {"0.6B": (28, 1024, 3072, 16, True), "4B": (36, 2560, 9728, 32, True), "8B": (36, 4096, 12288, 32, False)}
+SHAPES = {
+    "0.6B": (28, 1024, 3072, 16, True),
+    "4B": (36, 2560, 9728, 32, True),
+    "8B": (36, 4096, 12288, 32, False),
+}
 
 
-def shape_model(c, device, dtype):  # a Qwen3 with random weights, built without initialising twice
+# a Qwen3 with random weights, built without initialising twice
+def shape_model(c, device, dtype):
     with torch.device("meta"):
         net = qwen3.Qwen3(c)
     # unties the head, and the memory may hold denormals that slow a CPU: fill it
@@ -330,7 +428,8 @@ def shape_model(c, device, dtype):  # a Qwen3 with random weights, built without
 def empty_cache(net, policy, b, T, full, opts, dt):
     charge = kvpop.state_charge(policy, dt)
     size = kvpop.budget_size(b, T, opts.sinks, opts.window, charge)[0]
-    return KVCache(net, 1, full if policy == "full" else size - charge, policy, opts.sinks, opts.window)
+    slots = full if policy == "full" else size - charge
+    return KVCache(net, 1, slots, policy, opts.sinks, opts.window)
 
 
 def fill(cache, C):
@@ -339,8 +438,10 @@ def fill(cache, C):
     sinks, window = cache.sinks, cache.window
     pos = torch.arange(C)
     if C > cache.slots:
-        pool = torch.linspace(sinks, C - window - 1, cache.slots - sinks - window).long()
-        pos = torch.cat([torch.arange(sinks), pool, torch.arange(C - window, C)])
+        pool_size = cache.slots - sinks - window
+        pool = torch.linspace(sinks, C - window - 1, pool_size).long()
+        recent = torch.arange(C - window, C)
+        pos = torch.cat([torch.arange(sinks), pool, recent])
     n = len(pos)
     cache.k[..., :n, :].normal_()
     cache.v[..., :n].normal_()  # values are stored transposed
@@ -359,22 +460,37 @@ def speed_decode(net, scorers, opts, dt, W, contexts, budgets, policies):
     c, dev = net.config, opts.device
     rows = []
     mode = "reduce-overhead" if dev.startswith("cuda") else None
-    step = torch.compile(net, fullgraph=True, dynamic=False, mode=mode) if opts.compile else net
-    E, heads = c.hidden_size, c.num_hidden_layers * c.num_key_value_heads
-    per_tok = 2 * heads * c.head_dim * dt.itemsize  # KV bytes of a token
-    med = lambda t: sorted(t[1:])[len(t) // 2 - 1]  # after the warm-up round
-    cols = "policy,budget,context,tokens/s,speedup,ideal,of ideal,KV+state MiB,GB/s,limit GB/s,of limit,scorer share"
-    print(table(cols + ",calls a step eager" + " / compiled" * opts.compile))
+    step = net
+    if opts.compile:
+        step = torch.compile(net, fullgraph=True, dynamic=False, mode=mode)
+    E = c.hidden_size
+    heads = c.num_hidden_layers * c.num_key_value_heads
+    # KV bytes of a token
+    per_tok = 2 * heads * c.head_dim * dt.itemsize
+    # the median, after the warm-up round
+    med = lambda t: sorted(t[1:])[len(t) // 2 - 1]
+    # a row's floats to 4 decimals
+    four = lambda v: round(v, 4) if isinstance(v, float) else v
+    cols = "policy,budget,context,tokens/s,speedup,ideal,of ideal"
+    cols += ",KV+state MiB,GB/s,limit GB/s,of limit,scorer share"
+    cols += ",calls a step eager" + " / compiled" * opts.compile
+    print(table(cols))
     for C in contexts:
-        M = torch.randn(W // (E * dt.itemsize), E, device=dev).to(dt)  # model-sized
+        # a model-sized matrix
+        height = W // (E * dt.itemsize)
+        M = torch.randn(height, E, device=dev).to(dt)
         x = torch.randn(E, device=dev, dtype=dt)
         tok = torch.tensor([[13]], device=dev)
         runs, lim = {}, []
         # the cache, the entries it holds, its step times
-        for p, b in [("full", 1)] + [(p, b) for b in budgets for p in policies]:
-            cache = empty_cache(net, scorers.get(p, p), b, C, C + opts.steps + 1, opts, dt)
+        pairs = [("full", 1)] + [(p, b) for b in budgets for p in policies]
+        full_size = C + opts.steps + 1
+        for p, b in pairs:
+            kind = scorers.get(p, p)
+            cache = empty_cache(net, kind, b, C, full_size, opts, dt)
             runs[p, b] = cache, fill(cache, C), []
-        for _ in range(opts.steps + 1):  # the first round warms up
+        # the first round warms up
+        for _ in range(opts.steps + 1):
             lim.append(clock(lambda: M @ x, dev))
             for cache, n, sec in runs.values():
                 sec.append(clock(lambda: step(tok, cache=cache), dev))
@@ -382,27 +498,42 @@ def speed_decode(net, scorers, opts, dt, W, contexts, budgets, policies):
         # full first: its seconds and bytes are the context's yardstick
         for (p, b), (cache, n, times) in runs.items():
             sec = med(times)
-            kv = cache.nbytes() - 2 * cache.k.nbytes + per_tok * n  # held + state
-            w = W + sum(t.nbytes for t in scorers[p].parameters()) if p in scorers else W
+            # held + state
+            kv = cache.nbytes() - 2 * cache.k.nbytes + per_tok * n
+            w = W
+            if p in scorers:
+                w = W + sum(t.nbytes for t in scorers[p].parameters())
             full = (sec, W + kv) if p == "full" else full
-            speedup, ideal = full[0] / sec, full[1] / (w + kv)
+            speedup = full[0] / sec
+            ideal = full[1] / (w + kv)
             gbps = (w + kv) / sec / 1e9
-            r = dict(policy=p, budget=b, context=C, tokens_per_s=round(1 / sec, 3))
+            r = dict(policy=p, budget=b, context=C)
+            r.update(tokens_per_s=round(1 / sec, 3))
             r.update(kv_mib=kv / 2**20, gbps=gbps, limit_gbps=limit)
             r.update(speedup=speedup, ideal_speedup=ideal)
             # the scorer's share of a step: 1 - streaming's step / the scorer's, same round
             if p in kvpop.SCORERS and ("streaming", b) in runs:
-                r["scorer_share"] = 1 - med([x / y for x, y in zip(runs["streaming", b][2], times)])
-            # the torch calls of a step, eager and compiled (those its graph leaves to torch): one more step each
-            r["calls"] = dict(eager=calls(lambda: net(tok, cache=cache)))
+                streaming = runs["streaming", b][2]
+                ratios = [x / y for x, y in zip(streaming, times)]
+                r["scorer_share"] = 1 - med(ratios)
+            # the torch calls of a step, eager and compiled (those its graph leaves to torch):
+            # one more step each
+            eager = calls(lambda: net(tok, cache=cache))
+            r["calls"] = dict(eager=eager)
             if opts.compile:
-                r["calls"]["compiled"] = calls(lambda: step(tok, cache=cache))
-            share = f"{r['scorer_share']:.1%}" if "scorer_share" in r else "-"
-            speed = f"| {p} | {b:g} | {C} | {1 / sec:.2f} | {speedup:.2f}x | {ideal:.2f}x | "
-            speed += f"{speedup / ideal:.0%} | {kv / 2**20:.0f} | {gbps:.1f} | {limit:.1f} | "
+                compiled = calls(lambda: step(tok, cache=cache))
+                r["calls"]["compiled"] = compiled
+            share = "-"
+            if "scorer_share" in r:
+                share = f"{r['scorer_share']:.1%}"
+            run = f"| {p} | {b:g} | {C} | {1 / sec:.2f}"
+            gain = f"{speedup:.2f}x | {ideal:.2f}x | {speedup / ideal:.0%}"
+            held = f"{kv / 2**20:.0f} | {gbps:.1f}"
+            of_limit = f"{limit:.1f} | {gbps / limit:.0%}"
             counted = " / ".join(map(str, r["calls"].values()))
-            print(speed + f"{gbps / limit:.0%} | {share} | {counted} |", flush=True)
-            rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
+            cells = f"{run} | {gain} | {held} | {of_limit} | {share} | {counted} |"
+            print(cells, flush=True)
+            rows.append({k: four(v) for k, v in r.items()})
         del runs, M
     return rows
 
@@ -413,18 +544,28 @@ def speed_prefill(net, scorers, opts, dt, b, policies):
     rows = []
     mib = lambda x: round(x / 2**20, 1)
     idx = torch.randint(0, net.config.vocab_size, (1, T), device=dev)
-    cols = "policy,budget,seconds,vs full,cache MiB,peak extra MiB,peak MiB,full's extra + budget's share MiB"
-    print(f"\nprefill of a {T}-token prompt, logits of its last position\n\n" + table(cols))
-    for p in ["full"] + [p for p in policies if p not in kvpop.DYNAMIC]:
+    cols = "policy,budget,seconds,vs full,cache MiB,peak extra MiB,peak MiB"
+    cols += ",full's extra + budget's share MiB"
+    title = f"prefill of a {T}-token prompt, logits of its last position"
+    print(f"\n{title}\n\n" + table(cols))
+    static = [p for p in policies if p not in kvpop.DYNAMIC]
+    for p in ["full"] + static:
         cache = empty_cache(net, scorers.get(p, p), b, T, T, opts, dt)
         sec, extra = peak(lambda: net(idx, cache=cache), dev)
         mem = cache.nbytes()
-        full = (sec, mem, extra) if p == "full" else full  # full's extra: one layer's working set
-        budget, share = (1, "-") if p == "full" else (b, round((b * full[1] + full[2]) / 2**20))
+        # full's extra: one layer's working set
+        full = (sec, mem, extra) if p == "full" else full
+        budget, share = 1, "-"
+        if p != "full":
+            budget = b
+            share = round((b * full[1] + full[2]) / 2**20)
         row = dict(policy=p, budget=budget, prefill=T, seconds=round(sec, 2))
-        rows.append(row | dict(cache_mib=mib(mem), peak_mib=mib(mem + extra)))
-        mibs = " | ".join(f"{x / 2**20:.0f}" for x in (mem, extra, mem + extra))
-        print(f"| {p} | {budget:g} | {sec:.1f} | {full[0] / sec:.2f}x | {mibs} | {share} |", flush=True)
+        sizes = dict(cache_mib=mib(mem), peak_mib=mib(mem + extra))
+        rows.append(row | sizes)
+        held = (mem, extra, mem + extra)
+        mibs = " | ".join(f"{x / 2**20:.0f}" for x in held)
+        timing = f"{sec:.1f} | {full[0] / sec:.2f}x"
+        print(f"| {p} | {budget:g} | {timing} | {mibs} | {share} |", flush=True)
         del cache
     return rows
 
@@ -432,103 +573,149 @@ def speed_prefill(net, scorers, opts, dt, b, policies):
 def speed_train(net, scorers, opts, dt, b, policies):
     """One training step of the first learned policy at budget b, through train.py's own loss, timed part by part."""
     import train as trainer
-    kind = next((p for p in policies if p in kvpop.SCORERS), "kvpop-window")
+
+    learned = (p for p in policies if p in kvpop.SCORERS)
+    kind = next(learned, "kvpop-window")
     T, dev = opts.train, opts.device
+    sinks, window = opts.sinks, opts.window
     seen, rs = [], []
     scorer = scorers[kind].train()
-    pool = kvpop.budget_size(b, T, opts.sinks, opts.window, scorer.charge(dt))[1]
+    pool = kvpop.budget_size(b, T, sinks, window, scorer.charge(dt))[1]
     idx = torch.randint(0, net.config.vocab_size, (1, T), device=dev)
 
-    def attn(i, q, k, v, pos):  # the frozen forward, keeping what the targets are made of
+    # the frozen forward, keeping what the targets are made of
+    def attn(i, q, k, v, pos):
         y, lse = kernels.attention(q, k, v)
         seen.append((q, k, v, lse))
         return y
 
     # the frozen forward with its logits: the default target (helpful) weighs each query by P(next token)
-    parts = {"frozen forward": clock(lambda: seen.append(net(idx, attn=attn)), dev)}
-    lw, seen = kvpop.next_logp(seen[-1], idx), seen[:-1]
+    forward = lambda: seen.append(net(idx, attn=attn))
+    parts = {"frozen forward": clock(forward, dev)}
+    lw = kvpop.next_logp(seen[-1], idx)
+    seen = seen[:-1]
+
     # every layer's future-attention target r*
-    future = lambda: rs.extend(
-        kernels.future_attention(q, k, lse - lw, opts.window, reduce="max") for q, k, _, lse in seen
-    )
+    def future():
+        for q, k, _, lse in seen:
+            r = kernels.future_attention(q, k, lse - lw, window, reduce="max")
+            rs.append(r)
+
     parts["future-attention targets"] = clock(future, dev)
     # the teacher's eviction times, as kvpop.boundary_loss makes them
     pos = torch.arange(T, device=dev)
     teacher = lambda i, r: r + scorer.recency(i, pos).detach()
-    evict = lambda: [kernels.eviction_times(teacher(i, r), opts.sinks, opts.window, pool) for i, r in enumerate(rs)]
+    evict_at = lambda pri: kernels.eviction_times(pri, sinks, window, pool)
+    evict = lambda: [evict_at(teacher(i, r)) for i, r in enumerate(rs)]
     parts["eviction times"] = clock(evict, dev)
-    q = torch.arange(opts.sinks + opts.window + pool, T)  # the queries where the pool is over-full
+    # the queries where the pool is over-full
+    q = torch.arange(sinks + window + pool, T)
     kv = [(k, v) for _, k, v, _ in seen]
     # fwd + bwd, less the eviction times kvpop.boundary_loss makes again
-    budgets = [kvpop.Budget(opts.sinks, opts.window, pool)]
-    loss = clock(lambda: trainer.scorer_loss(scorer, kv, rs, [q], budgets), dev)
+    budgets = [kvpop.Budget(sinks, window, pool)]
+    step = lambda: trainer.scorer_loss(scorer, kv, rs, [q], budgets)
+    loss = clock(step, dev)
     parts["scorer forward + backward"] = loss - parts["eviction times"]
     total = sum(parts.values())
     print(f"\n{kind} scorer training step, 1 x {T} tokens, budget {b:g}\n")
     print(table("part,seconds,share"))
     for k, v in parts.items():
         print(f"| {k} | {v:.2f} | {v / total:.0%} |")
-    return [dict(train=T, kind=kind, part=k, seconds=round(v, 3)) for k, v in parts.items()]
+    row = lambda k, v: dict(train=T, kind=kind, part=k, seconds=round(v, 3))
+    return [row(k, v) for k, v in parts.items()]
 
 
 def cmd_speed(argv):
     """Decoding: tokens/s, KV memory, bandwidth and scorer share per policy and budget; prefill; a training step."""
     opts, need = settings("speed", argv)
     opts.window = opts.window if "window" in opts.given else 256
-    for name, least in dict(layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1).items():
-        need(getattr(opts, name) >= least, f"--{name} {getattr(opts, name)}: use {least} or more")
-    need(opts.shape in SHAPES, f"--shape {opts.shape!r}: choose from {', '.join(SHAPES)}")
+    lowest = dict(layers=0, steps=1, prefill=0, train=0, sinks=0, window=1, d_mem=1)
+    for name, least in lowest.items():
+        value = getattr(opts, name)
+        need(value >= least, f"--{name} {value}: use {least} or more")
+    shapes = ", ".join(SHAPES)
+    need(opts.shape in SHAPES, f"--shape {opts.shape!r}: choose from {shapes}")
     flags.check_dtype(opts.dtype, ("float32", "bfloat16"), "bench.py speed")
     dev = opts.device
-    dt = getattr(torch, flags.auto_dtype(opts.dtype, dev) or "bfloat16")  # auto on a GPU: bf16
-    policies = [p for p in (opts.policies or ",".join(["streaming", *kvpop.SCORERS])).split(",") if p]
-    online = (*kvpop.STATIC, *kvpop.DYNAMIC, *kvpop.SCORERS)  # all but full and the oracle
-    ok = all(x.isdecimal() and int(x) >= 1 for x in opts.contexts.split(",") if opts.contexts)
-    need(ok, f"--contexts {opts.contexts!r}: use comma-separated lengths >= 1, e.g. 8192,32768")
+    # auto on a GPU: bf16
+    dt = getattr(torch, flags.auto_dtype(opts.dtype, dev) or "bfloat16")
+    every = ",".join(["streaming", *kvpop.SCORERS])
+    policies = [p for p in (opts.policies or every).split(",") if p]
+    # all but full and the oracle
+    online = (*kvpop.STATIC, *kvpop.DYNAMIC, *kvpop.SCORERS)
+    listed = opts.contexts.split(",") if opts.contexts else []
+    ok = all(x.isdecimal() and int(x) >= 1 for x in listed)
+    example = "use comma-separated lengths >= 1, e.g. 8192,32768"
+    need(ok, f"--contexts {opts.contexts!r}: {example}")
     bad = next((p for p in policies if p not in online), None)
     why = f"{bad!r} is not a policy that decodes online"
     need(bad is None, f"--policies: {why}; choose from {', '.join(online)}")
-    budgets = [flags.parse_value("bench.py speed", "budgets", b, float) for b in opts.budgets.split(",")]
-    contexts = [int(x) for x in opts.contexts.split(",") if opts.contexts]
-    try:  # every check first: the weights load or are drawn last
+    parse = lambda b: flags.parse_value("bench.py speed", "budgets", b, float)
+    budgets = [parse(b) for b in opts.budgets.split(",")]
+    contexts = [int(x) for x in listed]
+    # every check first: the weights load or are drawn last
+    try:
         if opts.model:
-            c = qwen3.Qwen3Config.from_json(os.path.join(checkpoint.checkpoint_dir(opts.model), "config.json"))
+            folder = checkpoint.checkpoint_dir(opts.model)
+            c = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
         else:
             L, E, intermediate, Hq, tied = SHAPES[opts.shape]
             c = qwen3.Qwen3Config(hidden_size=E, intermediate_size=intermediate)
-            c.num_attention_heads, c.tie_word_embeddings = Hq, tied
-            c.num_hidden_layers, c.max_position_embeddings = opts.layers or L, 131072
+            c.num_attention_heads = Hq
+            c.tie_word_embeddings = tied
+            c.num_hidden_layers = opts.layers or L
+            c.max_position_embeddings = 131072
         torch.manual_seed(0)
-        scorers = {k: kvpop.SCORERS[k](c, opts.window, opts.d_mem).eval().to(dev) for k in kvpop.SCORERS}
+        new = lambda k: kvpop.SCORERS[k](c, opts.window, opts.d_mem)
+        scorers = {k: new(k).eval().to(dev) for k in kvpop.SCORERS}
         scorers = {k: fast.speed_up(s) for k, s in scorers.items()}
-        prompts = [(T, budgets[0]) for T in (opts.prefill, opts.train) if T]
-        for C, b in [(C, b) for C in contexts for b in budgets] + prompts:
-            kvpop.budget_size(b, C, opts.sinks, opts.window, scorers["kvpop"].charge(dt))  # raises if no room
-        net = qwen3.Qwen3.from_pretrained(opts.model, dev, dt) if opts.model else shape_model(c, dev, dt)
+        lengths = [T for T in (opts.prefill, opts.train) if T]
+        prompts = [(T, budgets[0]) for T in lengths]
+        decoding = [(C, b) for C in contexts for b in budgets]
+        charge = scorers["kvpop"].charge(dt)
+        # raises if no room
+        for C, b in decoding + prompts:
+            kvpop.budget_size(b, C, opts.sinks, opts.window, charge)
+        if opts.model:
+            net = qwen3.Qwen3.from_pretrained(opts.model, dev, dt)
+        else:
+            net = shape_model(c, dev, dt)
     except (OSError, ValueError) as e:
         need(False, str(e))
-    net.requires_grad_(False)  # frozen: the timed passes build no graph
+    # frozen: the timed passes build no graph
+    net.requires_grad_(False)
     # the weights a step reads: the input embedding only when tied to the head (and a learned scorer's: per row)
     emb = net.model.embed_tokens.weight
-    W = sum(p.nbytes for p in net.parameters() if p is not emb or c.tie_word_embeddings)
-    where = f"{torch.get_num_threads()} threads" if dev == "cpu" else torch.cuda.get_device_name()
-    drawn = f"Qwen3-{opts.shape} shape, {c.num_hidden_layers} layers, random weights"
+    read = [p for p in net.parameters() if p is not emb or c.tie_word_embeddings]
+    W = sum(p.nbytes for p in read)
+    where = f"{torch.get_num_threads()} threads"
+    if dev != "cpu":
+        where = torch.cuda.get_device_name()
+    layers = c.num_hidden_layers
+    drawn = f"Qwen3-{opts.shape} shape, {layers} layers, random weights"
     print(f"{opts.model or drawn}; {dev} ({where}), {str(dt)[6:]}", end="; ")
-    print(f"weights read per step {W / 1e9:.2f} GB; sinks {opts.sinks}, window {opts.window}\n")
+    weights = f"weights read per step {W / 1e9:.2f} GB"
+    print(f"{weights}; sinks {opts.sinks}, window {opts.window}\n")
     rows = []
+    common = (net, scorers, opts, dt)
     if contexts:
-        rows += speed_decode(net, scorers, opts, dt, W, contexts, budgets, policies)
+        rows += speed_decode(*common, W, contexts, budgets, policies)
     if opts.prefill:
-        rows += speed_prefill(net, scorers, opts, dt, budgets[0], policies)
+        rows += speed_prefill(*common, budgets[0], policies)
     if opts.train:
-        rows += speed_train(net, scorers, opts, dt, budgets[0], policies)
+        rows += speed_train(*common, budgets[0], policies)
     if opts.json:
         checkpoint.write_json(rows, opts.json)
 
 
 if __name__ == "__main__":
-    commands = {"kernels": cmd_kernels, "quality": cmd_quality, "generate": cmd_generate, "read": cmd_read}
-    commands["speed"] = cmd_speed
+    commands = {
+        "kernels": cmd_kernels,
+        "quality": cmd_quality,
+        "generate": cmd_generate,
+        "read": cmd_read,
+        "speed": cmd_speed,
+    }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         usage = f"usage: python bench.py {{{','.join(commands)}}} [options]"
         raise SystemExit(f"{usage}  (-h after a command for help)")

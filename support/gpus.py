@@ -25,9 +25,11 @@ except ImportError:  # the torch paths need no triton
     triton = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-INTERPRET_AS = (90, 227 * 1024)  # the interpreter runs CPU tensors as this GPU would (an H100; the tests set others)
+# the interpreter runs CPU tensors as this GPU would (an H100; the tests set others)
+INTERPRET_AS = (90, 227 * 1024)
 
-_jit = triton.jit if triton is not None else lambda fn: fn  # the kernels below, defined without triton too
+# the kernels below, defined without triton too
+_jit = triton.jit if triton is not None else lambda fn: fn
 
 
 def runs(x):  # does a tensor take the Triton kernels?
@@ -38,14 +40,18 @@ def runs(x):  # does a tensor take the Triton kernels?
 def launch_config(capability, shared_limit, dtype, head_dim):
     """The attention and future-attention kernels' launch on a GPU of this compute capability (e.g. 89) whose blocks
     may use shared_limit bytes: tiles BLOCK_M x BLOCK_N, BLOCK_D, num_stages, num_warps. What cannot run is refused."""
-    gpu = f"sm_{capability} ({shared_limit // 1024} KiB of shared memory a block)"
+    kib = shared_limit // 1024
+    gpu = f"sm_{capability} ({kib} KiB of shared memory a block)"
     if capability < 75:
-        raise ValueError(f"{gpu}: the Triton kernels need compute capability 7.5 or newer; run on the CPU")
+        why = "the Triton kernels need compute capability 7.5 or newer"
+        raise ValueError(f"{gpu}: {why}; run on the CPU")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"the Triton kernels take float32, bfloat16 or float16, got {dtype}; cast q, k and v")
+        takes = "the Triton kernels take float32, bfloat16 or float16"
+        raise ValueError(f"{takes}, got {dtype}; cast q, k and v")
     BLOCK_D = max(16, triton.next_power_of_2(head_dim))
     if BLOCK_D > 256:
-        raise ValueError(f"the Triton kernels support head_dim <= 256, got {head_dim}; run on the CPU")
+        supports = "the Triton kernels support head_dim <= 256"
+        raise ValueError(f"{supports}, got {head_dim}; run on the CPU")
     # The largest tile that fits, pipelined over 2 stages where there is room. sm_75 has no asynchronous copies to
     # pipeline and multiplies fp32 on its CUDA cores, where 64 x 64 tiles spill registers.
     tiles = (64, 32, 16) if capability >= 80 else (32, 16)
@@ -55,21 +61,28 @@ def launch_config(capability, shared_limit, dtype, head_dim):
     # sm_75 to sm_120: bench.py kernels --targets checks it against the compiler)
     for tile in tiles:
         for stages in stage_counts:
-            if (4 + 8 * stages) * tile * BLOCK_D + 1024 <= shared_limit:
-                warps = 8 if tile * BLOCK_D >= 64 * 128 else 4  # with 4, its accumulators would spill registers
-                return dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_D=BLOCK_D, num_stages=stages, num_warps=warps)
-    raise ValueError(f"{gpu} has no room for 16 x 16 tiles at head_dim {head_dim}; run on the CPU")
+            shared = (4 + 8 * stages) * tile * BLOCK_D + 1024
+            if shared <= shared_limit:
+                # with 4, its accumulators would spill registers
+                warps = 8 if tile * BLOCK_D >= 64 * 128 else 4
+                blocks = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_D=BLOCK_D)
+                return dict(blocks, num_stages=stages, num_warps=warps)
+    no_room = f"no room for 16 x 16 tiles at head_dim {head_dim}"
+    raise ValueError(f"{gpu} has {no_room}; run on the CPU")
 
 
 # a GPU's compute capability (e.g. 89) and the shared memory a block may use, read once
 @functools.cache
 def _gpu(index):
     props = torch.cuda.get_device_properties(index)
-    return props.major * 10 + props.minor, props.shared_memory_per_block_optin
+    capability = props.major * 10 + props.minor
+    return capability, props.shared_memory_per_block_optin
 
 
 def _config(x, head_dim):
-    capability, limit = _gpu(x.device.index or 0) if x.is_cuda else INTERPRET_AS
+    capability, limit = INTERPRET_AS
+    if x.is_cuda:
+        capability, limit = _gpu(x.device.index or 0)
     return launch_config(capability, limit, x.dtype, head_dim)
 
 
@@ -77,16 +90,20 @@ def _config(x, head_dim):
 @_jit
 def _attention_kernel(
     Q, K, V, E, Out, LSE, T, D, group, sinks, scale,
-    HAS_E: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr,
+    HAS_E: constexpr, BLOCK_M: constexpr,
+    BLOCK_N: constexpr, BLOCK_D: constexpr,
 ):  # fmt: skip
     # query block; b * Hq + query head, in int64 because offsets like query_head * T * D pass 2**31 at long T
     i0 = lang.program_id(0) * BLOCK_M
     query_head = lang.program_id(1).to(lang.int64)
-    kv_head = query_head // group  # = b * Hkv + KV head, since query heads h*G .. h*G+G-1 read KV head h
+    # = b * Hkv + KV head, since query heads h*G .. h*G+G-1 read KV head h
+    kv_head = query_head // group
     i = i0 + lang.arange(0, BLOCK_M)
     dims = lang.arange(0, BLOCK_D)
-    dims_in = dims[None, :] < D  # BLOCK_D pads D to a power of two
-    q_offsets = query_head * T * D + i[:, None] * D + dims[None, :]  # (BLOCK_M, BLOCK_D)
+    # BLOCK_D pads D to a power of two
+    dims_in = dims[None, :] < D
+    # (BLOCK_M, BLOCK_D)
+    q_offsets = query_head * T * D + i[:, None] * D + dims[None, :]
     q_mask = (i[:, None] < T) & dims_in
     q = lang.load(Q + q_offsets, mask=q_mask, other=0.0).to(lang.float32)
     m = lang.full([BLOCK_M], -1e30, lang.float32)
@@ -94,15 +111,18 @@ def _attention_kernel(
     acc = lang.zeros([BLOCK_M, BLOCK_D], lang.float32)
     for j0 in range(0, lang.minimum(i0 + BLOCK_M, T), BLOCK_N):
         j = j0 + lang.arange(0, BLOCK_N)
-        kv_offsets = kv_head * T * D + j[:, None] * D + dims[None, :]  # (BLOCK_N, BLOCK_D)
+        # (BLOCK_N, BLOCK_D)
+        kv_offsets = kv_head * T * D + j[:, None] * D + dims[None, :]
         kv_mask = (j[:, None] < T) & dims_in
         k = lang.load(K + kv_offsets, mask=kv_mask, other=0.0).to(lang.float32)
         v = lang.load(V + kv_offsets, mask=kv_mask, other=0.0).to(lang.float32)
-        scores = lang.dot(q, lang.trans(k)) * scale  # (BLOCK_M, BLOCK_N)
+        # (BLOCK_M, BLOCK_N)
+        scores = lang.dot(q, lang.trans(k)) * scale
         visible = (j[None, :] <= i[:, None]) & (j[None, :] < T)
         if HAS_E:
             e = lang.load(E + kv_head * T + j, mask=j < T, other=0)
-            kept = (j[None, :] < sinks) | (i[:, None] < e[None, :])  # a sink, or not yet evicted
+            # a sink, or not yet evicted
+            kept = (j[None, :] < sinks) | (i[:, None] < e[None, :])
             visible = visible & kept
         scores = lang.where(visible, scores, float("-inf"))
         m_new = lang.maximum(m, lang.max(scores, 1))
@@ -111,7 +131,8 @@ def _attention_kernel(
         row_sum = row_sum * rescale + lang.sum(p, 1)
         acc = acc * rescale[:, None] + lang.dot(p, v)
         m = m_new
-    seen = row_sum > 0  # a row that sees nothing gets out 0 and lse -inf
+    # a row that sees nothing gets out 0 and lse -inf
+    seen = row_sum > 0
     row_sum = lang.where(seen, row_sum, 1.0)
     out = (acc / row_sum[:, None]).to(Out.dtype.element_ty)
     lang.store(Out + q_offsets, out, mask=q_mask)
@@ -119,16 +140,21 @@ def _attention_kernel(
     lang.store(LSE + query_head * T + i, lse, mask=i < T)
 
 
-def attention(q, k, v, evict_at, sinks, scale):  # kernels.attention on a GPU
+# kernels.attention on a GPU
+def attention(q, k, v, evict_at, sinks, scale):
     (B, heads, T, D), kv_heads = q.shape, k.shape[1]
-    config = _config(q, D)  # refuses, before anything runs, a GPU without room for the tiles
+    # refuses, before anything runs, a GPU without room for the tiles
+    config = _config(q, D)
     q, k, v = (x.contiguous() for x in (q, k, v))
     out = torch.empty_like(q)
     lse = torch.empty(B, heads, T, device=q.device)
-    e = evict_at.contiguous() if evict_at is not None else q  # q stands in for the unused pointer
+    # q stands in for the unused pointer
+    e = evict_at.contiguous() if evict_at is not None else q
     grid = (triton.cdiv(T, config["BLOCK_M"]), B * heads)
-    args = (q, k, v, e, out, lse, T, D, heads // kv_heads, sinks, scale)
-    _attention_kernel[grid](*args, HAS_E=evict_at is not None, **config)
+    group = heads // kv_heads
+    args = (q, k, v, e, out, lse, T, D, group, sinks, scale)
+    has_e = evict_at is not None
+    _attention_kernel[grid](*args, HAS_E=has_e, **config)
     return out, lse
 
 
@@ -146,12 +172,17 @@ def flex_attention(q, k, v, evict_at, sinks, scale):
     def visible(b, h, i, t):
         if evict_at is None:
             return t <= i
-        return (t <= i) & ((t < sinks) | (i < evict_at[b, h // group, t]))
+        kept = (t < sinks) | (i < evict_at[b, h // group, t])
+        return (t <= i) & kept
 
-    mask = flex_module.create_block_mask(visible, B, heads, T, T, device=q.device)
-    flex = _compile_once(flex_module.flex_attention) if q.is_cuda else flex_module.flex_attention
+    shape = (B, heads, T, T)
+    mask = flex_module.create_block_mask(visible, *shape, device=q.device)
+    flex = flex_module.flex_attention
+    if q.is_cuda:
+        flex = _compile_once(flex)
     lse_request = flex_module.AuxRequest(lse=True)
-    out, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=group > 1, return_aux=lse_request)
+    options = dict(scale=scale, enable_gqa=group > 1, return_aux=lse_request)
+    out, aux = flex(q, k, v, block_mask=mask, **options)
     return out, aux.lse.float()
 
 
@@ -159,18 +190,25 @@ def flex_attention(q, k, v, evict_at, sinks, scale):
 @_jit
 def _future_kernel(
     Q, K, LSE, R, T, D, group, window, eps, scale,
-    MAX: constexpr, BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr,
+    MAX: constexpr, BLOCK_M: constexpr,
+    BLOCK_N: constexpr, BLOCK_D: constexpr,
 ):  # fmt: skip
-    t0 = lang.program_id(0) * BLOCK_M  # key block
-    kv_head = lang.program_id(1).to(lang.int64)  # b * Hkv + KV head
+    # key block
+    t0 = lang.program_id(0) * BLOCK_M
+    # b * Hkv + KV head
+    kv_head = lang.program_id(1).to(lang.int64)
     t = t0 + lang.arange(0, BLOCK_M)
     dims = lang.arange(0, BLOCK_D)
-    dims_in = dims[None, :] < D  # BLOCK_D pads D to a power of two
-    k_offsets = kv_head * T * D + t[:, None] * D + dims[None, :]  # (BLOCK_M, BLOCK_D)
+    # BLOCK_D pads D to a power of two
+    dims_in = dims[None, :] < D
+    # (BLOCK_M, BLOCK_D)
+    k_offsets = kv_head * T * D + t[:, None] * D + dims[None, :]
     k_mask = (t[:, None] < T) & dims_in
     k = lang.load(K + k_offsets, mask=k_mask, other=0.0).to(lang.float32) * scale
-    n = (T - window - t).to(lang.float32)  # N_t: how many queries see key t only outside the window
-    has_future = n > 0  # the last `window` keys have none (and an empty sum, row_sum = 0)
+    # N_t: how many queries see key t only outside the window
+    n = (T - window - t).to(lang.float32)
+    # the last `window` keys have none (and an empty sum, row_sum = 0)
+    has_future = n > 0
     best = lang.full([BLOCK_M], float("-inf"), lang.float32)
     for g in range(0, group):
         query_head = kv_head * group + g
@@ -178,11 +216,14 @@ def _future_kernel(
         row_sum = lang.zeros([BLOCK_M], lang.float32)
         for d0 in range(t0 + window, T, BLOCK_N):
             d = d0 + lang.arange(0, BLOCK_N)
-            q_offsets = query_head * T * D + d[:, None] * D + dims[None, :]  # (BLOCK_N, BLOCK_D)
+            # (BLOCK_N, BLOCK_D)
+            q_offsets = query_head * T * D + d[:, None] * D + dims[None, :]
             q_mask = (d[:, None] < T) & dims_in
             q = lang.load(Q + q_offsets, mask=q_mask, other=0.0).to(lang.float32)
-            lse = lang.load(LSE + query_head * T + d, mask=d < T, other=0.0).to(lang.float32)
-            scores = lang.dot(k, lang.trans(q)) - lse[None, :]  # (BLOCK_M, BLOCK_N)
+            lse = lang.load(LSE + query_head * T + d, mask=d < T, other=0.0)
+            lse = lse.to(lang.float32)
+            # (BLOCK_M, BLOCK_N)
+            scores = lang.dot(k, lang.trans(q)) - lse[None, :]
             outside = (d[None, :] >= t[:, None] + window) & (d[None, :] < T)
             scores = lang.where(outside, scores, float("-inf"))
             m_new = lang.maximum(m, lang.max(scores, 1))
@@ -200,32 +241,43 @@ def _future_kernel(
     lang.store(R + kv_head * T + t, r, mask=t < T)
 
 
-def future_attention(q, k, lse, window, eps, scale, reduce):  # kernels.future_attention on a GPU
+# kernels.future_attention on a GPU
+def future_attention(q, k, lse, window, eps, scale, reduce):
     (B, heads, T, D), kv_heads = q.shape, k.shape[1]
-    config = _config(q, D)  # refuses, before anything runs, a GPU without room for the tiles
+    # refuses, before anything runs, a GPU without room for the tiles
+    config = _config(q, D)
     r = torch.empty(B, kv_heads, T, device=q.device)
     grid = (triton.cdiv(T, config["BLOCK_M"]), B * kv_heads)
-    args = (q.contiguous(), k.contiguous(), lse.contiguous(), r, T, D, heads // kv_heads, window, eps, scale)
+    inputs = (q.contiguous(), k.contiguous(), lse.contiguous())
+    group = heads // kv_heads
+    args = (*inputs, r, T, D, group, window, eps, scale)
     _future_kernel[grid](*args, MAX=reduce == "max", **config)
     return r
 
 
 # ------------------------------------------------------------------------------------------------------- eviction times
 @_jit
-def _evict_kernel(PRIORITY, E, T, sinks, window, pool, BLOCK_T: constexpr, BLOCK_U: constexpr):
+def _evict_kernel(
+    PRIORITY, E, T, sinks, window, pool,
+    BLOCK_T: constexpr, BLOCK_U: constexpr,
+):  # fmt: skip
     # Parallel form for the GPU: each token scans all positions u in order and counts those that beat it until the count
     # reaches pool. O(T^2) work but O(T) memory, and every token block runs independently.
     kv_head = lang.program_id(1).to(lang.int64)
     t = lang.program_id(0) * BLOCK_T + lang.arange(0, BLOCK_T)
-    pi_t = lang.load(PRIORITY + kv_head * T + t, mask=t < T, other=0.0)[:, None]  # (BLOCK_T, 1)
+    # (BLOCK_T, 1)
+    pi_t = lang.load(PRIORITY + kv_head * T + t, mask=t < T, other=0.0)[:, None]
     count = lang.zeros([BLOCK_T], lang.int32)
-    u_pool = lang.full([BLOCK_T], T, lang.int32)  # T: fewer than pool better tokens
+    # T: fewer than pool better tokens
+    u_pool = lang.full([BLOCK_T], T, lang.int32)
     for u0 in range(sinks, T, BLOCK_U):
         u = u0 + lang.arange(0, BLOCK_U)
-        pi_u = lang.load(PRIORITY + kv_head * T + u, mask=u < T, other=0.0)[None, :]  # (1, BLOCK_U)
+        # (1, BLOCK_U)
+        pi_u = lang.load(PRIORITY + kv_head * T + u, mask=u < T, other=0.0)[None, :]
         newer = u[None, :] > t[:, None]
         better = (pi_u > pi_t) | ((pi_u == pi_t) & newer)
-        better = (better & (u[None, :] < T)).to(lang.int32)  # (BLOCK_T, BLOCK_U)
+        # (BLOCK_T, BLOCK_U)
+        better = (better & (u[None, :] < T)).to(lang.int32)
         running = count[:, None] + lang.cumsum(better, 1)
         # pool = 0 stops at u = sinks <= t
         reached = lang.where(running >= pool, u[None, :], T)
@@ -241,10 +293,12 @@ def _evict_kernel(PRIORITY, E, T, sinks, window, pool, BLOCK_T: constexpr, BLOCK
 EVICT_CONFIG = dict(BLOCK_T=64, BLOCK_U=64, num_stages=3, num_warps=4)
 
 
-def eviction_times(priority, sinks, window, pool):  # kernels.eviction_times on a GPU
+# kernels.eviction_times on a GPU
+def eviction_times(priority, sinks, window, pool):
     B, H, T = priority.shape
     e = torch.empty(B, H, T, dtype=torch.int64, device=priority.device)
-    priority = priority.to(torch.float64).contiguous()  # exact for every float and for ints below 2**53
+    # exact for every float and for ints below 2**53
+    priority = priority.to(torch.float64).contiguous()
     grid = (triton.cdiv(T, EVICT_CONFIG["BLOCK_T"]), B * H)
     _evict_kernel[grid](priority, e, T, sinks, window, pool, **EVICT_CONFIG)
     return e
@@ -252,31 +306,50 @@ def eviction_times(priority, sinks, window, pool):  # kernels.eviction_times on 
 
 # ------------------------------------------------------------------------------------ the kernels compiled for GPUs
 # the shared memory a block may opt in to, KiB (CUDA C++ Programming Guide, technical specifications per capability)
-SHARED_KIB = {"sm_75": 64, "sm_80": 163, "sm_86": 99, "sm_89": 99, "sm_90": 227, "sm_120": 99}
+SHARED_KIB = {
+    "sm_75": 64,
+    "sm_80": 163,
+    "sm_86": 99,
+    "sm_89": 99,
+    "sm_90": 227,
+    "sm_120": 99,
+}
 # the kernels' arguments but the pointers to q, k, v and out (Q, K, V, Out), which have the inputs' dtype
-ARGUMENT_TYPES = {"E": "*i64", "LSE": "*fp32", "R": "*fp32", "PRIORITY": "*fp64", "scale": "fp32", "eps": "fp32"}
-ARGUMENT_TYPES |= dict.fromkeys(("T", "D", "group", "sinks", "window", "pool"), "i32")
+ARGUMENT_TYPES = {"E": "*i64", "LSE": "*fp32", "R": "*fp32", "PRIORITY": "*fp64"}
+ARGUMENT_TYPES |= {"scale": "fp32", "eps": "fp32"}
+INT_ARGUMENTS = ("T", "D", "group", "sinks", "window", "pool")
+ARGUMENT_TYPES |= dict.fromkeys(INT_ARGUMENTS, "i32")
 # the attention and future kernels as they launch: a name, the kernel, its flag
-LAUNCHES = [("attention" + "+evict" * evict, _attention_kernel, {"HAS_E": evict}) for evict in (False, True)]
-LAUNCHES += [(f"future {reduce}", _future_kernel, {"MAX": reduce == "max"}) for reduce in ("mean", "max")]
+LAUNCHES = [
+    ("attention", _attention_kernel, {"HAS_E": False}),
+    ("attention+evict", _attention_kernel, {"HAS_E": True}),
+    ("future mean", _future_kernel, {"MAX": False}),
+    ("future max", _future_kernel, {"MAX": True}),
+]
 
 
-def ptxas():  # where the triton wheel keeps its ptxas (absent: nothing compiles)
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+# where the triton wheel keeps its ptxas (absent: nothing compiles)
+def ptxas():
+    package = os.path.dirname(triton.__file__)
+    return os.path.join(package, "backends", "nvidia", "bin", "ptxas")
 
 
 def compile_for_gpu(target, kernel, dtype, config, **constexprs):
     """The kernel compiled for a GPU (target "sm_89") as it launches on dtype tensors, no GPU needed -> (shared memory
     a block asks, registers a thread, bytes spilled)."""
-    constants = constexprs | {name: value for name, value in config.items() if name.startswith("BLOCK")}
-    pointer = "*" + {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, "fp64")
-    types = {name: ARGUMENT_TYPES.get(name, pointer) for name in kernel.arg_names if name not in constants}
+    blocks = {k: v for k, v in config.items() if k.startswith("BLOCK")}
+    constants = constexprs | blocks
+    pointers = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    pointer = "*" + pointers.get(dtype, "fp64")
+    arguments = [name for name in kernel.arg_names if name not in constants]
+    types = {name: ARGUMENT_TYPES.get(name, pointer) for name in arguments}
     # pointers 16-byte aligned and D a multiple of 16, as torch's tensors and head_dims 64-256 are at launch
     aligned = [name for name in types if types[name][0] == "*" or name == "D"]
-    hints = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    index = lambda name: (kernel.arg_names.index(name),)
+    hints = {index(name): [["tt.divisibility", 16]] for name in aligned}
     source = triton.compiler.ASTSource(kernel, types, constants, hints)
     gpu = triton.backends.compiler.GPUTarget("cuda", int(target[3:]), 32)
-    options = {name: value for name, value in config.items() if name.startswith("num")}
+    options = {k: v for k, v in config.items() if k.startswith("num")}
     # compiled afresh (not read from triton's cache), printing ptxas -v's log: the registers and spills
     knobs = triton.knobs
     with knobs.nvidia.scope(), knobs.compilation.scope():
@@ -293,19 +366,29 @@ def compile_targets(targets):
     """Every kernel compiled for each GPU of targets (e.g. ["sm_75", "sm_89"]) in float32, bfloat16 and float16 at
     head_dim 64, 128 and 256, in the launch configuration kernels.py chooses there: a row at a time (each compile takes
     seconds), a kernel's or a refused dtype and head_dim's (kernel "all", refused: the one line)."""
+    dtypes = ("float32", "bfloat16", "float16")
+    # the tiles of a launch configuration: BLOCK_M x BLOCK_N (BLOCK_T x BLOCK_U)
+    is_tile = lambda k: k.startswith("BLOCK") and k != "BLOCK_D"
     for target in targets:
         limit = SHARED_KIB[target] * 1024
+        capability = int(target[3:])
         # eviction_times' kernel reads fp64 priorities, whatever the model's dtype and head_dim
-        launches = [("eviction_times", _evict_kernel, {}, "float64", None, EVICT_CONFIG)]
-        for dtype, head_dim in itertools.product(("float32", "bfloat16", "float16"), (64, 128, 256)):
+        evict = ("eviction_times", _evict_kernel, {}, "float64", None, EVICT_CONFIG)
+        launches = [evict]
+        for dtype, head_dim in itertools.product(dtypes, (64, 128, 256)):
             try:
-                config = launch_config(int(target[3:]), limit, getattr(torch, dtype), head_dim)
+                dt = getattr(torch, dtype)
+                config = launch_config(capability, limit, dt, head_dim)
                 launches += [(*launch, dtype, head_dim, config) for launch in LAUNCHES]
-            except ValueError as refused:  # one line, before any launch
-                yield dict(kernel="all", target=target, dtype=dtype, head_dim=head_dim, refused=str(refused))
+            except ValueError as refused:
+                # one line, before any launch
+                where = dict(target=target, dtype=dtype, head_dim=head_dim)
+                yield dict(kernel="all", **where, refused=str(refused))
         for name, fn, constexprs, dtype, head_dim, config in launches:
-            shared, registers, spills = compile_for_gpu(target, fn, dtype, config, **constexprs)
-            tiles = "x".join(str(v) for k, v in config.items() if k.startswith("BLOCK") and k != "BLOCK_D")
-            row = dict(kernel=name, target=target, dtype=dtype, head_dim=head_dim, tiles=tiles)
-            row.update(stages=config["num_stages"], warps=config["num_warps"], shared=shared, limit=limit)
+            compiled = compile_for_gpu(target, fn, dtype, config, **constexprs)
+            shared, registers, spills = compiled
+            tiles = "x".join(str(v) for k, v in config.items() if is_tile(k))
+            row = dict(kernel=name, target=target, dtype=dtype, head_dim=head_dim)
+            row.update(tiles=tiles, stages=config["num_stages"])
+            row.update(warps=config["num_warps"], shared=shared, limit=limit)
             yield dict(row, registers=registers, spills=spills, ok=shared <= limit)

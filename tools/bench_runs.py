@@ -20,12 +20,16 @@ def retained(hits, counts, full_hits, full_counts, seed=0, draws=1000):
     ratio, its 95% interval): the 2.5th and 97.5th percentiles of the ratio over `draws` resamples of the prompts with
     replacement, a resample drawing the same prompts for both (paired), seeded."""
     gen = torch.Generator().manual_seed(seed)
-    pick = torch.randint(len(hits), (draws, len(hits)), generator=gen)  # (draws, N)
-    acc = lambda h, n: h[pick].sum(1) / n[pick].sum(1)  # (draws,)
+    # (draws, N)
+    pick = torch.randint(len(hits), (draws, len(hits)), generator=gen)
+    # each resample's accuracy (draws,)
+    acc = lambda h, n: h[pick].sum(1) / n[pick].sum(1)
     mine = acc(hits.double(), counts.double())
     ratio = mine / acc(full_hits.double(), full_counts.double())
-    low, high = torch.nanquantile(ratio, ratio.new_tensor([0.025, 0.975])).tolist()
-    point = hits.sum() / counts.sum() / (full_hits.sum() / full_counts.sum())
+    ends = ratio.new_tensor([0.025, 0.975])
+    low, high = torch.nanquantile(ratio, ends).tolist()
+    full = full_hits.sum() / full_counts.sum()
+    point = hits.sum() / counts.sum() / full
     return point.item(), low, high
 
 
@@ -33,7 +37,8 @@ def retained(hits, counts, full_hits, full_counts, seed=0, draws=1000):
 def longest_run(words):
     runs = [1]
     for j in range(1, len(words)):
-        runs.append(runs[-1] + 1 if words[j] == words[j - 1] else 1)
+        same = words[j] == words[j - 1]
+        runs.append(runs[-1] + 1 if same else 1)
     return max(runs)
 
 
@@ -44,7 +49,8 @@ def scoreboard(words, start, far):
     hits = [hit for hit, _ in marks]
     far_hits = [hit for hit, d in marks if d >= far]
     text = words[start:]
-    return sum(hits), len(hits), sum(far_hits), len(far_hits), longest_run(text), len(set(text))
+    answers = (sum(hits), len(hits), sum(far_hits), len(far_hits))
+    return *answers, longest_run(text), len(set(text))
 
 
 @torch.no_grad()
@@ -52,13 +58,15 @@ def continue_prompts(model, prompt, policy, budget, sinks, window, tokens, tempe
     """Every prompt (N, P) continued for `tokens` tokens, the rows of one batch through an evicting cache, sampled as
     sample.py samples (seeded, at temperature, no top-k, no nucleus, no stop) -> (N, tokens) ids."""
     total = prompt.shape[1] + tokens
-    charge = kvpop.state_charge(policy, next(model.parameters()).dtype)
+    dtype = next(model.parameters()).dtype
+    charge = kvpop.state_charge(policy, dtype)
     size = kvpop.budget_size(budget, total, sinks, window, charge)[0]
     slots = kvpop.entries(size, charge, total)
     cache = KVCache(model, len(prompt), slots, policy, sinks, window)
     torch.manual_seed(seed)
     steps = generate(model, prompt, tokens, temperature, cache=cache)
-    return torch.stack(list(steps), 1)  # (N, tokens)
+    # (N, tokens)
+    return torch.stack(list(steps), 1)
 
 
 def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperature, seed):
@@ -67,35 +75,48 @@ def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperat
     paired bootstrap interval, the longest run of one word, distinct words a sample), samples {(target, policy,
     budget): (prompt, ids)}: two scorers of one kind, trained for two targets, keep a row each."""
     rows, samples = [], {}
-    word = {i: w for w, i in task_ids(tok)[0].items()}  # token id -> task word
+    # token id -> task word
+    word = {i: w for w, i in task_ids(tok)[0].items()}
+    words = lambda ids: [word.get(i) for i in ids]
+    P = prompt.shape[1]
+    sampling = (sinks, window, tokens, temperature, seed)
+    # fractions to 4 decimals
+    fraction = lambda v: isinstance(v, float | torch.Tensor)
+    rounded = lambda v: round(float(v), 4) if fraction(v) else v
     for target, p, b in runs:
-        out = continue_prompts(model, prompt, p, b, sinks, window, tokens, temperature, seed)
+        out = continue_prompts(model, prompt, p, b, *sampling)
         name = p if isinstance(p, str) else p.kind
         samples[target, name, b] = prompt, out
         # each prompt's scoreboard
         seqs = torch.cat([prompt, out], 1).tolist()
-        board = [scoreboard([word.get(i) for i in x], prompt.shape[1], far) for x in seqs]
-        board = torch.tensor(board, dtype=torch.float64)  # (N, 6)
+        board = [scoreboard(words(x), P, far) for x in seqs]
+        # (N, 6)
+        board = torch.tensor(board, dtype=torch.float64)
         hits, n, far_hits, far_n, run, distinct = board.unbind(1)
         full = (hits, n) if p == "full" else full
         ratio, low, high = retained(hits, n, *full, seed)
-        row = dict(target=target, policy=name, budget=b, answers=int(n.sum()), accuracy=hits.sum() / n.sum())
-        row.update(far_answers=int(far_n.sum()), far_accuracy=far_hits.sum() / far_n.sum())
+        row = dict(target=target, policy=name, budget=b)
+        row.update(answers=int(n.sum()), accuracy=hits.sum() / n.sum())
+        far_accuracy = far_hits.sum() / far_n.sum()
+        row.update(far_answers=int(far_n.sum()), far_accuracy=far_accuracy)
         row.update(retained=ratio, retained_low=low, retained_high=high)
         row.update(longest_run=int(run.max()), distinct=distinct.mean())
-        # fractions to 4 decimals
-        rounded = lambda v: round(float(v), 4) if isinstance(v, float | torch.Tensor) else v
         rows.append({k: rounded(v) for k, v in row.items()})
     return rows, samples
 
 
-def generate_table(rows):  # a markdown table of bench.py generate's rows
-    columns = "task target policy budget answers accuracy far_accuracy_(answers) retained_[95%] longest_run distinct"
-    lines = ["| " + " | ".join(columns.split()).replace("_", " ") + " |", "|---" * 10 + "|"]
+# a markdown table of bench.py generate's rows
+def generate_table(rows):
+    columns = "task target policy budget answers accuracy far_accuracy_(answers)"
+    columns += " retained_[95%] longest_run distinct"
+    header = "| " + " | ".join(columns.split()).replace("_", " ") + " |"
+    lines = [header, "|---" * 10 + "|"]
     for r in rows:
-        cells = [r["task"], r["target"], r["policy"], f"{r['budget']:g}", r["answers"], f"{r['accuracy']:.1%}"]
+        cells = [r["task"], r["target"], r["policy"], f"{r['budget']:g}"]
+        cells += [r["answers"], f"{r['accuracy']:.1%}"]
         cells += [f"{r['far_accuracy']:.1%} ({r['far_answers']})"]
-        cells += [f"{r['retained']:.3f} [{r['retained_low']:.3f}, {r['retained_high']:.3f}]"]
+        interval = f"[{r['retained_low']:.3f}, {r['retained_high']:.3f}]"
+        cells += [f"{r['retained']:.3f} {interval}"]
         cells += [r["longest_run"], f"{r['distinct']:.1f}"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
@@ -112,13 +133,17 @@ def scorer_folders(scorer, model, task, target, window):
     if scorer != "shipped":
         named = [d for d in scorer.split(",") if d]
         return [d for d in named if trained_target(d) == target]
-    folders = [f"{model}/scorers/{task}-{target}/{k}" for k in kvpop.SCORERS]
-    folders = [d for d in folders if os.path.isfile(os.path.join(d, "scorer.json"))]
-    fits = lambda s: s["window"] == window or not kvpop.SCORERS[s["kind"]].delayed
-    return [d for d in folders if fits(checkpoint.read_json(os.path.join(d, "scorer.json")))]
+    shipped = f"{model}/scorers/{task}-{target}"
+    folders = [f"{shipped}/{k}" for k in kvpop.SCORERS]
+    saved = lambda d: os.path.join(d, "scorer.json")
+    folders = [d for d in folders if os.path.isfile(saved(d))]
+    delayed = lambda s: kvpop.SCORERS[s["kind"]].delayed
+    fits = lambda s: s["window"] == window or not delayed(s)
+    return [d for d in folders if fits(checkpoint.read_json(saved(d)))]
 
 
-def trained_target(folder):  # the target a scorer folder was trained for (a folder that is none: load says so)
+# the target a scorer folder was trained for (a folder that is none: load says so)
+def trained_target(folder):
     path = os.path.join(folder, "scorer.json")
     saved = checkpoint.read_json(path) if os.path.isfile(path) else {}
     return saved.get("trained", {}).get("target", kvpop.TARGETS[0])
@@ -127,13 +152,17 @@ def trained_target(folder):  # the target a scorer folder was trained for (a fol
 def baby_setup(opts, need, policies, spare=0):
     """bench.py quality, generate: names and numbers checked (a budget of T - spare tokens), then the model -> net, tok,
     budgets, tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}, code's held-out files."""
-    task_names, targets = opts.task.split(","), opts.target.split(",")
+    task_names = opts.task.split(",")
+    targets = opts.target.split(",")
     # code: its own model (codebaby/) and length, so alone
     code = task_names == ["code"]
-    need(code or "code" not in task_names, f"--task {opts.task}: code runs alone (its own model, codebaby/)")
+    why = "code runs alone (its own model, codebaby/)"
+    need(code or "code" not in task_names, f"--task {opts.task}: {why}")
     opts.model = opts.model or ("codebaby" if code else "baby")
-    opts.window = opts.window if "window" in opts.given or not code else corpus.CODE_WINDOW
-    opts.T = opts.T if "T" in opts.given or not code else corpus.CODE_LENGTH
+    if code and "window" not in opts.given:
+        opts.window = corpus.CODE_WINDOW
+    if code and "T" not in opts.given:
+        opts.T = corpus.CODE_LENGTH
     # every name known, or exit naming the first that is not
     for flag, what, names, known in [
         ("policies", "policy", policies, kvpop.POLICIES),
@@ -141,40 +170,58 @@ def baby_setup(opts, need, policies, spare=0):
         ("target", "target", targets, kvpop.TARGETS),
     ]:
         bad = [x for x in names if x not in known]
-        need(not bad, f"--{flag}: unknown {what} {(bad or [''])[0]!r}; choose from {','.join(known)}")
-    for name, least in dict(T=64, sinks=0, window=1, threads=1).items():
-        need(getattr(opts, name) >= least, f"--{name} {getattr(opts, name)}: use {least} or more")
+        unknown = f"unknown {what} {(bad or [''])[0]!r}"
+        need(not bad, f"--{flag}: {unknown}; choose from {','.join(known)}")
+    lowest = dict(T=64, sinks=0, window=1, threads=1)
+    for name, least in lowest.items():
+        value = getattr(opts, name)
+        need(value >= least, f"--{name} {value}: use {least} or more")
     need(0 <= opts.p_cue < 1, f"--p_cue {opts.p_cue}: use a rate in [0, 1)")
-    budgets = [flags.parse_value(opts.prog, "budgets", b, float) for b in opts.budgets.split(",")]
+    parse = lambda b: flags.parse_value(opts.prog, "budgets", b, float)
+    budgets = [parse(b) for b in opts.budgets.split(",")]
     try:
         folder = checkpoint.checkpoint_dir(opts.model)
         config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
         pairs = [(t, r) for t in task_names for r in targets]
-        folders = {(t, r): scorer_folders(opts.scorer, opts.model, t, r, opts.window) for t, r in pairs}
+        find = lambda t, r: scorer_folders(opts.scorer, opts.model, t, r, opts.window)
+        folders = {(t, r): find(t, r) for t, r in pairs}
         # a named scorer runs once, under its own target: that target must be asked for
-        named = [d for d in opts.scorer.split(",") if d] if opts.scorer != "shipped" else []
+        named = []
+        if opts.scorer != "shipped":
+            named = [d for d in opts.scorer.split(",") if d]
         for d in named:
-            kvpop.load_scorer(d)  # a folder that is no scorer: its own line
+            # a folder that is no scorer: its own line
+            kvpop.load_scorer(d)
             trained = trained_target(d)
-            need(trained in targets, f"--scorer {d} was trained for target {trained}: add it to --target")
+            why = f"was trained for target {trained}: add it to --target"
+            need(trained in targets, f"--scorer {d} {why}")
         scorers = {d: kvpop.load_scorer(d) for ds in folders.values() for d in ds}
         # their fast forms, unless --plain: kvpop.py's definitions
-        scorers = {d: s if opts.plain else fast.speed_up(s) for d, s in scorers.items()}
+        if not opts.plain:
+            scorers = {d: fast.speed_up(s) for d, s in scorers.items()}
         # a scorer for another model or window, or a budget that leaves no room, raises
         for s in scorers.values():
             s.check(config, opts.window)
+        length = opts.T - spare
         for s in [None, *scorers.values()]:
+            charge = kvpop.state_charge(s, torch.float32)
             for b in budgets:
-                kvpop.budget_size(b, opts.T - spare, opts.sinks, opts.window, kvpop.state_charge(s, torch.float32))
+                kvpop.budget_size(b, length, opts.sinks, opts.window, charge)
         # code: a budget must leave a file's last positions to measure
         for b in budgets if code else ():
             kept = kvpop.budget_size(b, opts.T, opts.sinks, opts.window)[0]
-            why = f"keeps all {opts.T} tokens of a file: nothing is evicted, use less"
+            kept_all = f"keeps all {opts.T} tokens of a file"
+            why = f"{kept_all}: nothing is evicted, use less"
             need(kept < opts.T - 1, f"--budgets {b:g} {why}")
-        most = config.max_position_embeddings  # checked before the weights load
-        need(opts.T <= most, f"--T {opts.T}: the model has {most} positions; lower --T")
+        # checked before the weights load
+        most = config.max_position_embeddings
+        why = f"the model has {most} positions; lower --T"
+        need(opts.T <= most, f"--T {opts.T}: {why}")
         tok = tokenizer.Tokenizer.from_pretrained(folder)
-        files = corpus.code_held_out(tok, opts.corpus, opts.T, opts.n) if code else None  # (files, T)
+        # code: the held-out files (files, T)
+        files = None
+        if code:
+            files = corpus.code_held_out(tok, opts.corpus, opts.T, opts.n)
         torch.set_num_threads(opts.threads)
         net = qwen3.Qwen3.from_pretrained(opts.model, dtype=torch.float32)
     except (OSError, ValueError) as e:
