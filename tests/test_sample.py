@@ -1,6 +1,7 @@
 """Sampling: qwen3.sample_next and generate against their definitions, and sample.py's runs (the budget it
 reports, its scoreboard, its threads)."""
 
+import json
 import math
 import os
 import re
@@ -267,3 +268,61 @@ def test_audit_generate_without_cache_sees_the_whole_sequence(baby):
         for _ in range(8):
             seq = torch.cat([seq, net(seq)[:, -1].float().argmax(-1, keepdim=True)], 1)
     assert torch.equal(got, seq[:, 40:]), (got, seq[:, 40:])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --plain: kvpop.py's definitions decode (kvpop.Decoder, kvpop.MemoryDecoder; the memory's recurrence), not fast.py
+
+
+@pytest.mark.parametrize("policy", ["kvpop-window", "kvpop"])
+def test_sample_plain_writes_the_same_text(policy):
+    """python sample.py --budget 0.25 with and without --plain: the same samples, marks and scoreboard, the same
+    cache lines; only the speed differs. (--plain never reaching kvpop.py's forms:
+    test_plain_runs_the_definitions_alone.)"""
+    run = lambda *extra: subprocess.run(
+        [sys.executable, "sample.py", "--budget", "0.25", "--policy", policy, "--num_samples", "2", *extra],
+        cwd=HERE, capture_output=True, text=True)
+    fast_run, plain_run = run(), run("--plain")
+    assert fast_run.returncode == 0 and plain_run.returncode == 0, plain_run.stderr[-2000:]
+    text = lambda out: [line for line in out.splitlines() if "tokens/s" not in line]
+    assert text(fast_run.stdout) == text(plain_run.stdout)
+    assert f"recall {policy} 0.25:" in plain_run.stdout
+
+
+def test_plain_runs_the_definitions_alone(monkeypatch, tmp_path):
+    """--plain never puts a scorer on fast.py's forms (sample.py and bench.py quality); without it they do."""
+    import runpy
+
+    import bench
+    import fast
+
+    def refused(scorer):
+        raise RuntimeError("fast form")
+
+    monkeypatch.setattr(fast, "speed_up", refused)
+    monkeypatch.chdir(HERE)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    argv = ["sample.py", "--budget", "0.25", "--num_samples", "1", "--max_new_tokens", "4"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--plain"])
+    runpy.run_path(os.path.join(HERE, "sample.py"), run_name="__main__")
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(RuntimeError, match="fast form"):
+        runpy.run_path(os.path.join(HERE, "sample.py"), run_name="__main__")
+    quality = ["--n", "2", "--policies", "full", "--budgets", "0.25", "--json", str(tmp_path / "q.json")]
+    bench.cmd_quality([*quality, "--plain"])
+    with pytest.raises(RuntimeError, match="fast form"):
+        bench.cmd_quality(quality)
+
+
+def test_bench_quality_plain_gives_the_same_table(tmp_path):
+    """bench.py quality with and without --plain, every shipped scorer of recall's helpful target (the chunked
+    mLSTM against its recurrence in the masked pass): the same rows."""
+    rows = []
+    for extra in ([], ["--plain"]):
+        out = tmp_path / f"q{len(extra)}.json"
+        args = ["bench.py", "quality", "--n", "8", "--policies", "full,streaming", "--json", str(out), *extra]
+        r = subprocess.run([sys.executable, *args], cwd=HERE, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows.append(json.loads(out.read_text()))
+    assert rows[0] == rows[1]
+    assert {"kvpop", "kvpop-window", "kvpop-mlp"} <= {row["policy"] for row in rows[0]}
