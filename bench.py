@@ -22,7 +22,7 @@ import tasks
 from cache import KVCache
 # registers the research kind kvpop-shifted, whose scorers ship
 from experiments import shifted  # noqa: F401
-from support import checkpoint, flags, gpus
+from support import baby_tasks, checkpoint, flags, gpus
 from support.corpus import CODE_LENGTH, code_held_out
 from tools import bench_runs
 from tools.measures import code_runs, code_table, read_on
@@ -286,7 +286,7 @@ def cmd_quality(argv):
         if not code:
             # the task's held-out sequences (idx, tgt, dist)
             held_out = (opts.n, opts.T, opts.seed, opts.p_cue)
-            seqs = tasks.held_out_batch(tok, task, *held_out)
+            seqs = baby_tasks.held_out_batch(tok, task, *held_out)
             measure, batch = tasks.quality_runs, (net, *seqs)
         cache = (budgets, opts.sinks, opts.window)
         # full and the heuristics read no target
@@ -351,7 +351,7 @@ def cmd_generate(argv):
         # held-out prompts: bench.py quality's sequences (test-<seed>),
         # their bos dropped as in baby/prompt.txt
         held_out = (opts.prompts, opts.T, opts.seed, opts.p_cue)
-        idx = tasks.held_out_batch(tok, task, *held_out)[0]
+        idx = baby_tasks.held_out_batch(tok, task, *held_out)[0]
         prompt = idx[:, 1 : opts.T - opts.tokens]  # (N, P)
         # full, each heuristic at each budget, then each target's scorers
         heuristics = [p for p in policies if p != "full"]

@@ -74,6 +74,28 @@ def plain_eviction_times(priority, sinks, window, pool):
     return e.masked_fill(u < sinks, T)
 
 
+def plain_boundary(pi, e, q, budget):
+    """At each query q (Q,), whether the teacher (priorities pi, eviction times e) keeps t_new = q -
+    window (B, H, Q), and the cutoff t_bnd: its pool-th best eligible token, or the best dropped one
+    when that is t_new."""
+    T, (sinks, window, _) = pi.shape[-1], budget
+    u = torch.arange(T, device=pi.device)
+    t_new = q - window
+    # each token's place in the order of (pi, t)
+    ranked = pi.sort(stable=True).indices
+    order = torch.empty_like(e)
+    order.scatter_(-1, ranked, u.expand_as(e))
+    # t_new still visible at q
+    t_new_heads = t_new.expand(*e.shape[:2], -1)
+    keep = e.gather(-1, t_new_heads) > q
+    eligible = (u >= sinks) & (u <= t_new[:, None])  # (Q, T)
+    kept = eligible & (e[..., None, :] > q[:, None])  # (B, H, Q, T): exactly the pool
+    order = order[..., None, :]
+    worst = torch.where(kept, order, T).argmin(-1)
+    best_dropped = torch.where(eligible & ~kept, order, -1).argmax(-1)
+    return keep, torch.where(worst == t_new, best_dropped, worst)
+
+
 # ------------------ the fast forms: one public function each, tiled torch or a Triton kernel (gpus)
 def _check_qk(q, k, v=None):
     if q.dim() != 4 or k.dim() != 4:
@@ -306,7 +328,7 @@ def _evict_torch(priority, sinks, window, pool):
 
 # ----------------------------------------------------------------------------------------- boundary
 def boundary(pi, e, q, budget):
-    """kvpop.boundary's (keep, t_bnd) (B, H, Q) by one sweep over the steps, O(B H T), no (Q, T)
+    """plain_boundary's (keep, t_bnd) (B, H, Q) by one sweep over the steps, O(B H T), no (Q, T)
     mask. From the first full step on, each step p evicts one token, ev[p] (e == p). The pool at q
     loses its worst token at the first later step p that evicts a pool token rather than the
     newcomer p - window; till then it is unchanged, so that token is its worst at q. The best

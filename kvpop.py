@@ -140,8 +140,7 @@ REDUCE = dict(helpful="max", max="max", mean="mean")
 
 
 def next_logp(logits, idx):
-    """(B, 1, T): log P(x[q + 1]) by logits (B, T, V), of the token after each position q of idx (B,
-    T); -inf last."""
+    """log P(x[q + 1]) (B, 1, T) of each position q of idx (B, T) by logits (B, T, V); -inf last."""
     logp = logits.float().log_softmax(-1)
     logp = logp[:, :-1]
     following = idx[:, 1:, None]
@@ -166,10 +165,8 @@ def dense_targets(model, idx, window, target=TARGETS[0], received=False):
     # helpful: lse - log P[q]; a read before a wrong prediction counts little
     weight = next_logp(logits, idx) if target == "helpful" else 0.0
     reduce = REDUCE[target]
-    targets = []
-    for q, k, _, lse in seen:
-        r = kernels.future_attention(q, k, lse - weight, window, reduce=reduce)
-        targets.append(r)
+    future = lambda q, k, lse: kernels.future_attention(q, k, lse - weight, window, reduce=reduce)
+    targets = [future(q, k, lse) for q, k, _, lse in seen]
     if received:
         return [(k, v, kernels.window_received(q, k, window)) for q, k, v, _ in seen], targets
     return [(k, v) for _, k, v, _ in seen], targets
@@ -515,9 +512,8 @@ class MemoryScorer(Scorer):
 
 
 class MemoryDecoder(Decoder):
-    """kvpop's decoding by its definition: as token p comes, each layer's memory takes token p - 1
-    (now cached), then t = p - w reads it: the recurrence a step. The memory [C; n] and s are
-    charged to the budget."""
+    """kvpop's decoding by its definition, the recurrence a step: as token p comes, each layer's
+    memory takes token p - 1 (now cached), then t = p - w reads it. Its C, n, s: charged state."""
 
     def __init__(self, scorer, cache):
         super().__init__(scorer, cache)
@@ -539,9 +535,8 @@ class MemoryDecoder(Decoder):
         return r + self.scorer.recency(layer, pos.to(r.dtype))
 
     def leaving(self, p):
-        """Every layer's memory takes token p - 1 (unless the prompt gave it), written under the
-        features of the tokens before it that its kind reads (p - 2 .. p - 1); then t = p - w reads
-        it (t < 0: dropped)."""
+        """Each layer's memory takes token p - 1 (unless the prompt gave it; its key of p - 2 .. p - 1
+        as its kind writes), then t = p - w reads it (t < 0: dropped)."""
         scorer, t = self.scorer, p - self.cache.window
         written = torch.arange(max(int(p) - 2, 0), int(p), device=p.device)
         k, v = self.cache.recent_kv(written)  # (L, B, H, 2, D)
@@ -554,10 +549,9 @@ class MemoryDecoder(Decoder):
                 gates = [g[..., -1] for g in scorer.gates(layer, x)]
                 state = (self.memories[layer], key[..., -1, :], value[..., -1, :], *gates)
                 self.memories[layer] = scorer.remember(*state)
-            state = self.memories[layer]
             x_t = scorer.features(k_t[layer], v_t[layer])
             u = scorer.project(layer, x_t)[2]
-            z = scorer.recall(state, u)
+            z = scorer.recall(self.memories[layer], u)
             r = scorer.readout(layer, x_t, z)
             scores.append(r + scorer.recency(layer, t.to(r.dtype)))
         return torch.stack(scores)
@@ -568,28 +562,8 @@ SCORERS = {"kvpop-window": WindowScorer, "kvpop": MemoryScorer, "kvpop-mlp": MLP
 
 
 # ------------------------------------------------ the boundary loss (README, Method: boundary loss)
-def boundary(pi, e, q, budget):
-    """At each query q (Q,), whether the teacher (priorities pi, eviction times e) keeps t_new = q -
-    window (B, H, Q), and the cutoff t_bnd: its pool-th best eligible token, or the best dropped one
-    when that is t_new."""
-    T, (sinks, window, _) = pi.shape[-1], budget
-    u = torch.arange(T, device=pi.device)
-    t_new = q - window
-    # each token's place in the order of (pi, t)
-    ranked = pi.sort(stable=True).indices
-    order = torch.empty_like(e)
-    order.scatter_(-1, ranked, u.expand_as(e))
-    # t_new still visible at q
-    t_new_heads = t_new.expand(*e.shape[:2], -1)
-    keep = e.gather(-1, t_new_heads) > q
-    eligible = (u >= sinks) & (u <= t_new[:, None])  # (Q, T)
-    kept = eligible & (e[..., None, :] > q[:, None])  # (B, H, Q, T): exactly the pool
-    order = order[..., None, :]
-    worst = torch.where(kept, order, T).argmin(-1)
-    best_dropped = torch.where(eligible & ~kept, order, -1).argmax(-1)
-    return keep, torch.where(worst == t_new, best_dropped, worst)
-
-
+# the teacher's keep/drop labels and cutoffs: kernels.plain_boundary defines them, kernels.boundary
+# is their sweep
 def boundary_loss(pi, teacher, qs, budgets, layers=1, allsum=None):
     """One layer's share of the boundary loss over `layers` and the budgets, and of the balanced
     keep/drop accuracy: the scorer's pi (B, H, T) against the teacher's pi* = r* + gamma_h t at each

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import qwen3
 from support import flags, tokenizer
 from support.corpus import code_files, code_held_out, code_sequences
-from tasks import TASK_RANKS, TASKS, evaluate, task_batch
+from support.baby_tasks import TASK_RANKS, TASKS, task_batch
+from tasks import evaluate
 from tools.measures import code_runs
 
 # --- run

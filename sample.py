@@ -18,12 +18,12 @@ import fast
 from cache import KVCache, resolve
 from kvpop import SCORERS, budget_size, entries, load_scorer, state_charge
 from qwen3 import Qwen3, Qwen3Config, generate
+from support.baby_tasks import recall_marks, recall_score, task_ids
 from support.checkpoint import DTYPES, checkpoint_dir, read_json
 from support.corpus import CODE_LENGTH, CODE_WINDOW, code_held_out
 from support.flags import auto_dtype, check_budget, check_device, check_dtype, check_seed
 from support.flags import configure, fail, need
 from support.tokenizer import Tokenizer
-from tasks import recall_marks, recall_score, task_ids
 
 # --- model
 # checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby, codebaby: the demos

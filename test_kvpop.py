@@ -581,7 +581,7 @@ def test_scorer_runs_only_at_the_window_it_was_trained_with(kind):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the boundary (kvpop.boundary): the teacher's decisions against a step-by-step simulation
+# the boundary (kernels.plain_boundary): the teacher's decisions against a step-by-step simulation
 
 
 def test_boundary_labels_equal_brute_force():
@@ -599,7 +599,7 @@ def test_boundary_labels_equal_brute_force():
         if trial % 3 == 0:  # a target's -inf past T - window
             pi[..., T - window :] = -math.inf
         e = kernels.eviction_times(pi, sinks, window, k)
-        y, bnd = kvpop.boundary(pi, e, q, kvpop.Budget(sinks, window, k))
+        y, bnd = kernels.plain_boundary(pi, e, q, kvpop.Budget(sinks, window, k))
         # the sweep training runs (kernels.boundary) gives the definition's labels and cutoffs
         fast_y, fast_bnd = kernels.boundary(pi, e, q, kvpop.Budget(sinks, window, k))
         assert torch.equal(fast_y, y) and torch.equal(fast_bnd, bnd), trial

@@ -34,7 +34,8 @@ import qwen3
 from cache import resolve
 from support import checkpoint, flags, processes, tokenizer
 from support.corpus import CODE_LENGTH, CODE_WINDOW, code_held_out, code_sequences, pack_files
-from tasks import TASKS, quality_runs, quality_table, task_batch
+from support.baby_tasks import TASKS, task_batch
+from tasks import quality_runs, quality_table
 
 # --- what to run
 finetune = False  # the model trains too, under the eviction, by KL to the dense model

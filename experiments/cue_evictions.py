@@ -13,7 +13,7 @@ import kernels
 import kvpop
 import qwen3
 import tasks
-from support import flags, tokenizer
+from support import baby_tasks, flags, tokenizer
 
 # --- what to measure
 scorer = "baby/scorers/cue-helpful/kvpop-window"  # a cue scorer's folder
@@ -28,7 +28,7 @@ torch.set_num_threads(1)
 net = qwen3.Qwen3.from_pretrained("baby", dtype=torch.float32)
 tok = tokenizer.Tokenizer.from_pretrained("baby")
 policy = kvpop.load_scorer(scorer)
-idx, tgt, dist = tasks.task_batch(tok, n, 512, random.Random(f"test-{seed}"), p_cue=p_cue)
+idx, tgt, dist = baby_tasks.task_batch(tok, n, 512, random.Random(f"test-{seed}"), p_cue=p_cue)
 T = idx.shape[1]
 pos = torch.arange(T)
 size, pool = kvpop.budget_size(budget, T, sinks, window)
@@ -52,7 +52,7 @@ print(f"{scorer}, p_cue {p_cue}, seed {seed}, budget {budget} (pool {pool}), lay
 print(f"far answers {int(far.sum())}, wrong {int(wrong.sum())}, their value evicted {int(gone.sum())}")
 print(f"far answers whose value the teacher's ranking evicts: {int(teacher_gone.sum())}")
 # what the pool held at the queries whose value was evicted
-mark = tasks.task_ids(tok)[0][tasks.MARK]
+mark = baby_tasks.task_ids(tok)[0][baby_tasks.MARK]
 distractor = torch.zeros_like(idx, dtype=torch.bool)
 distractor[:, :-1] = idx[:, 1:] == mark
 held = []

@@ -11,8 +11,7 @@ import torch
 import kvpop
 from experiments import shifted  # noqa: F401 (registers kvpop-shifted)
 import qwen3
-import tasks
-from support import flags, tokenizer
+from support import baby_tasks, flags, tokenizer
 
 # --- what to measure
 scorers = "baby/scorers/cue-helpful/kvpop,baby/scorers/cue-helpful/kvpop-shifted,"  # comma-separated folders
@@ -28,7 +27,7 @@ flags.configure(globals())
 torch.set_num_threads(1)
 net = qwen3.Qwen3.from_pretrained("baby", dtype=torch.float32)
 tok = tokenizer.Tokenizer.from_pretrained("baby")
-idx, tgt, dist = tasks.task_batch(tok, n, 512, random.Random(f"test-{seed}"), p_cue=p_cue)
+idx, tgt, dist = baby_tasks.task_batch(tok, n, 512, random.Random(f"test-{seed}"), p_cue=p_cue)
 T = idx.shape[1]
 pos = torch.arange(T)
 pool = kvpop.budget_size(budget, T, sinks, window)[1]
@@ -37,7 +36,7 @@ queries = [torch.arange(sinks + window + pool, T)]
 live = torch.zeros_like(idx, dtype=torch.bool)
 rows, cols = (tgt >= 0).nonzero(as_tuple=True)
 live[rows, cols - dist[rows, cols]] = True
-mark = tasks.task_ids(tok)[0][tasks.MARK]
+mark = baby_tasks.task_ids(tok)[0][baby_tasks.MARK]
 distractor = torch.zeros_like(live)
 distractor[:, :-1] = idx[:, 1:] == mark
 # only tokens with a target (they leave the window before the end)

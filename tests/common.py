@@ -17,7 +17,7 @@ import kvpop
 from experiments import shifted  # noqa: F401 (registers kvpop-shifted, whose scorers ship)
 import qwen3
 import tasks
-from support import tokenizer
+from support import baby_tasks, tokenizer
 from support.tokenizer import Tokenizer
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: tests/ is one folder down
@@ -332,8 +332,8 @@ def _ref_marks(words, start):
     before it not followed by `no`, and a word after it, itself not a distractor `key value no`."""
     marks, live = [], lambda i: i + 2 >= len(words) or words[i + 2] != "no"
     for j in range(start, len(words) - 1):
-        pairs = [words[i + 1] for i in range(j) if words[i] == words[j] and words[i + 1] in tasks.VALUES and live(i)]
-        if words[j] in tasks.KEYS and pairs and live(j):
+        pairs = [words[i + 1] for i in range(j) if words[i] == words[j] and words[i + 1] in baby_tasks.VALUES and live(i)]
+        if words[j] in baby_tasks.KEYS and pairs and live(j):
             marks.append((j + 1, pairs[-1]))
     return marks
 

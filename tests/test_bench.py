@@ -17,7 +17,7 @@ import bench
 import kvpop
 import qwen3
 import tasks
-from support import checkpoint
+from support import baby_tasks, checkpoint
 from tools import bench_runs
 
 from tests.common import HERE, MODEL_DIR, baby, hf_checkpoint, _ref_marks, run
@@ -83,7 +83,7 @@ def test_bench_quality_target_reaches_the_oracle(tmp_path, baby):
     )
     assert r.returncode == 0, r.stderr
     got = {row["target"]: row for row in json.loads((tmp_path / "q.json").read_text()) if row["policy"] == "oracle"}
-    idx, tgt, dist = tasks.task_batch(tok, 2, 512, random.Random("test-0"), p_cue=0.3)
+    idx, tgt, dist = baby_tasks.task_batch(tok, 2, 512, random.Random("test-0"), p_cue=0.3)
     for target in ("mean", "max", "helpful"):
         want = tasks.quality_runs(net, idx, tgt, dist, ["oracle"], [0.125], 4, 32, target=target)[0][1]
         assert {k: got[target][k] for k in want} == want, target
@@ -201,7 +201,7 @@ def _ref_far(words, start, far):
     out, live = [], lambda i: i + 2 >= len(words) or words[i + 2] != "no"
     for j1, v in _ref_marks(words, start):
         j = j1 - 1
-        bound = max(i + 1 for i in range(j) if words[i] == words[j] and words[i + 1] in tasks.VALUES and live(i))
+        bound = max(i + 1 for i in range(j) if words[i] == words[j] and words[i + 1] in baby_tasks.VALUES and live(i))
         out.append((words[j1] == v, j - bound >= far))
     return out
 
@@ -214,7 +214,7 @@ def test_generate_counts_are_a_recount(baby, tmp_path, capsys):
     net, tok = baby
     base = "--task cue --T 256 --tokens 48 --prompts 6"
     _, samples = bench.cmd_generate(f"{base} --budgets 48 --temperature 0 --policies full --scorer".split() + [""])
-    idx = tasks.task_batch(tok, 6, 256, random.Random("test-0"), **tasks.TASKS["cue"])[0]
+    idx = baby_tasks.task_batch(tok, 6, 256, random.Random("test-0"), **baby_tasks.TASKS["cue"])[0]
     prompt, full = samples["cue", "-", "full", 1]
     assert torch.equal(prompt, idx[:, 1:208])
     with torch.no_grad():
@@ -224,7 +224,7 @@ def test_generate_counts_are_a_recount(baby, tmp_path, capsys):
     args = f"{base} --budgets 48,40 --policies full,h2o --scorer baby/scorers/cue-helpful/kvpop-window --json {out}"
     rows, samples = bench.cmd_generate(args.split())
     assert json.loads(out.read_text()) == rows and "| cue | - | h2o | 40 |" in capsys.readouterr().out
-    word = {i: w for w, i in tasks.task_ids(tok)[0].items()}
+    word = {i: w for w, i in baby_tasks.task_ids(tok)[0].items()}
     acc = {}
     for r in rows:
         prompt, ids = samples["cue", r["target"], r["policy"], r["budget"]]
@@ -262,7 +262,7 @@ def test_generate_far_is_beyond_the_largest_budgets_window(baby):
     args = "--task cue --T 256 --tokens 48 --prompts 6 --budgets 40,128 --policies full --scorer"
     rows, samples = bench.cmd_generate(args.split() + [""])
     prompt, ids = samples["cue", "-", "full", 1]
-    word = {i: w for w, i in tasks.task_ids(tok)[0].items()}
+    word = {i: w for w, i in baby_tasks.task_ids(tok)[0].items()}
     texts = [[word.get(i) for i in x] for x in torch.cat([prompt, ids], 1).tolist()]
     far = {S: sum(f for t in texts for _, f in _ref_far(t, 207, S)) for S in (40, 128)}
     assert far[40] > far[128] > 0 and [r["far_answers"] for r in rows] == [far[128]], (far, rows)

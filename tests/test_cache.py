@@ -15,6 +15,7 @@ import kernels
 import kvpop
 import qwen3
 import tasks
+from support import baby_tasks
 from cache import KVCache, resolve
 import fast
 
@@ -209,7 +210,7 @@ def test_decoding_step_is_one_graph(baby, policy, steps):
     import torch._dynamo
 
     net, tok = baby
-    idx = tasks.task_batch(tok, 1, 40, random.Random("one-graph"))[0]
+    idx = baby_tasks.task_batch(tok, 1, 40, random.Random("one-graph"))[0]
     pol = kvpop.load_scorer(os.path.join(MODEL_DIR, "scorers", "recall-helpful", policy)) if policy in kvpop.SCORERS else policy
     slots = 40 + steps - 1 if policy == "full" else 40 + steps // 4 + kvpop.state_charge(pol, torch.float32)
     torch._dynamo.reset()
@@ -325,7 +326,7 @@ def test_received_scorer_online_equals_masked(model_fp64):
 def test_trained_scorer_online_equals_masked(baby, kind):
     s = kvpop.load_scorer(os.path.join(SHIPPED, kind))
     net, tok = baby
-    idx = tasks.task_batch(tok, 2, 256, random.Random("t"))[0]
+    idx = baby_tasks.task_batch(tok, 2, 256, random.Random("t"))[0]
     for budget in (0.25, 48):
         on = tasks.evaluate(net, idx, s, budget, 4, 32, online=True)
         off = tasks.evaluate(net, idx, s, budget, 4, 32, online=False)

@@ -17,7 +17,7 @@ import kernels
 import kvpop
 import qwen3
 import tasks
-from support import corpus, tokenizer
+from support import baby_tasks, corpus, tokenizer
 from tools import measures
 
 
@@ -303,7 +303,7 @@ def _tuned(tmp_path):
             p.add_(0.05 * torch.randn_like(p))
     tuned.save_pretrained(str(tmp_path / "tuned"))
     tok = tokenizer.Tokenizer.from_pretrained(os.path.join(HERE, "baby"))
-    files = tasks.task_batch(tok, 5, 96, random.Random("files"))[0]
+    files = baby_tasks.task_batch(tok, 5, 96, random.Random("files"))[0]
     return ref, tuned, files
 
 
@@ -347,7 +347,7 @@ def test_bench_quality_ref_judges_against_the_model_before(tmp_path, monkeypatch
     assert _main(monkeypatch, "bench.py", *args, "--scorer", "", "--n", "8", "--json", str(out)) is None
     rows = json.loads(out.read_text())
     tok = tokenizer.Tokenizer.from_pretrained(os.path.join(HERE, "baby"))
-    seqs = tasks.held_out_batch(tok, "recall", 8, 512)
+    seqs = baby_tasks.held_out_batch(tok, "recall", 8, 512)
     want = tasks.quality_runs(tuned, *seqs, ["streaming"], [0.25, 0.125], 4, 32, ref=ref)[0]
     assert [{k: r[k] for k in w} for r, w in zip(rows, want)] == want and len(rows) == len(want)
     alone = tasks.quality_runs(tuned, *seqs, ["streaming"], [0.25, 0.125], 4, 32)[0]
@@ -375,7 +375,7 @@ def test_read_on_counts_each_policys_far_copies(capsys):
     
     net = qwen3.Qwen3.from_pretrained(os.path.join(HERE, "baby"), dtype="float32")
     tok = tokenizer.Tokenizer.from_pretrained(os.path.join(HERE, "baby"))
-    read = tasks.task_batch(tok, 1, 320, random.Random("read"))[0][0].tolist()
+    read = baby_tasks.task_batch(tok, 1, 320, random.Random("read"))[0][0].tolist()
     n, S, sinks, window = 200, 64, 4, 32
     learned = kvpop.load_scorer(os.path.join(HERE, "baby", "scorers", "recall-helpful", "kvpop-window"))
     policies = {"kvpop-window": learned, "streaming": "streaming", "full": "full"}

@@ -9,8 +9,7 @@ import sys
 import torch
 
 import qwen3
-import tasks
-from support import tokenizer
+from support import baby_tasks, tokenizer
 
 from tests.common import HERE, MODEL_DIR, baby, one_line_error, run
 
@@ -80,7 +79,7 @@ def test_pretrain_step_gradient_is_the_definitions_loss(baby, tmp_path, monkeypa
     model.register_forward_hook(hook)
     params = [p for p in model.parameters() if p.requires_grad]
     assert g["train_steps"](model, tok, torch.optim.AdamW(params, lr=1e-3), params) == 1
-    idx, tgt, _ = tasks.task_batch(tok, 4, 64, random.Random("train-0"), keys=8)
+    idx, tgt, _ = baby_tasks.task_batch(tok, 4, 64, random.Random("train-0"), keys=8)
     assert torch.equal(seen["idx"], idx)
     answers = [(b, q) for b in range(4) for q in range(63) if tgt[b, q] >= 0]
     assert answers and all(idx[b, q + 1] == tgt[b, q] for b, q in answers)

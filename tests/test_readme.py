@@ -13,6 +13,7 @@ import torch
 
 import kvpop
 import tasks
+from support import baby_tasks
 
 from tests.common import (
     CORPUS, HERE, HF_DIR, baby, _check_quality_table, hf_checkpoint, _parse_quality_table, _ref_quality, small_model,
@@ -262,7 +263,7 @@ def test_readme_command_runs(cmd, tmp_path, baby):
         # the final table: bench.py quality's first sequences, the run's task, target and scorer
         net, tok = baby
         task, target = flag("task", "recall"), flag("target", "helpful")
-        seqs = tasks.task_batch(tok, int(flag("final_seqs", 128)), 512, random.Random("test-0"), **tasks.TASKS[task])
+        seqs = baby_tasks.task_batch(tok, int(flag("final_seqs", 128)), 512, random.Random("test-0"), **baby_tasks.TASKS[task])
         scorer = kvpop.load_scorer(flag("out_dir", "out"))
         runs = [(p, p, target) for p in ("oracle", "streaming", "h2o")] + [(scorer.kind, scorer, target)]
         _check_quality_table(r.stdout, _ref_quality(net, seqs, runs, [0.25, 0.125]))
@@ -279,7 +280,7 @@ def test_readme_command_runs(cmd, tmp_path, baby):
     if cmd.startswith("python bench.py quality --task") and "--scorer" not in cmd:
         net, tok = baby
         for task in ("recall", "cue"):
-            seqs = tasks.task_batch(tok, 2, 512, random.Random("test-0"), **tasks.TASKS[task])
+            seqs = baby_tasks.task_batch(tok, 2, 512, random.Random("test-0"), **baby_tasks.TASKS[task])
             runs = [(p, p, "-") for p in ("streaming", "h2o")]
             for target in flag("target", "helpful").split(","):
                 runs += [("oracle", "oracle", target)]

@@ -13,8 +13,7 @@ import torch
 
 import kvpop
 import qwen3
-import tasks
-from support import checkpoint, tokenizer
+from support import baby_tasks, checkpoint, tokenizer
 
 from tests.common import HERE, MODEL_DIR, baby, hf_checkpoint, _ref_marks, _ref_recall, run
 
@@ -229,7 +228,7 @@ def test_sample_scoreboard_counts_from_the_first_sampled_word():
     ref = [_ref_recall(prompt + s, len(prompt)) for s in samples]
     assert len(samples) == 20 and _scoreboard(r.stdout) == {"full": tuple(map(sum, zip(*ref)))}
     # the sample's first word: a key bound in the prompt, then a word after it
-    bound = {a for a, b in zip(prompt, prompt[1:]) if a in tasks.KEYS and b in tasks.VALUES}
+    bound = {a for a, b in zip(prompt, prompt[1:]) if a in baby_tasks.KEYS and b in baby_tasks.VALUES}
     assert any(len(s) == 2 and s[0] in bound for s in samples), samples
 
 

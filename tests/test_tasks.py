@@ -8,23 +8,24 @@ import torch
 
 import qwen3
 import tasks
+from support import baby_tasks
 
 from tests.common import baby, _ref_pass, _ref_quality, _ref_recall, tok
 
 
 def test_task_ranks_keep_every_task_word_one_token(tok):
-    ids = [tok.encode(" " + w) for w in tasks.KEYS + tasks.VALUES + tasks.FILLERS]
-    assert all(len(i) == 1 for i in ids) and max(i[0] for i in ids) + 1 == tasks.TASK_RANKS
+    ids = [tok.encode(" " + w) for w in baby_tasks.KEYS + baby_tasks.VALUES + baby_tasks.FILLERS]
+    assert all(len(i) == 1 for i in ids) and max(i[0] for i in ids) + 1 == baby_tasks.TASK_RANKS
 
 
 def test_task_is_seeded_and_well_formed(baby):
     _, tok = baby
-    ids, bos = tasks.task_ids(tok)
-    a, b = (tasks.task_batch(tok, 8, 512, random.Random("test-0")) for _ in range(2))
+    ids, bos = baby_tasks.task_ids(tok)
+    a, b = (baby_tasks.task_batch(tok, 8, 512, random.Random("test-0")) for _ in range(2))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert not torch.equal(a[0], tasks.task_batch(tok, 8, 512, random.Random("test-1"))[0])
+    assert not torch.equal(a[0], baby_tasks.task_batch(tok, 8, 512, random.Random("test-1"))[0])
     idx, tgt, dist = a
-    keys, values = {ids[w] for w in tasks.KEYS}, {ids[w] for w in tasks.VALUES}
+    keys, values = {ids[w] for w in baby_tasks.KEYS}, {ids[w] for w in baby_tasks.VALUES}
     assert (idx[:, 0] == bos).all() and len(set(ids.values())) == len(ids) and max(ids.values()) < bos
     for s in range(8):
         # real Qwen3 text, one id a word
@@ -42,9 +43,9 @@ def test_cue_task_is_well_formed(baby):
     by the sequence's own keys, the marker `no` nowhere else, about one distractor in 9 words; with
     p_cue = 0 it is the recall task."""
     _, tok = baby
-    ids, _ = tasks.task_ids(tok)
-    idx, tgt, dist = tasks.task_batch(tok, 8, 512, random.Random("test-0"), **tasks.TASKS["cue"])
-    keys, values, no = {ids[w] for w in tasks.KEYS}, {ids[w] for w in tasks.VALUES}, ids[tasks.MARK]
+    ids, _ = baby_tasks.task_ids(tok)
+    idx, tgt, dist = baby_tasks.task_batch(tok, 8, 512, random.Random("test-0"), **baby_tasks.TASKS["cue"])
+    keys, values, no = {ids[w] for w in baby_tasks.KEYS}, {ids[w] for w in baby_tasks.VALUES}, ids[baby_tasks.MARK]
     for s in range(8):
         x = idx[s].tolist()
         marks = [j for j, t in enumerate(x) if t == no]
@@ -55,16 +56,16 @@ def test_cue_task_is_well_formed(baby):
         # distractor keys are never the sequence's own
         assert spare and not spare & live and asked <= live
         assert 512 / 13 < len(marks) < 512 / 6, len(marks)
-    plain = tasks.task_batch(tok, 8, 512, random.Random("test-0"))
+    plain = baby_tasks.task_batch(tok, 8, 512, random.Random("test-0"))
     assert all(
-        torch.equal(a, b) for a, b in zip(plain, tasks.task_batch(tok, 8, 512, random.Random("test-0"), p_cue=0.0))
+        torch.equal(a, b) for a, b in zip(plain, baby_tasks.task_batch(tok, 8, 512, random.Random("test-0"), p_cue=0.0))
     )
     assert not (plain[0] == no).any()
 
 
 def test_shipped_baby_answers_the_cue_task(baby):
     net, tok = baby
-    idx, tgt, dist = tasks.task_batch(tok, 48, 512, random.Random("test-0"), **tasks.TASKS["cue"])
+    idx, tgt, dist = baby_tasks.task_batch(tok, 48, 512, random.Random("test-0"), **baby_tasks.TASKS["cue"])
     pred = tasks.evaluate(net, idx, "full", 1, 4, 32, online=False).argmax(-1)
     m = (tgt >= 0) & (dist >= 124)
     assert (pred[m] == tgt[m]).float().mean() >= 0.95
@@ -72,7 +73,7 @@ def test_shipped_baby_answers_the_cue_task(baby):
 
 def test_previous_token_head(baby):
     net, tok = baby
-    idx = tasks.task_batch(tok, 2, 512, random.Random("test-0"))[0]
+    idx = baby_tasks.task_batch(tok, 2, 512, random.Random("test-0"))[0]
     got = {}
 
     def attn(i, q, k, v, pos):
@@ -88,7 +89,7 @@ def test_previous_token_head(baby):
 
 def test_shipped_baby_reaches_its_accuracy(baby):
     net, tok = baby
-    idx, tgt, dist = tasks.task_batch(tok, 16, 512, random.Random("test-0"))
+    idx, tgt, dist = baby_tasks.task_batch(tok, 16, 512, random.Random("test-0"))
     pred = tasks.evaluate(net, idx, "full", 1, 4, 32, online=False).argmax(-1)
     m, far = tgt >= 0, dist >= 124
     assert (pred[m] == tgt[m]).float().mean() >= 0.95
@@ -97,7 +98,7 @@ def test_shipped_baby_reaches_its_accuracy(baby):
 
 def test_eviction_separates_policies(baby):
     net, tok = baby
-    idx, tgt, dist = tasks.task_batch(tok, 16, 512, random.Random("test-0"))
+    idx, tgt, dist = baby_tasks.task_batch(tok, 16, 512, random.Random("test-0"))
     rows = tasks.quality_runs(net, idx, tgt, dist, ["oracle", "streaming"], [0.125], 4, 32)[0]
     full, oracle, streaming = (r["far_accuracy"] for r in rows)
     assert oracle >= 0.9 * full and streaming <= oracle - 0.2 and rows[2]["kl"] > rows[1]["kl"] > 0
@@ -107,7 +108,7 @@ def test_quality_runs_equal_their_definitions(baby):
     """tasks.quality_runs (bench.py quality's and train.py's rows) against _ref_quality: two budgets
     (far is set by the larger), a static policy and the oracle under the max target."""
     net, tok = baby
-    seqs = tasks.task_batch(tok, 2, 512, random.Random("q"), **tasks.TASKS["cue"])
+    seqs = baby_tasks.task_batch(tok, 2, 512, random.Random("q"), **baby_tasks.TASKS["cue"])
     rows, share, n = tasks.quality_runs(net, *seqs, ["streaming", "oracle"], [0.25, 0.125], 4, 32, target="max")
     ref = _ref_quality(net, seqs, [("streaming", "streaming", "max"), ("oracle", "oracle", "max")], [0.25, 0.125])
     tgt, dist = seqs[1:]
@@ -119,25 +120,25 @@ def test_quality_runs_equal_their_definitions(baby):
 
 
 def test_recall_score_counts_by_hand():
-    """tasks.recall_score on a hand-made prompt and sample (README, Quickstart): a bound key the
+    """baby_tasks.recall_score on a hand-made prompt and sample (README, Quickstart): a bound key the
     sample writes counts once, right when the next word is the key's current value; the sample's own
     `key value` rebinds; unbound keys, keys in the prompt and the last word do not count."""
     prompt = "name true the time null of name true".split()  # binds name: true, time: null
     sample = "name true the time good time good size new name true data".split()
     # name true: hit; time good: miss (rebinds time); time good: hit; size: unbound; name true: hit;
     # data: unbound and last
-    assert tasks.recall_score(prompt + sample, len(prompt)) == (3, 4)
+    assert baby_tasks.recall_score(prompt + sample, len(prompt)) == (3, 4)
     # a prompt ending on a key: its value is the sample's first word, not counted
-    assert tasks.recall_score("time null time".split() + ["true"], 3) == (0, 0)
+    assert baby_tasks.recall_score("time null time".split() + ["true"], 3) == (0, 0)
     # a distractor `key value no` neither binds nor counts: size stays unbound, name stays true
     words = "name true the".split() + "size real no name good no name true size new".split()
-    assert tasks.recall_score(words, 3) == (1, 1)
+    assert baby_tasks.recall_score(words, 3) == (1, 1)
 
 
 def test_p_cue_range_is_drawn_per_sequence(baby, monkeypatch):
     """train.py --task cue's batch (README, The baby): each sequence's distractor rate drawn uniformly from
     [--p_cue_min, --p_cue_max] (default 0.05, 0.35) by the step's own stream, just before the sequence: equal to
-    tasks.task replayed by hand, and the distractor share of the would-be fillers spans the range; min = max = 0.17
+    baby_tasks.task replayed by hand, and the distractor share of the would-be fillers spans the range; min = max = 0.17
     draws nothing: the task's own batch."""
     import train
 
@@ -146,19 +147,19 @@ def test_p_cue_range_is_drawn_per_sequence(baby, monkeypatch):
     monkeypatch.setattr(train, "batch_size", 48)
     assert (train.p_cue_min, train.p_cue_max) == (0.05, 0.35)
     idx = train.batch(tok, None, 3)
-    ids, bos = tasks.task_ids(tok)
+    ids, bos = baby_tasks.task_ids(tok)
     rng, shares = random.Random("scorer-train-0-3"), []
     for b in range(48):
         rate = rng.uniform(0.05, 0.35)
-        words = tasks.task(rng, 512, keys=8, p_cue=rate)[0]
+        words = baby_tasks.task(rng, 512, keys=8, p_cue=rate)[0]
         assert idx[b].tolist() == [bos] + [ids[w] for w in words[1:]]
-        marks = words.count(tasks.MARK)
-        shares.append(marks / (marks + sum(w in tasks.FILLERS for w in words)))
+        marks = words.count(baby_tasks.MARK)
+        shares.append(marks / (marks + sum(w in baby_tasks.FILLERS for w in words)))
     assert min(shares) < 0.1 and max(shares) > 0.28
     # one rate (min = max): the task's stream as before the range
     monkeypatch.setattr(train, "p_cue_min", 0.17)
     monkeypatch.setattr(train, "p_cue_max", 0.17)
-    fixed = tasks.task_batch(tok, 48, 512, random.Random("scorer-train-0-3"), keys=8, **tasks.TASKS["cue"])[0]
+    fixed = baby_tasks.task_batch(tok, 48, 512, random.Random("scorer-train-0-3"), keys=8, **baby_tasks.TASKS["cue"])[0]
     assert torch.equal(train.batch(tok, None, 3), fixed)
 
 
@@ -171,7 +172,7 @@ def test_quality_runs_take_full_from_the_reference_model(baby):
     with torch.no_grad():  # a dense start that differs from the net evaluated
         for p in ref.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7 + p.numel())) * 0.05)
-    idx, tgt, dist = seqs = tasks.task_batch(tok, 2, 256, random.Random("quality-ref"))
+    idx, tgt, dist = seqs = baby_tasks.task_batch(tok, 2, 256, random.Random("quality-ref"))
     rows = tasks.quality_runs(net, *seqs, ["streaming"], [0.25], 4, 32, ref=ref)[0]
     T, S, m = 256, 64, tgt >= 0
     d, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
@@ -196,14 +197,14 @@ def test_quality_runs_take_full_from_the_reference_model(baby):
 
 
 def test_recall_score_equals_its_definition_on_random_words():
-    """tasks.recall_score against _ref_recall on 400 random word sequences over a few keys, values, fillers and
+    """baby_tasks.recall_score against _ref_recall on 400 random word sequences over a few keys, values, fillers and
     `no`: bindings only by `key value` (a value, not any word), distractors skipped, counting from start."""
-    words = tasks.KEYS[:3] + tasks.VALUES[:3] + tasks.FILLERS[:2] + [tasks.MARK]
+    words = baby_tasks.KEYS[:3] + baby_tasks.VALUES[:3] + baby_tasks.FILLERS[:2] + [baby_tasks.MARK]
     rng, rebound = random.Random(11), 0
     for _ in range(400):
         seq = [rng.choice(words) for _ in range(rng.randint(2, 30))]
         start = rng.randint(0, len(seq))
-        assert tasks.recall_score(seq, start) == _ref_recall(seq, start), (seq, start)
+        assert baby_tasks.recall_score(seq, start) == _ref_recall(seq, start), (seq, start)
         # a bound key followed by a word that is no value: a binding the definition does not make
-        rebound += any(a in tasks.KEYS and b not in tasks.VALUES for a, b in zip(seq, seq[1:]))
+        rebound += any(a in baby_tasks.KEYS and b not in baby_tasks.VALUES for a, b in zip(seq, seq[1:]))
     assert rebound > 100

@@ -18,6 +18,7 @@ import torch
 import kvpop
 import qwen3
 import tasks
+from support import baby_tasks
 
 from tests.common import (
     HERE, MODEL_DIR, SHIPPED, baby, _k_simulate, _ref_boundary_loss, _ref_edges_loss, _ref_pass, run,
@@ -32,7 +33,7 @@ def test_finetune_loss_is_the_kl_to_the_teachers_top_k_under_eviction(baby):
     import train
 
     net, tok = baby
-    idx = tasks.task_batch(tok, 2, 128, random.Random("finetune"))[0]
+    idx = baby_tasks.task_batch(tok, 2, 128, random.Random("finetune"))[0]
     student = copy.deepcopy(net).train()
     with torch.no_grad():  # a student that differs from its teacher
         for p in student.parameters():
@@ -174,7 +175,7 @@ def _held_out_keep_drop_accuracy(net, tok, scorer, budget, target, T=512, sinks=
     """The definition's balanced keep/drop accuracy of a scorer, per layer, on 4 of the benchmark's
     held-out sequences (the teacher: the frozen model's future attention, `target` over the queries;
     the labels: _ref_boundary_loss's step-by-step pool)."""
-    idx = tasks.task_batch(tok, 4, T, random.Random("test-0"))[0]
+    idx = baby_tasks.task_batch(tok, 4, T, random.Random("test-0"))[0]
     kv, r = kvpop.dense_targets(net, idx, window, target)
     pool, gamma = (
         kvpop.budget_size(budget, T, sinks, window, kvpop.state_charge(scorer, torch.float32))[1],
@@ -262,7 +263,7 @@ def test_train_first_step_loss_is_the_definitions(tmp_path, baby, task, target):
     s = kvpop.SCORERS["kvpop-window"](net.config, 16, d_hidden=64)
     # cue: train.py draws each sequence's distractor rate from its default range, 0.05-0.35
     rates = dict(p_cue=(0.05, 0.35)) if task == "cue" else {}
-    idx = tasks.task_batch(tok, 2, 128, random.Random("scorer-train-0-0"), **tasks.TASKS[task] | rates)[0]
+    idx = baby_tasks.task_batch(tok, 2, 128, random.Random("scorer-train-0-0"), **baby_tasks.TASKS[task] | rates)[0]
     kv, rs = kvpop.dense_targets(net, idx, 16, target)
     pool = kvpop.budget_size(0.375, 128, 4, 16)[1]
     with torch.no_grad():
@@ -441,7 +442,7 @@ def test_finetune_boundary_loss_is_on_the_dense_teachers_helpful_target(baby):
 
     net, tok = baby
     T, sinks, window, budget = 128, 4, 16, 0.375
-    idx = tasks.task_batch(tok, 2, T, random.Random("finetune-target"))[0]
+    idx = baby_tasks.task_batch(tok, 2, T, random.Random("finetune-target"))[0]
     student = copy.deepcopy(net).train()
     with torch.no_grad():  # a student that differs from its teacher
         for p in student.parameters():
@@ -479,7 +480,7 @@ def test_train_on_text_holds_out_the_boundary_loss_of_its_target(tmp_path, baby)
     attention made here from a dense fp64 pass (README, Method: future attention, boundary loss)."""
     net, tok = baby
     rng = random.Random(3)
-    text = " ".join(rng.choice(tasks.KEYS + tasks.VALUES + tasks.FILLERS) for _ in range(700))
+    text = " ".join(rng.choice(baby_tasks.KEYS + baby_tasks.VALUES + baby_tasks.FILLERS) for _ in range(700))
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "a.txt").write_text(text)
     T, sinks, window, budget = 128, 4, 16, 0.375

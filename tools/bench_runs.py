@@ -12,7 +12,7 @@ from cache import KVCache
 from qwen3 import generate
 import fast
 from support import checkpoint, corpus, flags, tokenizer
-from tasks import TASKS, recall_answers, task_ids
+from support.baby_tasks import TASKS, recall_answers, task_ids
 
 
 def retained(hits, counts, full_hits, full_counts, seed=0, draws=1000):
