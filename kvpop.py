@@ -594,5 +594,5 @@ def boundary_loss(pi, teacher, qs, budgets, layers=1, allsum=None):
 
 
 # -------------------------------------------------- a scorer on disk (support/checkpoint.py's files)
-def load_scorer(folder):  # frozen, of its kind in SCORERS, on its definitions (fast.speed_up: faster)
+def load_scorer(folder):  # frozen, its class from SCORERS, on its definitions (fast.speed_up: faster)
     return read_scorer(folder, SCORERS)

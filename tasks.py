@@ -9,40 +9,47 @@ import kvpop
 from cache import KVCache, resolve
 
 @torch.no_grad()
-def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True, target=kvpop.TARGETS[0]):
+def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True,
+             target=kvpop.TARGETS[0]):
     """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True, token
     by token through the evicting KVCache; online=False (static policies only), one pass with the
     eviction-time mask. The two agree. target: the oracle's, one of TARGETS."""
     B, T = idx.shape
     if isinstance(policy, kvpop.Scorer):
         policy.check(model.config, window)
-    charge = kvpop.state_charge(policy, next(model.parameters()).dtype)  # a delayed scorer's state
+    # a delayed scorer's state
+    charge = kvpop.state_charge(policy, next(model.parameters()).dtype)
     # the cache's size S, and its pool
     size, pool = kvpop.budget_size(budget, T, sinks, window, charge)
     per_head = kvpop.Budget(sinks, window, pool)
     if isinstance(policy, str) and policy == "oracle":
         policy = kvpop.oracle_policy(model, idx, window, target)
     if online:
-        cache = KVCache(model, B, kvpop.entries(size, charge, T), policy, sinks, window)
-        return torch.cat([model(idx[:, t : t + 1], cache=cache) for t in range(T)], dim=1)
+        slots = kvpop.entries(size, charge, T)
+        cache = KVCache(model, B, slots, policy, sinks, window)
+        steps = [model(idx[:, t : t + 1], cache=cache) for t in range(T)]
+        return torch.cat(steps, dim=1)
     rule, priority = resolve(policy)
     if rule == "dynamic":
-        raise ValueError(
-            f"policy {policy} re-scores tokens at every query: no eviction-time mask, use online=True"
-        )
+        rescored = f"policy {policy} re-scores tokens at every query"
+        raise ValueError(f"{rescored}: no eviction-time mask, use online=True")
     if rule == "full" or size >= T:
         return model(idx)
 
     def attn(i, q, k, v, pos):
         # a learned scorer that reads a[t]: the attention each token received in its window
-        a = [kernels.window_received(q, k, window)] if rule == "learned" and policy.received else []
-        return kvpop.masked_attention(q, k, v, priority(i, k, v, pos, *a), per_head)[0]
+        reads = rule == "learned" and policy.received
+        a = [kernels.window_received(q, k, window)] if reads else []
+        pi = priority(i, k, v, pos, *a)
+        return kvpop.masked_attention(q, k, v, pi, per_head)[0]
 
     return model(idx, attn=attn)
 
 
 def policy_name(policy):  # a learned scorer is named by its kind
-    return policy if isinstance(policy, str) else policy.kind + " on arrival" * policy.arrival
+    if isinstance(policy, str):
+        return policy
+    return policy.kind + " on arrival" * policy.arrival
 
 
 def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64, ref=None,
@@ -61,8 +68,10 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
     log_probs = lambda logits: logits.float().log_softmax(-1)
     # full-vocabulary log-probs of a chunk, then every run on it
     for start in range(0, len(idx), chunk):
-        part, answered = idx[start : start + chunk], tgt[start : start + chunk] >= 0
-        full = log_probs(evaluate(ref or net, part, "full", 1, sinks, window, online=False))
+        part = idx[start : start + chunk]
+        answered = tgt[start : start + chunk] >= 0
+        dense = evaluate(ref or net, part, "full", 1, sinks, window, online=False)
+        full = log_probs(dense)
         for policy, budget in runs:
             online = policy_name(policy) in kvpop.DYNAMIC
             args = (policy, budget, sinks, window, online, target)
@@ -74,7 +83,8 @@ def quality_runs(net, idx, tgt, dist, policies, budgets, sinks, window, chunk=64
             kl[policy, budget].append(per_token[:, size(budget) :].flatten())
     acc_full = torch.cat(hit["full", 1]).float().mean().item()
     for policy, budget in runs:
-        hits, divergence = torch.cat(hit[policy, budget]).float(), torch.cat(kl[policy, budget])
+        hits = torch.cat(hit[policy, budget]).float()
+        divergence = torch.cat(kl[policy, budget])
         acc = hits.mean().item()
         row = dict(policy=policy_name(policy), budget=budget, accuracy=round(acc, 4))
         row["far_accuracy"] = round(hits[far].mean().item(), 4)

@@ -102,7 +102,8 @@ model = "codebaby" if code and "model" not in given else model
 seq_len = CODE_LENGTH if code and "seq_len" not in given else seq_len
 window = CODE_WINDOW if code and "window" not in given else window
 target = "max" if code and "target" not in given else target
-received = kind == "kvpop-window" if code and "received" not in given else received
+can_read = {name: cls.receives for name, cls in kvpop.SCORERS.items()}  # a[t]
+received = can_read.get(kind, False) if code and "received" not in given else received
 model_lr = 1e-5 if model == "baby" and "model_lr" not in given else model_lr
 max_iters = 1200 if data == "baby" and task == "cue" and "max_iters" not in given else max_iters
 rank, world = processes.rank(), processes.world()  # torchrun's
