@@ -26,43 +26,32 @@ from support.flags import configure, fail, need
 from support.tokenizer import Tokenizer
 
 # --- model
-# checkpoint folder or Hugging Face repo id (Qwen/Qwen3-0.6B); baby, codebaby: the demos
-model = "baby"
+model = "baby"  # checkpoint folder or Hugging Face repo id; baby, codebaby: the demos
 device = "cuda" if torch.cuda.is_available() else "cpu"  # where the model runs
 dtype = "auto"  # float32 / bfloat16 / float16; auto = the checkpoint's on cuda, float32 on cpu
-# CPU threads (a model over 100M parameters: torch's count); one: a small step's threads wait
-threads = 1
-# decode with the step compiled, one graph (torch.compile: CUDA graphs on a GPU, inductor on a CPU)
-compile = False
-# decode by kvpop.py's definitions alone (kvpop.Decoder), not fast.py's forms: the same text
-plain = False
+threads = 1  # CPU threads (a model over 100M parameters: torch's count)
+compile = False  # each decoding step one compiled graph (a GPU: CUDA graphs; a CPU: inductor)
+plain = False  # decode by kvpop.py's definitions alone, not fast.py's forms: the same text
 # --- prompt
-# the text, or FILE:path (codebaby: its held-out file; a real Qwen3: a sentence)
-prompt = "FILE:baby/prompt.txt"
+prompt = "FILE:baby/prompt.txt"  # text or FILE:path (codebaby: a held-out file; Qwen3: a sentence)
 chat = False  # wrap the prompt in Qwen3's chat template
 think = False  # with --chat: let the model think first (<think> ... </think>)
 # --- sampling: the baby's own distribution (a nucleus would cut its rare keys); Qwen3's advice
 num_samples = 4  # samples drawn one after another, for the baby's recall scoreboard (others: 1)
-# tokens per sample, fewer if the model stops: the baby's task (codebaby: 256, others: 2048)
-max_new_tokens = 112
+max_new_tokens = 112  # tokens a sample, fewer if it stops (codebaby: 256, others: 2048)
 temperature = 1.0  # 0 = greedy (a real Qwen3: 0.7, thinking 0.6)
 top_k = 0  # keep the k most likely tokens, 0 = off (a real Qwen3: 20)
 top_p = 1.0  # nucleus sampling, 1 = off (a real Qwen3: 0.8, thinking 0.95)
 seed = 1337  # random seed
 # --- KV budget (README, Method: budget)
 budget = 1.0  # fraction of prompt + max_new_tokens kept per head, or an integer S; 1 = full cache
-# kvpop-window, kvpop, kvpop-mlp, streaming, knorm, random, h2o, tova, full (real Qwen3: streaming)
-policy = "kvpop-window"
-# a learned scorer's folder; empty: out/ if it holds --policy's kind, else the (code)baby's shipped
-# one
-scorer = ""
+policy = "kvpop-window"  # a learned kind, streaming, knorm, random, h2o, tova, full (Qwen3: streaming)
+scorer = ""  # a scorer's folder; empty: out/ if it holds --policy's kind, else the (code)baby's
 sinks = 4  # first tokens never evicted
-# recent tokens never evicted (a learned scorer: its own; codebaby: 192; a real Qwen3: 256)
-window = 32
+window = 32  # recent tokens never evicted (a scorer: its own; codebaby: 192; a real Qwen3: 256)
 show = False  # print the text again, each token shaded by how many (layer, head) caches hold it
 given = configure(globals())
-# the presets of the demos and of a real Qwen3, each unless given: codebaby reads on its held-out
-# file
+# the presets of the demos and of a real Qwen3, each unless given
 baby, code = model == "baby", model == "codebaby"
 qwen = not (baby or code)
 preset = lambda name, value: globals()[name] if name in given else value

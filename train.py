@@ -48,37 +48,28 @@ dtype = "auto"  # the frozen model's: auto = the checkpoint's on cuda, float32 o
 threads = 1  # CPU threads; 2 give the same bits, faster when idle, far slower when busy
 # --- scorer (README, Method: scorers)
 model = "baby"  # the frozen model: checkpoint folder or Hugging Face repo id
-# delayed: kvpop-window (the 32 tokens after t), kvpop (mLSTM), kvpop-shifted; kvpop-mlp
-kind = "kvpop-window"
-# kvpop, kvpop-shifted: memory d_mem x d_mem; sets the state charge (3 entries on the baby)
-d_mem = 16
+kind = "kvpop-window"  # delayed: kvpop-window (the 32 tokens after t), kvpop (mLSTM); kvpop-mlp
+d_mem = 16  # kvpop: memory d_mem x d_mem; sets the state charge (3 entries on the baby)
 d_hidden = 64  # the read-out's hidden width (every kind)
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
-# kvpop, kvpop-shifted: read tokens on arrival, not on leaving the window (delay ablation)
-arrival = False
-# kvpop-window: its read-out also reads log a[t], the attention t got in its window (code: true)
-received = False
+arrival = False  # kvpop: read tokens on arrival, not as they leave the window (delay ablation)
+received = False  # kvpop-window: also read log a[t], the attention t got in its window (code: true)
 init_from = ""  # a trained scorer's folder to start from (its sizes), e.g. a frozen run's
-# the teacher's future attention: helpful, max (ours) or mean (the paper's) (--task code: max)
-target = "helpful"
+target = "helpful"  # the teacher: helpful, max (ours), mean (the paper's) (--task code: max)
 # --- data
 data = "baby"  # baby: a baby task (tasks.py); else .txt/.jsonl files (folder, glob), packed
-# --data baby: recall, cue (distractors only the next word marks), or code (the code baby's corpus)
-task = "recall"
-# --task code: torch (the installed package's .py/.txt source) or a folder of such files
-corpus = "torch"
+task = "recall"  # --data baby: recall, cue (distractors), or code (the code baby's corpus)
+corpus = "torch"  # --task code: torch (the installed package's source) or a folder of .py/.txt
 keys = 8  # --data baby: keys per sequence
 p_cue_min = 0.05  # --task cue: each sequence's distractor rate drawn uniformly from
-# [p_cue_min, p_cue_max] (both 0.17: the task's own rate alone, as before the range)
-p_cue_max = 0.35
+p_cue_max = 0.35  # [p_cue_min, p_cue_max] (both 0.17: the task's own rate alone)
 seq_len = 512  # tokens per sequence (--task code: 2048, support/corpus.py's CODE_LENGTH)
 queries = 0  # the loss's query positions per sequence and pool, at random (0: all)
 edges = 3  # the loss at the edges of this many pools: the budget's, then each half the last
 # --- eviction at training time (README, Method: budget)
 budget = 0.125  # the training budget: fraction of seq_len (or an integer S) per head
 sinks = 4  # first tokens never evicted
-# recent tokens never evicted; a delayed scorer reads this many tokens late (--task code: 192)
-window = 32
+window = 32  # recent tokens never evicted; a delayed scorer reads t this late (--task code: 192)
 # --- optimisation
 batch_size = 8  # sequences per step
 max_iters = 600  # steps (--task cue: 1200, its range of rates takes longer)
@@ -95,8 +86,7 @@ eval_interval = 100  # held-out far accuracy (baby) and a checkpoint, every this
 eval_seqs = 32  # held-out sequences per evaluation
 final_seqs = 128  # held-out sequences of the final quality table (bench.py quality's; 0: none)
 given = flags.configure(globals(), None if __name__ == "__main__" else [])  # tests: the defaults
-# --task code, unless given: the code baby at its length and window, the max target, kvpop-window
-# reading a[t]
+# --task code, unless given: the code baby at its length and window, the max target, reading a[t]
 code = task == "code"
 model = "codebaby" if code and "model" not in given else model
 seq_len = CODE_LENGTH if code and "seq_len" not in given else seq_len
@@ -151,7 +141,8 @@ def scorer_loss(scorer, kv, rs, qs, budgets, ddp=None):
                 (loss * world).backward()  # DDP averages over the processes
         total += loss.item()
     if ddp is not None:
-        total, hits = processes.allsum(torch.tensor([total, hits], dtype=torch.float64)).tolist()
+        both = torch.tensor([total, hits], dtype=torch.float64)
+        total, hits = processes.allsum(both).tolist()
     return total, hits
 
 
@@ -165,7 +156,8 @@ def batch(tok, texts, it):
         # before the range)
         rate = (p_cue_min, p_cue_max) if p_cue_min < p_cue_max else p_cue_min
         rates = dict(p_cue=rate) if task == "cue" else {}
-        return task_batch(tok, batch_size, seq_len, rng, keys=keys, **TASKS[task] | rates)[0]
+        settings = TASKS[task] | rates
+        return task_batch(tok, batch_size, seq_len, rng, keys=keys, **settings)[0]
     seqs, rows = texts[0], []
     N = len(seqs)
     for j in range(it * batch_size, (it + 1) * batch_size):
@@ -186,8 +178,10 @@ def load():
     P = config.max_position_embeddings
     need(seq_len <= P, f"--seq_len {seq_len}: the model has only {P} positions")
     texts = pack_files(tok, data, seq_len, eval_seqs) if data != "baby" else None
-    if task == "code":  # the corpus's training files packed, its first held-out files
-        texts = code_sequences(tok, corpus, seq_len), code_held_out(tok, corpus, seq_len, eval_seqs)
+    # --task code: the corpus's training files packed, its first held-out files
+    if task == "code":
+        held = code_held_out(tok, corpus, seq_len, eval_seqs)
+        texts = code_sequences(tok, corpus, seq_len), held
     # the scorer: a fresh one at --seed, or a trained one (--resume's own, or --init_from's)
     torch.manual_seed(seed)
     sizes = (window, d_mem, d_hidden, gamma, arrival, received)
@@ -224,14 +218,17 @@ def load():
             need(False, f"--final_seqs {final_seqs}: {why}; {fix}")
     # the frozen dense model; --finetune: the model it trains, at the step train_state.pt records
     net = qwen3.Qwen3.from_pretrained(folder, device, dt).requires_grad_(False)
-    student = qwen3.Qwen3.from_pretrained(folder, device, dt).train() if finetune else None
+    student = None
+    if finetune:
+        student = qwen3.Qwen3.from_pretrained(folder, device, dt).train()
     if resume and finetune:
         student.load_state_dict(saved["model"])
     count = sum(p.numel() for p in scorer.parameters()) if learned else 0
     what = f"{kind} scorer: {count} parameters" if learned else "StreamingLLM+"
     heads = f"{config.num_hidden_layers} layers x {config.num_key_value_heads} KV heads"
     what += f" for {model} ({heads}){', fine-tuning the model' * finetune}"
-    split = f"S = {size} per head: {sinks} sinks + {window} window + {pool} pool + {charge} state"
+    split = f"S = {size} per head: {sinks} sinks + {window} window"
+    split += f" + {pool} pool + {charge} state"
     log(f"{what}; budget {budget:g} = {split}; {world} process(es)")
     return folder, tok, texts, net, student, scorer, budgets, saved
 
@@ -263,7 +260,8 @@ def save(it, folder, scorer, scorer_opt, student, model_opt):
     scorer_saved["opt"] = scorer_opt and scorer_opt.state_dict()
     saved = dict(scorer_saved, model=weights, model_opt=model_opt_saved, iter=it)
     torch.save(saved, os.path.join(out_dir, "tmp.pt"))
-    os.replace(os.path.join(out_dir, "tmp.pt"), os.path.join(out_dir, "train_state.pt"))
+    written = os.path.join(out_dir, "tmp.pt")
+    os.replace(written, os.path.join(out_dir, "train_state.pt"))
 
 
 def held_out(evaluated, tok, pol, texts, budgets):
@@ -280,7 +278,8 @@ def held_out(evaluated, tok, pol, texts, budgets):
         return "no held-out measure for --finetune on text"
     qs = query_positions(seq_len, 0, budgets)
     with torch.no_grad():
-        kv, rs = kvpop.dense_targets(evaluated, texts[1].to(device), window, target, pol.received)
+        held = texts[1].to(device)
+        kv, rs = kvpop.dense_targets(evaluated, held, window, target, pol.received)
         loss, acc = scorer_loss(pol, kv, rs, qs, budgets)
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
@@ -294,16 +293,19 @@ def final_table(folder, tok, net, scorer):
         scorers = learned if scorer is not None else "--scorer '' --policies streaming"
         bench = f"python bench.py quality --task code --model {out_dir} --ref {model}"
         return print(f"measure it: {bench} {scorers}")
-    seqs = task_batch(tok, final_seqs, seq_len, random.Random("test-0"), **TASKS[task])
+    rng = random.Random("test-0")  # bench.py quality's
+    seqs = task_batch(tok, final_seqs, seq_len, rng, **TASKS[task])
     ref, evaluated, pols = None, net, ["oracle", "streaming", "h2o", scorer]
     if finetune:
         ref = qwen3.Qwen3.from_pretrained(folder, dtype="float32")
         evaluated = qwen3.Qwen3.from_pretrained(out_dir)
         pols = [scorer or "streaming"]
     budgets = [0.25, 0.125]
-    rows, far, n = quality_runs(evaluated, *seqs, pols, budgets, sinks, window, ref=ref, target=target)
+    runs = (pols, budgets, sinks, window)
+    rows, far, n = quality_runs(evaluated, *seqs, *runs, ref=ref, target=target)
     for r in rows[1:] if finetune else []:
-        r["policy"] = f"{r['policy']} (fine-tuned)" if scorer is not None else "StreamingLLM+"
+        tuned = f"{r['policy']} (fine-tuned)"
+        r["policy"] = tuned if scorer is not None else "StreamingLLM+"
     print(f"\n{final_seqs} held-out sequences (bench.py quality's), {n} queries ({far:.0%} far)\n")
     print(quality_table(rows))
 
@@ -390,10 +392,14 @@ def finetune_loss(student, net, scorer, idx, qs, budgets, top_logits, target, dd
     budget = budgets[0]
     window = budget.window
     with torch.no_grad():
-        top = net(idx).float().topk(min(top_logits, net.config.vocab_size), -1)  # (B, T, K)
-        rs = kvpop.dense_targets(net, idx, window, target)[1] if scorer is not None else None
+        K = min(top_logits, net.config.vocab_size)
+        top = net(idx).float().topk(K, -1)  # (B, T, K)
+        rs = None
+        if scorer is not None:
+            rs = kvpop.dense_targets(net, idx, window, target)[1]
     lt, kv = top.values.log_softmax(-1), []
-    evict_by = resolve(scorer or "streaming")[1]  # the scorer's priorities (or StreamingLLM+'s)
+    # the scorer's priorities (or StreamingLLM+'s)
+    evict_by = resolve(scorer or "streaming")[1]
 
     def attn(i, q, k, v, pos):
         with torch.no_grad():
@@ -458,11 +464,12 @@ def check(given):
         flags.fail(f"--budget: {e}", "train.py")
     need(size < seq_len, f"--budget {budget} keeps all {seq_len} tokens: nothing to learn")
     # a flag that this run would ignore is an error, as an unknown one is
+    memory = issubclass(kvpop.SCORERS[kind], kvpop.MemoryScorer)  # kvpop and its variants
     unread = [
         ("no --finetune", not finetune, "policy model_lr top_logits"),
-        ("--policy streaming", policy == "streaming", "kind d_mem d_hidden gamma queries target edges"),
-        ("--policy streaming", policy == "streaming", "init_from"),
-        (f"--kind {kind}", not issubclass(kvpop.SCORERS[kind], kvpop.MemoryScorer), "d_mem arrival"),
+        ("--policy streaming", policy == "streaming", "kind d_mem d_hidden gamma queries"),
+        ("--policy streaming", policy == "streaming", "target edges init_from"),
+        (f"--kind {kind}", not memory, "d_mem arrival"),
         ("--init_from (the folder's sizes)", bool(init_from), "d_mem d_hidden gamma arrival"),
         (f"--data {data} (not the baby's task)", data != "baby", "keys final_seqs task"),
         ("--task code (no baby's task)", task == "code", "keys"),

@@ -145,7 +145,8 @@ def test_decoding_step_copies_no_cache(small_model, policy, dtype):
     never copies, upcasts or concatenates a layer's keys or values, and the buffers stay where they
     were."""
     net = copy.deepcopy(small_model).to(dtype)  # the fixture is shared
-    pol = kvpop.SCORERS[policy](net.config, window=8) if policy in kvpop.SCORERS else policy
+    # a learned kind on its fast forms (fast.py), the forms decoding runs
+    pol = fast.speed_up(kvpop.SCORERS[policy](net.config, window=8)) if policy in kvpop.SCORERS else policy
     peaks, D, H = [], net.config.head_dim, net.config.num_key_value_heads
     for n in (1024, 4096):
         cache = KVCache(net, 1, n, pol, 4, 8)
@@ -211,7 +212,9 @@ def test_decoding_step_is_one_graph(baby, policy, steps):
 
     net, tok = baby
     idx = baby_tasks.task_batch(tok, 1, 40, random.Random("one-graph"))[0]
-    pol = kvpop.load_scorer(os.path.join(MODEL_DIR, "scorers", "recall-helpful", policy)) if policy in kvpop.SCORERS else policy
+    # a shipped scorer on its fast forms (fast.py): --plain's definitions are not one graph
+    folder = os.path.join(MODEL_DIR, "scorers", "recall-helpful", policy)
+    pol = fast.speed_up(kvpop.load_scorer(folder)) if policy in kvpop.SCORERS else policy
     slots = 40 + steps - 1 if policy == "full" else 40 + steps // 4 + kvpop.state_charge(pol, torch.float32)
     torch._dynamo.reset()
     step = torch.compile(net, fullgraph=True, backend="eager")
