@@ -63,7 +63,6 @@ class KVCache:
         self.pos = torch.full(shape, -1, device=param.device)
         self.score = torch.zeros(shape, dtype=dtype, device=param.device)
         # a scorer that reads a[t]: the running max of the attention each window token received
-        # (kernels.window_received)
         self.reads_received = learned and policy.received
         self.received = torch.zeros(shape, device=param.device) if self.reads_received else None
         self.recent = self.pos.new_zeros(*shape[:3], window)
@@ -121,8 +120,7 @@ class KVCache:
         self.store(layer, keep, k, v, pos[keep], pi)
         if self.reads_received:
             self.received[layer, :, :, : keep.shape[-1]] = a.gather(2, keep)
-        # the last tokens, still in the window, fill the last of the kept slots (kept in position
-        # order)
+        # the last tokens, still in the window, fill the last kept slots (kept in position order)
         last = min(T, self.window)
         count = keep.shape[-1]
         slots = torch.arange(count - last, count, device=k.device)
@@ -130,8 +128,7 @@ class KVCache:
         self.recent[layer][..., ring] = slots
         return out
 
-    # one layer's kept keys and values (B, H, count), their positions and priorities, into its first
-    # count slots
+    # one layer's kept keys and values (B, H, count), positions and priorities, into its first slots
     def store(self, layer, keep, k, v, pos, pi):
         count = keep.shape[-1]
         D = k.shape[-1]
@@ -158,16 +155,14 @@ class KVCache:
         slot of the eligible token (sinks <= t <= p - w) with the lowest (priority, position). The
         newcomer's position, and its score (0) under a learned policy (not scored until it leaves
         the window) or a dynamic one, go in here."""
-        # a learned policy's decoder scores the leaving token p - w, in its slot (none before a
-        # token leaves)
+        # a learned policy's decoder scores the leaving token p - w in its slot (none before one)
         if self.decoder:
             r = self.decoder.leaving(p)  # (L, B, H, 1)
             leaving = self.slot_of(p - self.window)
             old = self.score.gather(-1, leaving)
             r = torch.where(p >= self.window, r, old)
             self.score.scatter_(-1, leaving, r)
-        # the next free slot while there is one, else the lowest eligible (both made: no branch on
-        # p)
+        # the next free slot while there is one, else the lowest eligible (both made: no branch)
         free = p.expand(*self.pos.shape[:3], 1)  # (L, B, H, 1)
         lowest = self.lowest(p)
         slot = torch.where(p < self.slots, free, lowest)
@@ -207,8 +202,7 @@ class KVCache:
         values = self.v.gather(4, rows.mT)
         return keys, values.mT
 
-    # every layer's a (L, B, H, n) of the window tokens at positions u (a tensor), as received so
-    # far
+    # every layer's a (L, B, H, n) of the window tokens at positions u (a tensor), so far
     def recent_received(self, u):
         return self.received.gather(-1, self.slot_of(u))
 

@@ -283,8 +283,7 @@ def _evict_torch(priority, sinks, window, pool):
     sinks_last = (order < sinks).to(torch.uint8).sort(dim=1, stable=True).indices
     order = order.gather(1, sinks_last)
     # Fenwick tree over positions (index u + 1), size a power of two; cells[u] lists the cells that
-    # an insert of u touches, padded with the unused cell 0 so that one scatter inserts a token in
-    # every head.
+    # an insert of u touches, padded with the unused cell 0: one scatter inserts a token a head
     size = 1 << max(T - 1, 1).bit_length()
     cell = pos + 1
     cells = []

@@ -105,9 +105,8 @@ def random_priority(layer, k, v, pos):
     return bits.float().expand(k.shape[:3])
 
 
-# A static policy: (layer, new keys k, values v (B, H, n, D), positions pos (n,)) -> priorities (B,
-# H, n) of any real dtype, fixed once given. To add one, add its name and function here (README,
-# Method: baselines).
+# A static policy: (layer, new keys k, values v (B, H, n, D), positions pos (n,)) -> priorities
+# (B, H, n) of any real dtype, fixed once given. Add one here (README, Method: baselines).
 STATIC = {"streaming": streaming, "knorm": knorm, "random": random_priority}
 
 
@@ -562,8 +561,7 @@ SCORERS = {"kvpop-window": WindowScorer, "kvpop": MemoryScorer, "kvpop-mlp": MLP
 
 
 # ------------------------------------------------ the boundary loss (README, Method: boundary loss)
-# the teacher's keep/drop labels and cutoffs: kernels.plain_boundary defines them, kernels.boundary
-# is their sweep
+# the teacher's labels and cutoffs: kernels.plain_boundary defines them, kernels.boundary sweeps
 def boundary_loss(pi, teacher, qs, budgets, layers=1, allsum=None):
     """One layer's share of the boundary loss over `layers` and the budgets, and of the balanced
     keep/drop accuracy: the scorer's pi (B, H, T) against the teacher's pi* = r* + gamma_h t at each

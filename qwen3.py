@@ -170,8 +170,7 @@ class Qwen3(nn.Module):
         checkpoint.write_json(dict(asdict(self.config), **hf), os.path.join(folder, "config.json"))
 
 
-# --------------------------------------------------------------------------------------------------
-# generation
+# --------------------------------------------------------------------------------------- generation
 
 
 def sample_next(logits, temperature, top_k, top_p):  # logits (B, V) fp32 -> (B,)

@@ -70,8 +70,7 @@ policy = preset("policy", str(read_json(kind_file).get("kind", "")) if named els
 policy = preset("policy", "streaming" if qwen and not scorer else policy)
 
 
-# bad input, each flag on its own, before anything is looked up, downloaded or loaded: one line,
-# exit 1
+# bad input, each flag on its own, before anything is looked up or loaded: one line, exit 1
 check_device(device)
 check_dtype(dtype, DTYPES)
 need(chat or not think, "--think only applies to the chat template; add --chat or drop --think")
@@ -89,8 +88,7 @@ need(window >= 1, f"--window {window}: use 1 or more")
 learned = ", ".join(SCORERS)
 why = f"only a learned --policy ({learned}) reads one; drop --scorer or choose one of those"
 need(not scorer or policy in SCORERS, f"--scorer {scorer}: {why}")
-# a learned scorer, read before the model: --scorer, else out/ if train.py wrote this kind there,
-# else the baby's
+# a learned scorer, before the model: --scorer, else out/ if it holds this kind, else the shipped
 try:
     pol = policy
     if policy in SCORERS:
@@ -117,15 +115,13 @@ try:
 except (OSError, UnicodeDecodeError) as e:
     why = getattr(e, "strerror", None) or e
     fail(f"--prompt {prompt}: cannot read it ({why}); use FILE:path of a UTF-8 file")
-# then against the checkpoint, before the (slow) weights load; a scorer's state is charged to the
-# budget
+# then against the checkpoint, before the (slow) weights load; a scorer's state comes off the budget
 try:
     folder = checkpoint_dir(model)
     config = Qwen3Config.from_json(os.path.join(folder, "config.json"))
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode(tok.chat(text, think) if chat else text)
-    # codebaby: the first held-out torch file (support/corpus.py) with 2048 tokens, continued from
-    # its opening
+    # codebaby: the first held-out torch file of 2048 tokens (support/corpus.py), from its opening
     if code and not text:
         opening = code_held_out(tok, "torch", CODE_LENGTH, 2)[0, : CODE_LENGTH - max_new_tokens]
         opening = opening.tolist()
@@ -143,15 +139,13 @@ try:
     net = Qwen3.from_pretrained(folder, device=device, dtype=dtype, config=config)
 except (OSError, ValueError) as e:
     fail(e)
-# a small model's decoding step is too small to share: one thread, unless --threads says otherwise
-# (LOG.md)
+# a small model's decoding step is too small to share: one thread unless --threads is given
 small = sum(p.numel() for p in net.parameters()) < 1e8
 torch.set_num_threads(threads if small or "threads" in given else torch.get_num_threads())
 # --compile: one graph a decoding step; on a GPU replayed as a CUDA graph
 mode = "reduce-overhead" if device.startswith("cuda") else None
 compiled = torch.compile(net, fullgraph=True, dynamic=False, mode=mode) if compile else None
-# the policy the cache runs (full: the budget keeps every token), and the baby's token id -> task
-# word
+# the policy the cache runs (full: the budget keeps every token); the baby's token id -> word
 name = policy if S < total else "full"
 word = {i: w for w, i in task_ids(tok)[0].items()} if baby else {}
 

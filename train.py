@@ -102,8 +102,7 @@ need = lambda ok, msg: flags.need(ok, msg, "train.py")  # bad input: one line, e
 
 
 # --------------------------------------------------------------------------------------------------
-# the scorer on the frozen model: its loss (kvpop.boundary_loss at each pool's queries), data,
-# checkpoints, the loop
+# the scorer on the frozen model: its loss (kvpop.boundary_loss), data, checkpoints, the loop
 
 
 def query_positions(T, it, budgets):
@@ -152,8 +151,7 @@ def batch(tok, texts, it):
     (j % N)-th in epoch j // N's order."""
     if data == "baby" and task != "code":
         rng = random.Random(f"scorer-train-{seed}-{it}")
-        # cue: a range of distractor rates, a rate per sequence (one rate: the stream of the code
-        # before the range)
+        # cue: a range of distractor rates, a rate a sequence (one rate: the task's own)
         rate = (p_cue_min, p_cue_max) if p_cue_min < p_cue_max else p_cue_min
         rates = dict(p_cue=rate) if task == "cue" else {}
         settings = TASKS[task] | rates
@@ -337,8 +335,7 @@ def train():
     n = batch_size // world  # this process's share of a batch
     t0, seen = time.time(), []
     for it in range(it0, max_iters):
-        # the model's rate follows the scorer's, in proportion to its peak (its optimizer's
-        # defaults)
+        # the model's rate follows the scorer's, in proportion to its peak (its optimizer's default)
         for o in opts.values():
             o.zero_grad(set_to_none=True)
             o.param_groups[0]["lr"] = learning_rate(it) * (o.defaults["lr"] / lr)
@@ -366,8 +363,7 @@ def train():
             seen = seen if (it + 1) % log_interval else []
         if (it + 1) % eval_interval == 0 or it + 1 == max_iters:
             save(it + 1, folder, scorer, opts.get(scorer), student, opts.get(student))
-            # held-out, the scorer as it trains: it has no dropout, so eval mode would change
-            # nothing
+            # held-out, the scorer as it trains (no dropout: eval mode would change nothing)
             if rank == 0:
                 evaluated = net
                 if finetune:
@@ -380,8 +376,7 @@ def train():
 
 
 # --------------------------------------------------------------------------------------------------
-# the fine-tune (--finetune) and several processes (torchrun: DDP for the scorer, FSDP2 for the
-# fine-tune)
+# the fine-tune (--finetune) and several processes (torchrun: DDP for a scorer, FSDP2 a fine-tune)
 
 
 def finetune_loss(student, net, scorer, idx, qs, budgets, top_logits, target, ddp=None):
