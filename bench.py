@@ -446,7 +446,7 @@ def fill(cache, C):
     cache.k[..., :n, :].normal_()
     cache.v[..., :n].normal_()  # values are stored transposed
     cache.pos[..., :n] = pos.to(cache.pos.device)
-    cache.score[..., :n] = torch.rand(n)
+    cache.pi[..., :n] = torch.rand(n)
     cache.t.fill_(C)
     # a learned scorer's state charged to the budget (kvpop's memories), as if it had read every token
     for x in cache.decoder.state if cache.decoder else ():

@@ -17,7 +17,7 @@ from kvpop import DYNAMIC, POLICIES, STATIC, Budget, Scorer, masked_attention
 def resolve(policy):
     """A policy's rule and priority function, the cache's and the masked pass's: 'static' (a
     heuristic, or the oracle's callable): given on arrival, cast once to fp32; 'learned' (a Scorer,
-    itself the function): given as the token leaves the window; 'dynamic': its update of the scores;
+    itself the function): given as the token leaves the window; 'dynamic': its update of the priorities;
     'full': None."""
     if isinstance(policy, Scorer):
         return "learned", policy
@@ -38,7 +38,7 @@ class KVCache:
     and values transposed (L, B, H, D, slots), so both products of a step read their matrix row by
     row, the layout that streams memory fastest. Filled slots are [0, min(t, slots)); an evicted
     slot goes to the newcomer, in place. pos[slot]: its token's position (-1: empty); recent[t % w]:
-    the slot of window token t; score[slot]: its priority (a static policy's, given on arrival; a
+    the slot of window token t; pi[slot]: its priority (a static policy's, given on arrival; a
     learned scorer's, as the token leaves the window; h2o's and tova's attention). t: the tokens
     taken so far, the next newcomer's position p, a tensor (qwen3's forward advances it). A decoding
     step has the same shapes and no Python branch on t from the first step on, so it can be one
@@ -61,13 +61,13 @@ class KVCache:
         self.k = param.new_zeros(*shape, config.head_dim)
         self.v = self.k.transpose(-1, -2).contiguous()
         self.pos = torch.full(shape, -1, device=param.device)
-        self.score = torch.zeros(shape, dtype=dtype, device=param.device)
+        self.pi = torch.zeros(shape, dtype=dtype, device=param.device)
         # a scorer that reads a[t]: the running max of the attention each window token received
         self.reads_received = learned and policy.received
         self.received = torch.zeros(shape, device=param.device) if self.reads_received else None
         self.recent = self.pos.new_zeros(*shape[:3], window)
         # per-layer views, made once: a step indexes less
-        layers = zip(self.k, self.v, self.score)
+        layers = zip(self.k, self.v, self.pi)
         self.layer = list(layers)
         # every layer's slot (L, B, H, 1) for this step's newcomer, set at layer 0
         self.new = None
@@ -107,7 +107,7 @@ class KVCache:
             keep = torch.arange(T, device=k.device)
             keep = keep.expand(k.shape[:3])
             if self.rule == "dynamic":
-                pi = dynamic_scores(self.policy, q, k, lse)
+                pi = dynamic_priorities(self.policy, q, k, lse)
         # longer than the budget (static, learned): the eviction-time mask; keep what the last query
         # still sees, exactly `slots` a head: sinks + window + pool, in position order
         else:
@@ -138,7 +138,7 @@ class KVCache:
         values = v.gather(2, rows)
         self.v[layer, :, :, :, :count] = values.mT
         self.pos[layer, :, :, :count] = pos
-        self.score[layer, :, :, :count] = pi
+        self.pi[layer, :, :, :count] = pi
 
     def step(self, layer, q, k, v, pos):
         """One layer's decoding step for the newcomer p = self.t: at layer 0 `decide` applies the
@@ -153,15 +153,15 @@ class KVCache:
         """Every layer's slot (L, B, H, 1) for the newcomer p: a learned policy first gives token p
         - w, leaving the window, its priority; then the next free slot while there is one, else the
         slot of the eligible token (sinks <= t <= p - w) with the lowest (priority, position). The
-        newcomer's position, and its score (0) under a learned policy (not scored until it leaves
+        newcomer's position, and its priority (0) under a learned policy (not scored until it leaves
         the window) or a dynamic one, go in here."""
         # a learned policy's decoder scores the leaving token p - w in its slot (none before one)
         if self.decoder:
             r = self.decoder.leaving(p)  # (L, B, H, 1)
             leaving = self.slot_of(p - self.window)
-            old = self.score.gather(-1, leaving)
+            old = self.pi.gather(-1, leaving)
             r = torch.where(p >= self.window, r, old)
-            self.score.scatter_(-1, leaving, r)
+            self.pi.scatter_(-1, leaving, r)
         # the next free slot while there is one, else the lowest eligible (both made: no branch)
         free = p.expand(*self.pos.shape[:3], 1)  # (L, B, H, 1)
         lowest = self.lowest(p)
@@ -170,19 +170,19 @@ class KVCache:
         ring = (p % self.window).view(1)
         self.recent.index_copy_(-1, ring, slot)
         if self.rule in ("learned", "dynamic"):
-            self.score.scatter_(-1, slot, 0.0)
+            self.pi.scatter_(-1, slot, 0.0)
         if self.reads_received:
             self.received.scatter_(-1, slot, 0.0)
         return slot
 
     def lowest(self, p):
-        """Every layer's slot (L, B, H, 1) of the eligible token with the lowest (score, position),
+        """Every layer's slot (L, B, H, 1) of the eligible token with the lowest (priority, position),
         past the sinks' slots [0, sinks)."""
         held = self.pos[..., self.sinks :]
-        score = self.score[..., self.sinks :]
+        pi = self.pi[..., self.sinks :]
         # ineligible tokens at inf, above any eligible one (torch.where: one pass a table)
         young = held > p - self.window
-        low = torch.where(young, math.inf, score)
+        low = torch.where(young, math.inf, pi)
         least = low.amin(-1, keepdim=True)
         # of the lowest, the oldest (the others at a position above any)
         oldest = torch.where(low > least, 2**62, held)
@@ -209,14 +209,14 @@ class KVCache:
     def put(self, layer, slot, k, v, pos):
         """One layer's newcomer key and value (and a static policy's priority) into its slot (B, H,
         1)."""
-        keys, values, score = self.layer[layer]  # (B, H, slots, D), (B, H, D, slots), (B, H, slots)
+        keys, values, held_pi = self.layer[layer]  # (B, H, slots, D), (B, H, D, slots), (B, H, slots)
         D = k.shape[-1]
         rows = slot[..., None].expand(-1, -1, 1, D)
         keys.scatter_(2, rows, k)
         values.scatter_(3, rows.mT, v.mT)
         if self.rule == "static":
             pi = self.priority(layer, k, v, pos)
-            score.scatter_(2, slot, pi)
+            held_pi.scatter_(2, slot, pi)
 
     def receive(self, layer, logits):
         """The newcomer d's attention over its window (d - w, d] alone, softmax there, its group's
@@ -233,7 +233,7 @@ class KVCache:
     def attention(self, layer, q):
         """The newcomer's attention (B, Hq, 1, D) over one layer's slots, empty ones masked, in slot
         order, in the cache's dtype; a dynamic policy updates its scores from it."""
-        keys, values, score = self.layer[layer]
+        keys, values, held_pi = self.layer[layer]
         batch, heads, _, D = keys.shape
         query = q.view(batch, heads, -1, D).mT
         query = query.to(keys.dtype)  # (B, H, D, G)
@@ -243,7 +243,7 @@ class KVCache:
         logits = logits.masked_fill(empty, -math.inf)
         attention = logits.softmax(-1)
         if self.rule == "dynamic":
-            self.priority(score, attention.mean(-2))
+            self.priority(held_pi, attention.mean(-2))
         if self.reads_received:
             self.receive(layer, logits)
         attention = attention.to(values.dtype)
@@ -252,7 +252,7 @@ class KVCache:
         return out.view(batch, -1, 1, D)
 
 
-def dynamic_scores(policy, q, k, lse):
+def dynamic_priorities(policy, q, k, lse):
     """h2o's and tova's prefill (B, H, T): what they hold after a prompt fed token by token without
     eviction, the group-mean attention each key received (h2o: from every query; tova: the last),
     from a causal pass's lse (B, Hq, T), 128 queries a time."""

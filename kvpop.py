@@ -60,7 +60,7 @@ def entries(size, charge, total):
 
 # ------------------------- the eviction rule, plainly: one KV head, one step (README, How it works)
 def evict(held, pi, p, budget):
-    """The position whose entry the newcomer p takes, of the positions `held` by a cache of `budget`:
+    """The position whose entry the newcomer p takes, of the positions `held` by a cache of budget:
     None while there is room, else the eligible token (sinks <= t <= p - window) with the lowest
     (pi[t], t)."""
     if len(held) < budget.slots:
@@ -110,15 +110,15 @@ def random_priority(layer, k, v, pos):
 STATIC = {"streaming": streaming, "knorm": knorm, "random": random_priority}
 
 
-# Scores that change with every query, the online cache only: how each updates the held tokens'
-# scores (B, H, slots) with the newcomer's attention (B, H, slots), a group mean. h2o accumulates,
+# Priorities that change with every query, the online cache only: how each updates the held
+# tokens' pi (B, H, slots) by the newcomer's attention (B, H, slots), a group mean. h2o accumulates,
 # tova keeps the last query's.
-def h2o(score, attention):
-    score.add_(attention)
+def h2o(pi, attention):
+    pi.add_(attention)
 
 
-def tova(score, attention):
-    score.copy_(attention)
+def tova(pi, attention):
+    pi.copy_(attention)
 
 
 DYNAMIC = {"h2o": h2o, "tova": tova}
@@ -221,7 +221,7 @@ class Scorer(Module):
         self.window, self.arrival = window, arrival
         self.d_mem, self.d_hidden = d_mem, d_hidden
         self.meta = {}  # what it was trained for (train.py)
-        # gamma_h = softplus(theta_h): gamma at the start; then the kind's parameters (read-out last)
+        # gamma_h = softplus(theta_h): gamma at the start; the kind's parameters (read-out last)
         self.theta = self.const(math.log(math.expm1(gamma)))
         self.build()
 
@@ -490,7 +490,7 @@ class MemoryScorer(Scorer):
         return rms(u @ memory.mT / divisor)
 
     def recurrent(self, layer, x):
-        """The plain recurrence, the definition: r (B, H, T) of x a token at a time, the last state."""
+        """The plain recurrence, the definition: r (B, H, T) of x a token at a time; last state."""
         T = x.shape[2]
         k, v, u = self.project(layer, x)  # (B, H, T, M)
         log_input, log_forget = self.gates(layer, x)
@@ -534,7 +534,7 @@ class MemoryDecoder(Decoder):
         return r + self.scorer.recency(layer, pos.to(r.dtype))
 
     def leaving(self, p):
-        """Each layer's memory takes token p - 1 (unless the prompt gave it; its key of p - 2 .. p - 1
+        """Each layer's memory takes token p - 1 (unless the prompt gave it; its key of p - 2, p - 1
         as its kind writes), then t = p - w reads it (t < 0: dropped)."""
         scorer, t = self.scorer, p - self.cache.window
         written = torch.arange(max(int(p) - 2, 0), int(p), device=p.device)
@@ -591,6 +591,7 @@ def boundary_loss(pi, teacher, qs, budgets, layers=1, allsum=None):
     return loss, hits
 
 
-# -------------------------------------------------- a scorer on disk (support/checkpoint.py's files)
-def load_scorer(folder):  # frozen, its class from SCORERS, on its definitions (fast.speed_up: faster)
+# ------------------------------------------------- a scorer on disk (support/checkpoint.py's files)
+# frozen, its class from SCORERS, on its definitions (fast.speed_up: faster)
+def load_scorer(folder):
     return read_scorer(folder, SCORERS)

@@ -482,7 +482,7 @@ def _check_scorer_against(small_model, s, ref, T, seed, tol, cache=True):
     for t in range(T):
         small_model(idx[:, t : t + 1], cache=cache)
     for i, (k, v) in enumerate(kv):  # the cache scores t = p - w at step p: tokens up to T - 1 - w
-        got = cache.score[i][..., : T - w].double()
+        got = cache.pi[i][..., : T - w].double()
         assert (got - ref(s, i, k, v)[..., : T - w]).abs().max().item() <= tol
 
 

@@ -265,7 +265,7 @@ def _scorers(config, window):  # every kind (kvpop-window and kvpop-shifted read
 
 def _held(cache):  # positions held per (layer, row, head), sorted, and the scores in that order
     pos, order = cache.pos.sort(-1)
-    return pos, cache.score.gather(-1, order)
+    return pos, cache.pi.gather(-1, order)
 
 
 # ---------------------------------------------------------------------------------------------------------

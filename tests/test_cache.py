@@ -37,15 +37,15 @@ def test_cache_victims_are_the_plain_rule_per_layer(small_model):
     L, B, H, S = cache.pos.shape
     for p in (60, 77, 200):
         cache.pos.copy_(torch.stack([torch.randperm(p - 9, generator=g)[:S] for _ in range(L * B * H)]).view(L, B, H, S))
-        cache.score.copy_(torch.randint(0, 4, (L, B, H, S), generator=g).float())
+        cache.pi.copy_(torch.randint(0, 4, (L, B, H, S), generator=g).float())
         # the lowest priorities on a sink and on token p - w + 1: the rule must pass over them
-        cache.score[..., 0], cache.score[..., -1], cache.pos[..., -1] = -2.0, -1.0, p - 7
-        cache.score[..., -2], cache.pos[..., -2] = -0.5, p - 8  # token p - w: eligible
+        cache.pi[..., 0], cache.pi[..., -1], cache.pos[..., -1] = -2.0, -1.0, p - 7
+        cache.pi[..., -2], cache.pos[..., -2] = -0.5, p - 8  # token p - w: eligible
         slots = cache.lowest(p)
         for i in range(L):
             for b in range(B):
                 for h in range(H):
-                    pos, score = cache.pos[i, b, h].tolist(), cache.score[i, b, h].tolist()
+                    pos, score = cache.pos[i, b, h].tolist(), cache.pi[i, b, h].tolist()
                     pool = [j for j in range(3, S) if pos[j] <= p - 8]
                     want = min(pool, key=lambda j: (score[j], pos[j]))
                     assert slots[i, b, h, 0].item() == want
@@ -151,11 +151,11 @@ def test_decoding_step_copies_no_cache(small_model, policy, dtype):
     for n in (1024, 4096):
         cache = KVCache(net, 1, n, pol, 4, 8)
         bench.fill(cache, n - 1 if policy == "full" else 4 * n)
-        bufs = [x.data_ptr() for x in (cache.k, cache.v, cache.pos, cache.score)]
+        bufs = [x.data_ptr() for x in (cache.k, cache.v, cache.pos, cache.pi)]
         with torch.no_grad(), bench.Meter() as meter:
             for _ in range(2):
                 net(torch.tensor([[5]]), cache=cache)
-        assert bufs == [x.data_ptr() for x in (cache.k, cache.v, cache.pos, cache.score)]
+        assert bufs == [x.data_ptr() for x in (cache.k, cache.v, cache.pos, cache.pi)]
         peaks.append(meter.peak)
     assert 0 < peaks[1] - peaks[0] < (4096 - 1024) * H * D * dtype.itemsize, peaks
 
