@@ -66,7 +66,8 @@ window = preset("window", CODE_WINDOW if code else 256 if qwen else 32)
 # a scorer folder names its kind (a --scorer without scorer.json: said below)
 kind_file = os.path.join(scorer, "scorer.json")
 named = scorer and os.path.isfile(kind_file)
-policy = preset("policy", str(read_json(kind_file).get("kind", "")) if named else policy)
+scorer_kind = str(read_json(kind_file).get("kind", "")) if named else ""
+policy = preset("policy", scorer_kind or policy)
 policy = preset("policy", "streaming" if qwen and not scorer else policy)
 
 
@@ -85,6 +86,8 @@ check_seed(seed)
 check_budget(budget)
 need(sinks >= 0, f"--sinks {sinks}: use 0 or more")
 need(window >= 1, f"--window {window}: use 1 or more")
+research = f"holds a {scorer_kind} scorer, a kind sample.py does not load (experiments/: bench.py)"
+need(not scorer_kind or scorer_kind in SCORERS, f"--scorer {scorer} {research}")
 learned = ", ".join(SCORERS)
 why = f"only a learned --policy ({learned}) reads one; drop --scorer or choose one of those"
 need(not scorer or policy in SCORERS, f"--scorer {scorer}: {why}")

@@ -73,8 +73,9 @@ BAD_FLAGS = [
     ("sample.py", ["--policy", "full", "--budget", "0.5"], ["--policy full never evicts"]),
     ("sample.py", ["--sinks", "-1"], ["--sinks -1"]),
     ("sample.py", ["--sinks", "a"], ["--sinks", "integer"]),
-    # 0: the default (the scorer's, or 32 / 256)
+    # its default: 32, a learned scorer's own, codebaby's 192 or a real Qwen3's 256
     ("sample.py", ["--window", "-2"], ["--window -2"]),
+    ("sample.py", ["--window", "0"], ["--window 0"]),
     ("sample.py", ["--policy", "kvpop", "--scorer", "/nonexistent/scorer"], ["--policy kvpop", "/nonexistent/scorer"]),
     ("sample.py", ["--policy", "kvpop-mlp"], ["--policy kvpop-mlp needs --scorer"]),
     (

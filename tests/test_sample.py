@@ -325,3 +325,14 @@ def test_bench_quality_plain_gives_the_same_table(tmp_path):
         rows.append(json.loads(out.read_text()))
     assert rows[0] == rows[1]
     assert {"kvpop", "kvpop-window", "kvpop-mlp"} <= {row["policy"] for row in rows[0]}
+
+
+def test_sample_refuses_a_research_kind_it_does_not_load():
+    """A scorer folder of kvpop-shifted, registered only by experiments/shifted.py (bench.py imports it): sample.py,
+    which imports no research, says so in one line and exits 1, before any weight loads."""
+    folder = os.path.join("baby", "scorers", "recall-helpful", "kvpop-shifted")
+    args = [sys.executable, "sample.py", "--budget", "0.25", "--scorer", folder]
+    r = subprocess.run(args, cwd=HERE, capture_output=True, text=True)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "kvpop-shifted scorer" in r.stderr and "experiments/" in r.stderr
+
