@@ -23,7 +23,6 @@ from cache import KVCache
 # registers the research kind kvpop-shifted, whose scorers ship
 from experiments import shifted  # noqa: F401
 from support import baby_tasks, checkpoint, flags, gpus
-from support.corpus import CODE_LENGTH, code_held_out
 from tools import bench_runs
 from tools.measures import code_runs, code_table, read_on
 

@@ -8,7 +8,6 @@ python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" 
 
 import os
 import time
-import types
 
 # before torch loads: large tensors on 2 MB pages (fewer TLB misses as a step streams the cache)
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
