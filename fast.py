@@ -11,7 +11,9 @@ import types
 import torch
 from torch.nn.functional import pad, silu, softplus
 
+import kernels
 import kvpop
+from support import gpus
 from kvpop import EPS, rms
 
 
@@ -330,6 +332,104 @@ class FoldedMemory(kvpop.Decoder):
 # kvpop.MemoryScorer.parallel in chunks
 def chunked_parallel(scorer, layer, x):
     return chunked(scorer, layer, x)[0]
+
+
+# ------------------------------------------------------------ the frozen model's pass, dense
+ROWS = 256  # the dense pass's queries a block: memory O(B Hq ROWS T)
+
+
+def dense_layer(q, k, v, window, reduce, received, output=True):
+    """One layer's attention out (B, Hq, T, D) and lse (B, Hq, T) (kernels.attention), the
+    future-attention reduce of p[d, t] over d >= t + w (kernels.future_attention's, before the
+    log) and a[t] (kernels.window_received), (B, Hkv, G, T) and (B, Hkv, T), from one dense score block a ROWS
+    queries: p[d, t] = exp(s[d, t] - lse[d]) serves the output and the target, the band
+    (d - w, d] of the same scores a[t]. reduce None: no target (helpful: it needs the logits);
+    output False: no out (None)."""
+    (B, Hq, T, D), Hkv = q.shape, k.shape[1]
+    G = Hq // Hkv
+    q = kernels.wide(q).view(B, Hkv, G, T, D) * D**-0.5
+    k, v = kernels.wide(k), kernels.wide(v)  # (B, Hkv, T, D)
+    out = torch.empty_like(q) if output else None
+    lse = q.new_empty(q.shape[:-1])  # (B, Hkv, G, T)
+    future = torch.zeros_like(lse)  # the running max or sum over queries (B, Hkv, G, T)
+    a = q.new_zeros(B, Hkv, T)  # the running max of the window's reads, over the group
+    pos = torch.arange(T, device=q.device)
+    for i in range(0, T, ROWS):
+        end = min(i + ROWS, T)
+        M = end - i
+        rows, cols = pos[i:end].repeat(G)[:, None], pos[:end]  # (G M, 1), (end,)
+        # the block's scores, the group's query heads one after another, causal, and softmax
+        s = q[..., i:end, :].flatten(2, 3) @ k[..., :end, :].mT  # (B, Hkv, G M, end)
+        s[..., i:].masked_fill_(cols[i:] > rows, -math.inf)
+        p = s.softmax(-1)
+        if output:
+            out[..., i:end, :] = (p @ v[..., :end, :]).unflatten(2, (G, M))
+        if reduce is None:  # helpful's target reads lse later
+            lse[..., i:end] = s.logsumexp(-1).unflatten(2, (G, M))
+        # keys before `first` are past the window of every query of the block
+        first = max(i - window + 1, 0)
+        band = rows - cols[first:] < window  # (G M, end - first): inside the window
+        # the target: the reads from past the window, a running max or sum over queries
+        if reduce is not None:
+            near = p[..., first:].masked_fill(band, 0)
+            reads = [x.unflatten(2, (G, M)) for x in (p[..., :first], near)]
+            if reduce == "max":
+                reads = torch.cat([x.amax(-2) for x in reads], -1)  # (B, Hkv, G, end)
+                future[..., :end] = torch.maximum(future[..., :end], reads)
+            else:
+                future[..., :end] += torch.cat([x.sum(-2) for x in reads], -1)
+        # a[t]: each query's softmax over its own window (d - w, d], of the same scores
+        if received:
+            inside = band & (cols[first:] <= rows)
+            read = s[..., first:].masked_fill(~inside, -math.inf)
+            read = read.softmax(-1).amax(-2)  # (B, Hkv, end - first)
+            a[..., first:end] = torch.maximum(a[..., first:end], read)
+    out = out.view(B, Hq, T, D) if output else None
+    return out, lse.view(B, Hq, T), future, a
+
+
+class Seen(Exception):
+    """Raised by the last layer's attention in dense_targets: the rest of the pass (its output,
+    o_proj, the MLP) computes nothing a target or a[t] reads."""
+
+
+@torch.no_grad()
+def dense_targets(model, idx, window, target=kvpop.TARGETS[0], received=False):
+    """kvpop.dense_targets by one dense pass a layer (dense_layer): the output, the max and mean
+    targets and a[t] from the same scores; helpful's target after the logits, as kvpop's. The
+    Triton kernels' device: kvpop.dense_targets."""
+    if gpus.runs(idx):
+        return kvpop.dense_targets(model, idx, window, target, received)
+    reduce = kvpop.REDUCE[target] if target != "helpful" else None
+    seen, targets = [], []
+    T = idx.shape[1]
+    n = T - window - torch.arange(T, device=idx.device)  # N_t
+    last = model.config.num_hidden_layers - 1
+
+    def attn(layer, q, k, v, pos):
+        done = layer == last and reduce is not None  # no logits wanted: the pass ends here
+        out, lse, future, a = dense_layer(q, k, v, window, reduce, received, not done)
+        seen.append((q, k, v, lse, a))
+        if reduce == "mean":
+            future = future / n.clamp(min=1)
+        # log(eps + A), eps = kernels.future_attention's; the group's max
+        r = torch.log(1e-6 + future).amax(2)
+        targets.append(r.masked_fill(n <= 0, -math.inf))
+        if done:
+            raise Seen
+        return out.to(q.dtype)
+
+    try:
+        logits = model(idx, attn=attn, logits=target == "helpful")
+    except Seen:
+        logits = None
+    if target == "helpful":  # weighs each read by P[d]: lse[d] - log P[d]
+        weight = kvpop.next_logp(logits, idx)
+        reads = [(q, k, lse - weight) for q, k, _, lse, _ in seen]
+        targets = [kernels.future_attention(*r, window, reduce="max") for r in reads]
+    if received:
+        return [(k, v, a) for _, k, v, _, a in seen], targets
+    return [(k, v) for _, k, v, _, _ in seen], targets
 
 
 # the kinds' fast decoding forms and whole-sequence forms; a kind not named runs its definition

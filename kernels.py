@@ -8,6 +8,7 @@ fp32 (fp64 for fp64 inputs on the torch paths).
 
 """
 
+import heapq
 import math
 
 import torch
@@ -282,46 +283,22 @@ def _evict_torch(priority, sinks, window, pool):
     order = (T - 1) - flipped.sort(dim=1, descending=True, stable=True).indices
     sinks_last = (order < sinks).to(torch.uint8).sort(dim=1, stable=True).indices
     order = order.gather(1, sinks_last)
-    # Fenwick tree over positions (index u + 1), size a power of two; cells[u] lists the cells that
-    # an insert of u touches, padded with the unused cell 0: one scatter inserts a token a head
-    size = 1 << max(T - 1, 1).bit_length()
-    cell = pos + 1
-    cells = []
-    while len(cells) < size.bit_length():
-        cells.append(torch.where(cell <= size, cell, 0))
-        cell = cell + (cell & -cell)
-    cells = torch.stack(cells, 1)  # (T, levels)
-    tree = torch.zeros(heads, size + 1, dtype=torch.long, device=device)
-    # Visits go a chunk at a time (one Python step a chunk, not a token): token j of a chunk sees
-    # the tree plus the chunk's tokens before it, which binary lifting adds to each Fenwick cell it
-    # reads (cell `reach` covers prefix + 1 .. reach).
-    chunk = 64
-    eligible = T - sinks
-    # [j, j2]: j2 visited before j
-    before = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril(-1)
-    for start in range(0, eligible, chunk):
-        t = order[:, start : min(start + chunk, eligible)]  # (B * H, width)
-        width = t.shape[1]
-        index = (t + 1)[:, None, :]
-        # prefix: the largest with a count of better tokens < pool
-        prefix = torch.zeros_like(t)
-        remaining = torch.full_like(t, pool)
-        bit = size // 2
-        while bit:
-            reach = prefix + bit
-            inside = (index > prefix[:, :, None]) & (index <= reach[:, :, None])
-            inside = inside & before[:width, :width]  # (B * H, width, width)
-            count = tree.gather(1, reach) + inside.sum(-1)
-            go = count < remaining
-            prefix = torch.where(go, reach, prefix)
-            remaining = remaining - count * go
-            bit = bit // 2
-        # tokens visited before: fewer than pool means never evicted
-        better = start + torch.arange(width, device=device)
-        leave = (torch.maximum(t, prefix) + window).clamp(max=T)
-        e.scatter_(1, t, torch.where(better >= pool, leave, T))
-        ones = torch.ones(heads, width * cells.shape[1], dtype=torch.long, device=device)
-        tree.scatter_add_(1, cells[t].view(heads, -1), ones)
+    # u_pool(t) is the pool-th smallest position visited before t: a max-heap (of -u) keeps the
+    # pool smallest visited so far, a head at a time
+    rows = order[:, : T - sinks].tolist()
+    times = e.tolist()
+    for row, visits in zip(times, rows):
+        heap = []
+        for t in visits:
+            if len(heap) < pool:  # fewer than pool better tokens: never evicted
+                row[t] = T
+                heapq.heappush(heap, -t)
+                continue
+            u_pool = -heap[0]
+            row[t] = min(max(t, u_pool) + window, T)
+            if t < u_pool:
+                heapq.heapreplace(heap, -t)
+    e = torch.tensor(times, device=device)
     return e.view(batch, H, T)
 
 

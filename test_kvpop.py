@@ -306,6 +306,50 @@ def test_window_received_is_its_definition(window):
         assert torch.equal(got, torch.ones_like(got))
 
 
+@pytest.mark.parametrize("target", kvpop.TARGETS)
+def test_dense_pass_is_its_definition(target, monkeypatch):
+    """fast.dense_targets (training's one dense pass a layer) against the definitions written from the README in
+    fp64: each layer's k, v (the causal pass through p = softmax), r* (Method: future attention) and a[t]
+    (Method: scorers), on a model of 3 layers (its last ends the pass early) and a group of 2 query heads, in blocks
+    of 16 queries (the last partial)."""
+    monkeypatch.setattr(fast, "ROWS", 16)
+    torch.manual_seed(0)
+    c = qwen3.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )
+    net = qwen3.Qwen3(c).double().eval()
+    idx = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    window, T, G = 6, 40, 2
+    seen = []
+
+    def attn(i, q, k, v, pos):  # the dense causal softmax, p[d, t]
+        s = q @ k.repeat_interleave(G, 1).mT / math.sqrt(8)
+        p = s.masked_fill(torch.ones(T, T).triu(1).bool(), -math.inf).softmax(-1)
+        seen.append((q, k, v, p))
+        return p @ v.repeat_interleave(G, 1)
+
+    with torch.no_grad():
+        logits = net(idx, attn=attn)
+    logp = logits.log_softmax(-1)[:, :-1].gather(-1, idx[:, 1:, None])[..., 0]  # log P[d], d < T - 1
+    P = torch.cat([logp.exp(), torch.zeros(2, 1, dtype=torch.float64)], 1)[:, None, :, None]  # P[T - 1] = 0
+    kv, rs = fast.dense_targets(net, idx, window, target, received=True)
+    assert len(kv) == len(rs) == 3
+    d, t = torch.arange(T)[:, None], torch.arange(T)
+    n = T - t - window  # N_t
+    for (q, k, v, p), (k2, v2, a), r in zip(seen, kv, rs):
+        assert (k - k2).abs().max() <= 1e-12 and (v - v2).abs().max() <= 1e-12
+        reads = (p * P if target == "helpful" else p) * (d >= t + window)  # (B, Hq, queries, keys)
+        A = reads.sum(2) / n.clamp(min=1) if target == "mean" else reads.amax(2)
+        ref = torch.log(1e-6 + A).view(2, 2, G, T).amax(2).masked_fill(n <= 0, -math.inf)
+        assert torch.equal(r.isinf(), ref.isinf())
+        # the helpful target's future attention runs in fp32 (kernels.future_attention), the rest in fp64
+        tol = 1e-5 if target == "helpful" else 1e-12
+        assert (r - ref)[ref.isfinite()].abs().max() <= tol
+        if target == "max":  # a[t] is read the same under every target
+            assert (a - _ref_window_received(q, k, window)).abs().max() <= 1e-12
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the learned scorers: each kind's equations, its decoding forms, the chunked form against the recurrence
 

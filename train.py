@@ -277,7 +277,7 @@ def held_out(evaluated, tok, pol, texts, budgets):
     qs = query_positions(seq_len, 0, budgets)
     with torch.no_grad():
         held = texts[1].to(device)
-        kv, rs = kvpop.dense_targets(evaluated, held, window, target, pol.received)
+        kv, rs = fast.dense_targets(evaluated, held, window, target, pol.received)
         loss, acc = scorer_loss(pol, kv, rs, qs, budgets)
     return f"held-out boundary loss {loss:.4f}, keep/drop accuracy {acc:.3f}"
 
@@ -347,7 +347,7 @@ def train():
             kl, loss, acc = finetune_loss(student, net, scorer, idx, qs, *args)
         else:
             # the scorer on the frozen model's keys, values and targets
-            kv, rs = kvpop.dense_targets(net, idx, window, target, scorer.received)
+            kv, rs = fast.dense_targets(net, idx, window, target, scorer.received)
             kl, (loss, acc) = 0.0, scorer_loss(scorer, kv, rs, qs, budgets, ddp)
         for m, o in opts.items():
             torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
