@@ -438,7 +438,7 @@ def _ref_head(P, h, x, z, t):
     return hid @ P["w2"][h] + P["b2"][h] + torch.nn.functional.softplus(P["theta"][h]) * t
 
 
-def _ref_mlp_scores(s, i, k, v):
+def _ref_mlp_scores(s, i, k, v, a=None):
     """kvpop-mlp from its definition, token by token in fp64: r = head(x_t, nothing) + softplus(theta) t."""
     P = {name: p[i].double() for name, p in s.named_parameters()}
     x = torch.cat([k, v], -1).double()
@@ -450,7 +450,7 @@ def _ref_mlp_scores(s, i, k, v):
     return r
 
 
-def _ref_mlstm_scores(s, i, k, v):
+def _ref_mlstm_scores(s, i, k, v, a=None):
     """kvpop from the README's equations, token by token in fp64, unstabilised: x = rms([k; v]); the
     memory reads every token q, C = f C + i v' k'^T, n = f n + i k' (k' = W_k x / sqrt(M), kvpop-shifted's of
     the token before q, v' = W_v
@@ -506,36 +506,50 @@ def test_mlp_scorer_equals_its_definition(small_model):
 
 def _check_scorer_against(small_model, s, ref, T, seed, tol, cache=True):
     """A scorer's parallel form (one chunk, several, chunks shorter than the window) and the scores the evicting
-    cache gives each token as it leaves the window, against ref(s, i, k, v) -> (B, H, T); every parameter moved
-    from its start (biases start at 0) by 0.1 randn first."""
+    cache gives each token as it leaves the window, against ref(s, i, k, v, a) -> (B, H, T), a (B, H, T) the
+    attention each token received (None unless the scorer reads it); every parameter moved from its start (biases
+    start at 0) by 0.1 randn first."""
     w = s.window
     with torch.no_grad():
         for p in s.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + p.numel())))
     idx = torch.randint(0, 384, (2, T), generator=torch.Generator().manual_seed(seed))
-    kv = kvpop.dense_targets(small_model, idx, w)[0]
+    qkv = []
+
+    def attn(i, q, k, v, pos):
+        qkv.append((q, k, v))
+        return qwen3.causal(i, q, k, v, pos)
+
+    with torch.no_grad():
+        small_model(idx, attn=attn)
+    # each layer's (k, v) and, for a scorer that reads it, a[t] from its definition (_ref_window_received)
+    a = [_ref_window_received(q, k, w) if s.received else None for q, k, _ in qkv]
+    kv = [(k, v) for _, k, v in qkv]
     for i, (k, v) in enumerate(kv):
-        want = ref(s, i, k, v)
+        want = ref(s, i, k, v, a[i])
         for chunk in (128, 16, 5):
             s.chunk = chunk
-            assert (s(i, k, v, torch.arange(T)).double() - want).abs().max().item() <= tol, chunk
+            got = s(i, k, v, torch.arange(T), a[i])
+            assert (got.double() - want).abs().max().item() <= tol, chunk
     if not cache:
         return
-    # room for all: every token stays in its slot t
+    # room for all: every token stays in its slot t; the cache measures a[t] itself
     cache = KVCache(small_model, 2, T, s, 4, w)
     for t in range(T):
         small_model(idx[:, t : t + 1], cache=cache)
     for i, (k, v) in enumerate(kv):  # the cache scores t = p - w at step p: tokens up to T - 1 - w
         got = cache.pi[i][..., : T - w].double()
-        assert (got - ref(s, i, k, v)[..., : T - w]).abs().max().item() <= tol
+        assert (got - ref(s, i, k, v, a[i])[..., : T - w]).abs().max().item() <= tol
 
 
-def _ref_window_scores(s, i, k, v):
+def _ref_window_scores(s, i, k, v, received=None):
     """kvpop-window from its definition (README, Method: scorers), token by token in fp64: x =
     rms([k; v]); read a of token t attends over o = 1..min(n, T - 1 - t), n = min(w - 1, ahead), with
     logits (W_q x_t)_a . (W_k x_{t+o})_a / sqrt(d) + b_a[o] and pools z_a = sum_o softmax * (W_v
     x_{t+o})_a (zeros with nothing after t); r = w_2 . silu(W_1 [x_t; z] + b_1) + b_2 +
-    softplus(theta) t. k, v (B, H, T, D) -> (B, H, T)."""
+    softplus(theta) t. With --received the read-out also takes log a[t] (received (B, H, T), the
+    attention t received in its window), after x_t in W_1's rows: W_1 [x_t; log a[t]; z]; the reads
+    see x alone. k, v (B, H, T, D) -> (B, H, T)."""
     P = {name: p[i].double() for name, p in s.named_parameters()}
     x = torch.cat([k, v], -1).double()
     x = x / (x.pow(2).mean(-1, keepdim=True) + kvpop.EPS).sqrt()
@@ -560,19 +574,23 @@ def _ref_window_scores(s, i, k, v):
                     )
                     p = logit.softmax(0)
                     z.append(sum((p[j] * (x[b, h, t + o] @ wv) for j, o in enumerate(after)), torch.zeros(d)))
-                r[b, h, t] = _ref_head(P, h, x[b, h, t], torch.cat(z), t)
+                token = x[b, h, t]
+                if s.received:  # log a[t] joins the token's features in the read-out
+                    token = torch.cat([token, received[b, h, t, None].double().log()])
+                r[b, h, t] = _ref_head(P, h, token, torch.cat(z), t)
     return r
 
 
-# reads over the whole window; over its first 4 tokens
-@pytest.mark.parametrize("w, ahead", [(6, 32), (9, 4)])
-def test_window_scorer_equals_its_definition(small_model, w, ahead, monkeypatch):
+# reads over the whole window; over its first 4 tokens; the read-out also reading log a[t] (--received)
+@pytest.mark.parametrize("w, ahead, received", [(6, 32, False), (9, 4, False), (6, 32, True)])
+def test_window_scorer_equals_its_definition(small_model, w, ahead, received, monkeypatch):
     """kvpop-window's parallel form (one chunk, several, chunks shorter than the window) and the
     scores the evicting cache gives each token as it leaves the window (its folded form), against
-    the definition token by token."""
+    the definition token by token; with --received, a[t] from its definition too."""
     monkeypatch.setattr(kvpop.WindowScorer, "ahead", ahead)
     torch.manual_seed(2)
-    s, T = kvpop.SCORERS["kvpop-window"](small_model.config, w, d_hidden=8), 40
+    kind = kvpop.SCORERS["kvpop-window"]
+    s, T = kind(small_model.config, w, d_hidden=8, received=received), 40
     with torch.no_grad():  # reads that matter: content and offset both move the softmax
         s.bo.normal_(0, 2), s.wq.mul_(2)
     _check_scorer_against(small_model, s, _ref_window_scores, T, seed=4, tol=1e-5)

@@ -90,6 +90,43 @@ def test_bench_quality_target_reaches_the_oracle(tmp_path, baby):
     assert len({got[t]["kl"] for t in got}) == 3
 
 
+def test_bench_quality_ref_judges_every_row_kind(tmp_path, baby):
+    """bench.py quality --model M --ref R (a fine-tune's rows) judges every kind of row against the dense model
+    before, R: full's and streaming's, and the oracle's and a scorer's (the README's fine-tune row is one of these),
+    each the row tasks.quality_runs gives for M against R, on bench's held-out sequences (the command line, run as
+    a user runs it). Judged against M itself, the oracle's and the scorer's KL differ: --ref is what they read."""
+    import fast
+
+    ref, tok = baby
+    torch.manual_seed(0)
+    tuned = qwen3.Qwen3.from_pretrained(MODEL_DIR, dtype=torch.float32)
+    with torch.no_grad():  # a stand-in for a fine-tune: the baby's weights moved
+        for p in tuned.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    tuned.save_pretrained(str(tmp_path / "tuned"))
+    folder = os.path.join("baby", "scorers", "recall-helpful", "kvpop-window")
+    out = tmp_path / "q.json"
+    args = ["--model", str(tmp_path / "tuned"), "--ref", MODEL_DIR, "--policies", "full,streaming,oracle"]
+    args += ["--scorer", folder, "--target", "helpful", "--n", "2", "--budgets", "0.25", "--json", str(out)]
+    r = run("bench.py", "quality", *args)
+    assert r.returncode == 0, r.stderr
+    got = {(row["target"], row["policy"]): row for row in json.loads(out.read_text())}
+    # the rows by their definition: the tuned model's runs judged against the dense model before
+    seqs = baby_tasks.held_out_batch(tok, "recall", 2, 512)
+    learned = fast.speed_up(kvpop.load_scorer(os.path.join(HERE, folder)))  # as bench runs it
+    cache = ([0.25], 4, 32)
+    heuristics = tasks.quality_runs(tuned, *seqs, ["streaming"], *cache, ref=ref)[0]
+    for row in heuristics:  # full's, streaming's
+        assert {k: got["-", row["policy"]][k] for k in row} == row, row["policy"]
+    policies = ["oracle", learned]
+    want = tasks.quality_runs(tuned, *seqs, policies, *cache, ref=ref, target="helpful")[0][1:]
+    alone = tasks.quality_runs(tuned, *seqs, policies, *cache, target="helpful")[0][1:]
+    for row, own in zip(want, alone):  # the oracle's, the scorer's
+        assert {k: got["helpful", row["policy"]][k] for k in row} == row, row["policy"]
+        assert own["kl"] != row["kl"], row["policy"]
+    assert len(got) == 4
+
+
 def test_bench_speed_rows_count_the_bytes_a_step_reads(tmp_path, monkeypatch, capsys):
     """bench.py speed on a small checkpoint: rows for every policy and budget, with KV + scorer
     state inside the budget's share of full and the ideal speedup recomputed here from the

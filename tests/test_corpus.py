@@ -676,3 +676,39 @@ def test_student_measures_score_the_teacher_and_streaming_as_they_must():
     assert all(row["overlap"] == pytest.approx(row["recent"]) for row in rows)
     # a head whose teacher keeps far tokens
     assert any(row["recent"] < 0.5 for row in rows)
+
+
+def test_student_measures_count_the_pools_exactly(monkeypatch):
+    """experiments/student.py's overlap and recent share on a hand-built teacher and student, one layer and head,
+    sinks 2, window 4, pool 4, T 20: at the last query (19) the eligible tokens are 2..15 and each pool is the 4 best
+    of them (README, Method: eviction times). The teacher ranks 15, 12, 11, 3 (then 9): its pool {3, 11, 12, 15}.
+    The student ranks 5, 3, 11, 15 (then 12, which 15 evicts at the last query): its pool {3, 5, 11, 15} holds 3 of
+    the teacher's; streaming's pool is the newest 4, {12, 13, 14, 15}, 2 of them. Each set one token larger or
+    smaller (a pool of 3 or 5, the eligible tokens one off, a token evicted at the last query counted) gives another
+    share."""
+    from experiments import student
+
+    T, window, pool = 20, 4, 4
+    r, pi = torch.zeros(1, 1, T), torch.zeros(1, 1, T)
+    for rank, t in enumerate([15, 12, 11, 3, 9]):  # the teacher's r*, best first
+        r[..., t] = 5.0 - rank
+    for rank, t in enumerate([5, 3, 11, 15, 12]):  # the student's priorities, best first
+        pi[..., t] = 5.0 - rank
+    kv = torch.zeros(1, 1, T, 8)
+    # the teacher's targets, as the dense pass would give them
+    monkeypatch.setattr(kvpop, "dense_targets", lambda *args: ([(kv, kv)], [r]))
+    monkeypatch.setattr(student, "sinks", 2)
+
+    class Hand:
+        received = False
+
+        def recency(self, layer, pos):  # no recency: the priorities as given
+            return 0.0 * pos
+
+        def __call__(self, layer, k, v, pos):
+            return pi
+
+    idx = torch.zeros(1, T, dtype=torch.long)
+    (row,) = student.measure(None, Hand(), idx, window, pool, "max")
+    assert (row["layer"], row["head"]) == (0, 0)
+    assert row["overlap"] == 3 / 4 and row["recent"] == 2 / 4
