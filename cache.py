@@ -2,16 +2,19 @@
 fast form of one decoding step (README, How it works). It only evicts: slots, positions, priorities,
 the rule (`lowest`), put, attention, prefill. A learned policy's decoder (its kind's `decoding`:
 kvpop.py's definition, or fast.py's form) gives it the priority of each token as it leaves the
-window; the cache knows no scorer's kind. First, how it reads a policy.
+window; the cache knows no scorer's kind. Under kernels.PLAIN (--plain) it takes every token a step
+at a time, no prefill, and chooses by kvpop.evict itself, a head at a time (`by_rule`). First, how
+it reads a policy.
 
 """
 
+import itertools
 import math
 
 import torch
 
 import kernels
-from kvpop import DYNAMIC, POLICIES, STATIC, Budget, Scorer, masked_attention
+from kvpop import DYNAMIC, POLICIES, STATIC, Budget, Scorer, evict, masked_attention
 
 
 def resolve(policy):
@@ -49,6 +52,7 @@ class KVCache:
         self.rule, self.priority = resolve(policy)
         self.policy, self.slots = policy, slots
         self.sinks, self.window = sinks, window
+        self.plain = kernels.PLAIN  # the rule by kvpop.evict, every token a step
         self.budget = Budget(sinks, window, slots - sinks - window)
         self.t = torch.tensor(0, device=param.device)
         learned = self.rule == "learned"
@@ -78,10 +82,10 @@ class KVCache:
         entry = self.k.numel() * self.k.element_size()
         return 2 * entry + state
 
-    # can T > 1 tokens come in one pass? (else the model feeds them one at a time)
+    # can T > 1 tokens come in one pass? (else the model feeds them one at a time; --plain: always)
     def whole(self, T):
         evicting = self.rule in ("static", "learned")
-        return int(self.t) == 0 and (T <= self.slots or evicting)
+        return int(self.t) == 0 and not self.plain and (T <= self.slots or evicting)
 
     # one layer: q (B, Hq, T, D), new k, v (B, H, T, D) at positions pos; inference only: no graph
     @torch.no_grad()
@@ -164,7 +168,7 @@ class KVCache:
             self.pi.scatter_(-1, leaving, r)
         # the next free slot while there is one, else the lowest eligible (both made: no branch)
         free = p.expand(*self.pos.shape[:3], 1)  # (L, B, H, 1)
-        lowest = self.lowest(p)
+        lowest = self.by_rule(p) if self.plain else self.lowest(p)
         slot = torch.where(p < self.slots, free, lowest)
         self.pos.scatter_(-1, slot, free)
         ring = (p % self.window).view(1)
@@ -187,6 +191,18 @@ class KVCache:
         # of the lowest, the oldest (the others at a position above any)
         oldest = torch.where(low > least, 2**62, held)
         return oldest.argmin(-1, keepdim=True) + self.sinks
+
+    def by_rule(self, p):
+        """`lowest`'s slots (L, B, H, 1) by kvpop.evict itself, a head at a time (--plain; it reads
+        the host, so no graph)."""
+        slot = torch.zeros_like(self.pos[..., :1])
+        for head in itertools.product(*map(range, self.pos.shape[:3])):
+            held = self.pos[head].tolist()  # a slot's position, -1: empty
+            pi = dict(zip(held, self.pi[head].tolist()))
+            taken = [t for t in held if t >= 0]
+            gone = evict(taken, pi, int(p), self.budget)  # None while there is room
+            slot[head] = held.index(gone) if gone is not None else 0
+        return slot
 
     # every layer's slots (L, B, H, n) of the window tokens at positions u (a tensor)
     def slot_of(self, u):

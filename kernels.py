@@ -1,10 +1,11 @@
 """KVpop kernels: causal attention under eviction times, the future-attention target, eviction
-times.
+times, the attention a token receives in its window, the boundary.
 Each operation is first defined in its plain O(T^2) form, the T x T map the README's formulas
 describe (README, Method: eviction times and Method: future attention). Then its fast form, one
 public function of the same signature: in torch, in tiles, never a T x T tensor; on a GPU (or on any
-tensor when TRITON_INTERPRET=1 was set before import), support/ gpus.py's Triton kernel. Sums run in
-fp32 (fp64 for fp64 inputs on the torch paths).
+tensor when TRITON_INTERPRET=1 was set before import), support/gpus.py's Triton kernel. Sums run in
+fp32 (fp64 for fp64 inputs on the torch paths). With PLAIN set (--plain), each public function runs
+its plain form instead.
 
 """
 
@@ -19,6 +20,7 @@ BLOCK = 128  # torch-path tile: extra memory is O(T * BLOCK) per head
 # finite start for running maxima: a fully masked tile gives exp(-inf - NEG) = 0, not nan (jit
 # kernels spell it out)
 NEG = -1e30
+PLAIN = False  # True (--plain): every public function below runs its plain form, the definition
 
 
 def wide(x):  # fp32, or fp64 for an fp64 input: every sum of the attention and the scorers
@@ -26,12 +28,13 @@ def wide(x):  # fp32, or fp64 for an fp64 input: every sum of the attention and 
 
 
 # ------ the definitions, plain O(T^2): what the fast forms below compute and bench.py kernels times
-def plain_attention(q, k, v, evict_at=None, sinks=0):
+def plain_attention(q, k, v, evict_at=None, sinks=0, scale=None):
     """Query i sees key t iff t <= i and (t < sinks or i < evict_at[t]): softmax over the visible
-    keys -> (out, lse)."""
+    keys, scores scaled by 1/sqrt(D) unless `scale` -> (out, lse)."""
     T, group = q.shape[2], q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     keys = k.float().repeat_interleave(group, 1)  # (B, Hq, T, D)
-    scores = q.float() @ keys.transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, Hq, T, T)
+    scores = q.float() @ keys.transpose(-1, -2) * scale  # (B, Hq, T, T)
     t = torch.arange(T, device=q.device)  # keys
     i = t[:, None]  # queries
     visible = t <= i
@@ -97,6 +100,19 @@ def plain_boundary(pi, e, q, budget):
     return keep, torch.where(worst == t_new, best_dropped, worst)
 
 
+def plain_window_received(q, k, window):
+    """a[t] = max over the group's query heads and d = t .. t + w - 1 of softmax_{u in (d - w,
+    d]}(q_d . k_u / sqrt(D))[t]."""
+    (batch, heads, T, D), kv_heads = q.shape, k.shape[1]
+    keys = wide(k).repeat_interleave(heads // kv_heads, 1)  # (B, Hq, T, D)
+    scores = wide(q) @ keys.mT * D**-0.5  # (B, Hq, T queries, T keys)
+    t = torch.arange(T, device=q.device)  # keys
+    d = t[:, None]  # queries
+    inside = (t <= d) & (t > d - window)
+    probs = scores.masked_fill(~inside, -math.inf).softmax(-1)
+    return probs.amax(2).view(batch, kv_heads, -1, T).amax(2)
+
+
 # ------------------ the fast forms: one public function each, tiled torch or a Triton kernel (gpus)
 def _check_qk(q, k, v=None):
     if q.dim() != 4 or k.dim() != 4:
@@ -127,6 +143,9 @@ def attention(q, k, v, evict_at=None, sinks=0, scale=None):
     _check_qk(q, k, v)
     if evict_at is not None:
         _check_heads(evict_at, "evict_at", tuple(k.shape[:3]), q.device)
+    if PLAIN:
+        out, lse = plain_attention(q, k, v, evict_at, sinks, scale)
+        return out.to(q.dtype), lse
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     args = (q, k, v, evict_at, sinks, scale)
     # the Triton kernel has no backward
@@ -190,6 +209,8 @@ def future_attention(q, k, lse, window, eps=1e-6, reduce="mean"):
         raise ValueError(f"window must be >= 0, got {window}")
     if reduce not in ("mean", "max"):
         raise ValueError(f"reduce must be mean or max, got {reduce!r}")
+    if PLAIN:
+        return plain_future_attention(q, k, lse, window, eps, reduce)
     args = (q, k, lse, window, eps, q.shape[-1] ** -0.5, reduce)
     return gpus.future_attention(*args) if gpus.runs(q) else _future_torch(*args)
 
@@ -228,12 +249,14 @@ def _future_torch(q, k, lse, window, eps, scale, reduce):
 
 # ------------------------------------------------------------------------------- attention received
 def window_received(q, k, window):
-    """a[t] (B, Hkv, T) fp32: the most attention token t receives from a query of its window, d = t
-    .. t + w - 1, each query's softmax taken over its own window (d - w, d] alone (so no eviction
-    changes it), the max over the group's query heads. A delayed scorer reads it as t leaves the
+    """plain_window_received's a[t] (B, Hkv, T) fp32: the most attention token t receives from a query
+    of its window, d = t .. t + w - 1, each query's softmax taken over its own window (d - w, d] alone
+    (so no eviction changes it), the max over the group's query heads. A delayed scorer reads it as t leaves the
     window (README, Method: scorers); the cache keeps the running max (cache.py). 128 queries a
     time: memory O(B Hq 128 (128 + w))."""
     _check_qk(q, k)
+    if PLAIN:
+        return plain_window_received(q, k, window)
     (batch, heads, T, D), kv_heads = q.shape, k.shape[1]
     group = heads // kv_heads
     keys = wide(k).repeat_interleave(group, 1)  # (B, Hq, T, D)
@@ -261,6 +284,8 @@ def eviction_times(priority, sinks, window, pool):
         raise ValueError(f"need window >= 1, sinks >= 0, pool >= 0; got window={window}, sinks={sinks}, pool={pool}")
     if priority.is_floating_point() and priority.isnan().any():
         raise ValueError("priority contains NaN; every token needs a comparable priority")
+    if PLAIN:
+        return plain_eviction_times(priority, sinks, window, pool)
     args = (priority, sinks, window, pool)
     return gpus.eviction_times(*args) if gpus.runs(priority) else _evict_torch(*args)
 
@@ -309,6 +334,8 @@ def boundary(pi, e, q, budget):
     loses its worst token at the first later step p that evicts a pool token rather than the
     newcomer p - window; till then it is unchanged, so that token is its worst at q. The best
     dropped by q is the running max of the order over ev[..q]."""
+    if PLAIN:
+        return plain_boundary(pi, e, q, budget)
     batch, H, T = pi.shape
     sinks, window = budget.sinks, budget.window
     u = torch.arange(T, device=pi.device)

@@ -106,7 +106,9 @@ def random_priority(layer, k, v, pos):
 
 
 # A static policy: (layer, new keys k, values v (B, H, n, D), positions pos (n,)) -> priorities
-# (B, H, n) of any real dtype, fixed once given. Add one here (README, Method: baselines).
+# (B, H, n) of any real dtype, fixed once given. Per token: t's priority reads only k[t], v[t] and
+# pos[t], for the cache gives a token at a time and the masked pass all at once. Add one here
+# (README, Method: baselines), then run tests/test_cache.py -k online_cache_equals_masked.
 STATIC = {"streaming": streaming, "knorm": knorm, "random": random_priority}
 
 
@@ -189,7 +191,9 @@ def rms(x):
 class Scorer(Module):
     """What every kind shares: pi[t] = r[t] + gamma_h t, r[t] = readout(x[t], z[t]) of the cached
     key and value and what the kind read. A kind adds its parameters and `parallel`, its definition
-    over a whole sequence; it decodes by it."""
+    over a whole sequence; it decodes by it. A run puts a kind on fast.py's forms (fast.speed_up)
+    unless --plain: an edit to a definition here reaches those runs only through fast.py, and
+    test_kvpop.py's tests of each fast form against its definition fail until fast.py follows."""
 
     kind = None  # its name in SCORERS
     delayed = True  # reads the tokens after t: runs with the window it was trained with
@@ -259,6 +263,29 @@ class Scorer(Module):
             late = f"the delayed {self.kind} scorer reads each token {self.window} tokens late"
             fix = f"use --window {self.window}"
             raise ValueError(f"{late}: it needs window {self.window}, got {window} ({fix})")
+        if type(self).decoding is Scorer.decoding:  # decodes by Decoder: t .. t + span - 1
+            self.check_span(window)
+
+    def check_span(self, window):
+        """A kind that decodes by Decoder reads t .. t + span - 1 as t leaves the window: on random
+        features, t's r from those tokens alone must be its r in the whole sequence (else decoding
+        and the masked pass differ), and they must be in the window."""
+        fix = "set span to the tokens t .. t + span - 1 it reads, or give it its own `decoding`"
+        if self.span > window:
+            raise ValueError(f"{self.kind}: span {self.span} > window {window}; {fix}")
+        T = self.span + 3
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, self.heads, T, self.width + self.received, generator=g)
+        x = x.to(self.theta)  # (1, H, T, X)
+        starts = range(T - self.span + 1)
+        with torch.no_grad():
+            for layer in range(self.layers):
+                whole = self.parallel(layer, x)[..., starts]
+                each = [self.parallel(layer, x[..., t : t + self.span, :]) for t in starts]
+                alone = torch.stack([r[..., 0] for r in each], -1)
+                if not torch.allclose(alone, whole, rtol=1e-4, atol=1e-5):
+                    past = f"{self.kind}: r[t] reads past t + span - 1 (span {self.span})"
+                    raise ValueError(f"{past}: its decoding would differ from its masked pass; {fix}")
 
     # x (B, H, T, 2D) in the scorer's dtype (fp64 beside an fp64 model): [k; v], RMS-normalised
     def features(self, k, v):

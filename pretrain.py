@@ -43,7 +43,7 @@ n_head = 0  # query heads; 0: 2, or 4 with --data
 n_kv_head = 0  # KV heads; 0: 1, or 2 with --data
 n_ff = 0  # MLP width; 0: 256, or 512 with --data
 rope_theta = 0.0  # RoPE base; 0: 1e4, or 1e6 with --data (long-range heads see far positions apart)
-# --- data: the baby's tasks (tasks.py), or code
+# --- data: the baby's tasks (support/baby_tasks.py), or code
 data = ""  # empty: the tasks; torch (the installed package's source) or a folder of .py/.txt files: code
 task = "recall"  # the task of the shorter curriculum lengths and of the held-out check: recall or cue
 final_tasks = "recall,cue"  # the tasks the steps at seq_len take in turn

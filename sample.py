@@ -2,8 +2,10 @@
 
 # offline: the shipped baby, its recall prompt, its delayed scorer
 python sample.py --budget 0.25 --show
-# a real Qwen3 (the Hugging Face cache, else downloaded)
-python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25
+# the same by the definitions alone, slowly: kvpop.py's scorer, the cache by kvpop.evict
+python sample.py --budget 0.25 --plain
+# a real Qwen3 (the Hugging Face cache, else downloaded), evicting by recency
+python sample.py --model Qwen/Qwen3-0.6B --chat --prompt "Why is the sky blue?" --budget 0.25 --policy streaming
 """
 
 import os
@@ -14,6 +16,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 
 import fast
+import kernels
 from cache import KVCache, resolve
 from kvpop import SCORERS, budget_size, entries, load_scorer, state_charge
 from qwen3 import Qwen3, Qwen3Config, generate
@@ -30,7 +33,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"  # where the model runs
 dtype = "auto"  # float32 / bfloat16 / float16; auto = the checkpoint's on cuda, float32 on cpu
 threads = 1  # CPU threads (a model over 100M parameters: torch's count)
 compile = False  # each decoding step one compiled graph (a GPU: CUDA graphs; a CPU: inductor)
-plain = False  # decode by kvpop.py's definitions alone, not fast.py's forms: the same text
+plain = False  # the definitions alone: kvpop.py's scorers and kvpop.evict a token a step (slow)
 # --- prompt
 prompt = "FILE:baby/prompt.txt"  # text or FILE:path (codebaby: a held-out file; Qwen3: a sentence)
 chat = False  # wrap the prompt in Qwen3's chat template
@@ -85,6 +88,9 @@ check_seed(seed)
 check_budget(budget)
 need(sinks >= 0, f"--sinks {sinks}: use 0 or more")
 need(window >= 1, f"--window {window}: use 1 or more")
+no_graph = "--plain runs kvpop.evict in Python, a head at a time: no graph to compile"
+need(not (plain and compile), f"{no_graph}; drop --compile or --plain")
+kernels.PLAIN = plain  # every kernel by its plain form, the cache by kvpop.evict
 research = f"holds a {scorer_kind} scorer, a kind sample.py does not load (experiments/: bench.py)"
 need(not scorer_kind or scorer_kind in SCORERS, f"--scorer {scorer} {research}")
 learned = ", ".join(SCORERS)

@@ -642,6 +642,43 @@ def test_scorer_runs_only_at_the_window_it_was_trained_with(kind):
     assert s.delayed == (kind != "kvpop-mlp")
 
 
+def test_a_kind_that_reads_past_its_span_is_refused():
+    """README, Add a scorer: a kind decoding by kvpop.Decoder reads only t .. t + span - 1. The README's kvpop-next
+    (reads t + 1) with span = 1 would decode differently from its masked pass (silently, before); check refuses it
+    in one line naming span, and every registered kind passes. A span past the window is refused too."""
+    import re
+
+    text = open("README.md", encoding="utf-8").read()
+    code = re.search(r"### Add a scorer.*?```python\n(.*?)```", text, re.S).group(1)
+    c = qwen3.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=8)
+    try:
+        for span, error in (("1", "reads past t \\+ span - 1 \\(span 1\\)"), ("9", "span 9 > window 8"), ("2", None)):
+            exec(code.replace("span = 2", f"span = {span}"), {})
+            s = kvpop.SCORERS["kvpop-next"](c, 8, d_hidden=4)
+            if error:
+                with pytest.raises(ValueError, match=error):
+                    s.check(c, 8)
+            else:
+                s.check(c, 8)
+    finally:
+        kvpop.SCORERS.pop("kvpop-next", None)
+    for kind, cls in kvpop.SCORERS.items():
+        cls(c, 8, d_mem=4, d_hidden=4).check(c, 8)
+
+
+def test_folded_memory_refuses_a_kind_it_cannot_serve(small_model):
+    """fast.FoldedMemory writes each token under its own key: a MemoryScorer kind with its own written_under put on
+    it (without the write that reads it) is refused in one line; kvpop-shifted's own form (experiments/shifted.py)
+    serves it."""
+    from experiments import shifted
+
+    s = shifted.ShiftedMemoryScorer(small_model.config, 8, d_mem=4, d_hidden=4)
+    cache = KVCache(small_model, 1, 20, kvpop.SCORERS["kvpop"](small_model.config, 8, d_mem=4), 4, 8)
+    with pytest.raises(ValueError, match="not its written_under.*experiments/shifted.py"):
+        fast.FoldedMemory(s, cache)
+    shifted.ShiftedFoldedMemory(s, cache)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the boundary (kernels.plain_boundary): the teacher's decisions against a step-by-step simulation
 

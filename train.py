@@ -1,20 +1,21 @@
 """Training, nanoGPT style: defaults below, override any with --name value (--help lists them).
 
-python train.py                                     # the default delayed scorer (kvpop-window) on
-the frozen baby
-python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25  # a
-real Qwen3
-python train.py --task code --batch_size 2 --max_iters 600 --out_dir
-codebaby/scorers/code-max/kvpop-window
-python train.py --finetune --out_dir out-ft         # the paper's recipe: the model trains too,
-under eviction
-python train.py --finetune --policy streaming       # its control, StreamingLLM+ (recency eviction,
-no scorer) torchrun --nproc_per_node=2 train.py ...            # several processes: DDP (scorer),
-FSDP2 (--finetune)
+# the default delayed scorer (kvpop-window) on the frozen baby
+python train.py
+# the same by the definitions alone, slowly: kvpop.py's scorers, kernels.py's plain forms
+python train.py --plain
+# a real Qwen3, on a GPU
+python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25 --device cuda
+# the code baby's scorer
+python train.py --task code --batch_size 2 --max_iters 600 --out_dir codebaby/scorers/code-max/kvpop-window
+# the paper's recipe: the model trains too, under eviction; then its control, StreamingLLM+
+python train.py --finetune --max_iters 300 --init_from baby/scorers/recall-helpful/kvpop-window --out_dir out-ftw
+python train.py --finetune --max_iters 300 --policy streaming --out_dir out-sllm
 
-The scorer learns the keep-or-drop decisions of a teacher that ranks tokens by the model's future
-attention (README, Method: boundary loss); --finetune trains the model too, under that eviction, by
-KL to the dense model (fine-tune).
+Under torchrun --nproc_per_node=N it runs N processes: DDP for the scorer, FSDP2 for --finetune
+(README, Several processes). The scorer learns the keep-or-drop decisions of a teacher that ranks
+tokens by the model's future attention (README, Method: boundary loss); --finetune trains the model
+too, under that eviction, by KL to the dense model (fine-tune).
 
 """
 
@@ -46,9 +47,10 @@ seed = 0  # seeds the initialisation and the training data (not the benchmark's)
 device = "cpu"  # cpu or cuda
 dtype = "auto"  # the frozen model's: auto = the checkpoint's on cuda, float32 on cpu
 threads = 1  # CPU threads; 2 give the same bits, faster when idle, far slower when busy
+plain = False  # the definitions alone: kvpop.py's, not fast.py's; kernels.py's plain forms (slow)
 # --- scorer (README, Method: scorers)
 model = "baby"  # the frozen model: checkpoint folder or Hugging Face repo id
-kind = "kvpop-window"  # delayed: kvpop-window (the 32 tokens after t), kvpop (mLSTM); kvpop-mlp
+kind = "kvpop-window"  # delayed: kvpop-window (min(w - 1, 32) after t), kvpop (mLSTM); kvpop-mlp
 d_mem = 16  # kvpop: memory d_mem x d_mem; sets the state charge (3 entries on the baby)
 d_hidden = 64  # the read-out's hidden width (every kind)
 gamma = 0.002  # initial recency weight gamma_h of pi[t] = r[t] + gamma_h * t (learned)
@@ -57,7 +59,7 @@ received = False  # kvpop-window: also read log a[t], the attention t got in its
 init_from = ""  # a trained scorer's folder to start from (its sizes), e.g. a frozen run's
 target = "helpful"  # the teacher: helpful, max (ours), mean (the paper's) (--task code: max)
 # --- data
-data = "baby"  # baby: a baby task (tasks.py); else .txt/.jsonl files (folder, glob), packed
+data = "baby"  # baby: a task of support/baby_tasks.py; else .txt/.jsonl files (folder, glob)
 task = "recall"  # --data baby: recall, cue (distractors), or code (the code baby's corpus)
 corpus = "torch"  # --task code: torch (the installed package's source) or a folder of .py/.txt
 keys = 8  # --data baby: keys per sequence
@@ -192,8 +194,8 @@ def load():
         scorer = scorer.to(device).requires_grad_(True).train()
         if resume:
             scorer.load_state_dict(saved["scorer"])
-    # its fast forms (fast.py): the chunked memory of kvpop's kinds
-    scorer = fast.speed_up(scorer) if learned else None
+    # its fast forms (fast.py): the chunked memory of kvpop's kinds; --plain: its definitions
+    scorer = scorer if plain or not learned else fast.speed_up(scorer)
     # the budget: the scorer's state comes off it
     dt = flags.auto_dtype(dtype, device)
     charge = kvpop.state_charge(scorer, getattr(torch, dt or config.torch_dtype))
@@ -489,6 +491,7 @@ def check(given):
 if __name__ == "__main__":
     check(given)
     torch.set_num_threads(threads)
+    kernels.PLAIN = plain  # every kernel by its plain form, the cache by kvpop.evict
     device = processes.start(device)
     train()
     processes.finish()

@@ -1,4 +1,4 @@
-"""The evicting cache (cache.py, support/fast.py): the online cache against the masked forward for every policy and
+"""The evicting cache (cache.py, fast.py): the online cache against the masked forward for every policy and
 scorer on many shapes, the rule per layer, prefill against token-by-token decoding, the budget held, no copies in a
 decoding step, one graph under torch.compile."""
 
@@ -81,7 +81,7 @@ def test_fast_cache_is_the_plain_rule(small_model, kind):
             assert got == want[i][b][h][t], (i, b, h, t)
 
 
-@pytest.mark.parametrize("policy", ["streaming", "knorm", "random", "oracle"])
+@pytest.mark.parametrize("policy", [*kvpop.STATIC, "oracle"])  # every static policy a fork adds too
 @pytest.mark.parametrize("budget,sinks,window", [(0.25, 4, 16), (0.5, 0, 1), (40, 2, 32), (1.0, 4, 16)])
 def test_online_cache_equals_masked_forward(small_model, policy, budget, sinks, window):
     idx = torch.randint(0, 384, (2, 200), generator=torch.Generator().manual_seed(7))
@@ -93,6 +93,46 @@ def test_online_cache_equals_masked_forward(small_model, policy, budget, sinks, 
         assert (on - full).abs().max().item() <= 1e-4
     else:  # eviction really happened
         assert (on - full).abs().max().item() > 1e-2
+
+
+def test_plain_runs_the_definitions(small_model, monkeypatch):
+    """kernels.PLAIN (--plain): the cache takes every token a step and chooses by kvpop.evict itself, the masked
+    pass and the targets run kernels.py's plain forms, never the tiled ones; the logits are the fast path's (a
+    static, a learned that reads a[t], a dynamic policy), the boundary loss too."""
+    import cache
+    import train
+
+    idx = torch.randint(0, 384, (1, 72), generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(0)
+    s = kvpop.SCORERS["kvpop-window"](small_model.config, 8, d_hidden=16, received=True)
+    runs = [("knorm", True), ("knorm", False), (s, True), (s, False), ("h2o", True)]
+    budgets = [kvpop.Budget(4, 8, 12)]
+    qs = train.query_positions(72, 0, budgets)
+    loss = lambda: train.scorer_loss(s, *kvpop.dense_targets(small_model, idx, 8, "helpful", True), qs, budgets)
+    with torch.no_grad():
+        want = [tasks.evaluate(small_model, idx, p, 24, 4, 8, online=o) for p, o in runs] + [loss()]
+
+    def refused(*args):
+        raise AssertionError("a fast form ran under kernels.PLAIN")
+
+    called = []
+    counted = lambda f: lambda *args: called.append(f.__name__) or f(*args)
+    monkeypatch.setattr(kernels, "PLAIN", True)
+    monkeypatch.setattr(cache, "evict", counted(kvpop.evict))
+    for name in ("_attention_torch", "_future_torch", "_evict_torch"):
+        monkeypatch.setattr(kernels, name, refused)
+    for name in ("plain_attention", "plain_future_attention", "plain_eviction_times", "plain_boundary"):
+        monkeypatch.setattr(kernels, name, counted(getattr(kernels, name)))
+    monkeypatch.setattr(kernels, "plain_window_received", counted(kernels.plain_window_received))
+    monkeypatch.setattr(KVCache, "lowest", refused)
+    monkeypatch.setattr(KVCache, "prefill", refused)
+    with torch.no_grad():
+        got = [tasks.evaluate(small_model, idx, p, 24, 4, 8, online=o) for p, o in runs] + [loss()]
+    for a, b in zip(want[:-1], got[:-1]):
+        assert (a - b).abs().max().item() <= 1e-4
+    assert abs(want[-1][0] - got[-1][0]) <= 1e-5 and want[-1][1] == got[-1][1]
+    names = {"evict", "plain_attention", "plain_future_attention", "plain_eviction_times", "plain_boundary"}
+    assert set(called) == names | {"plain_window_received"}, set(called)
 
 
 def test_prefill_with_eviction_equals_token_by_token(small_model):

@@ -76,6 +76,7 @@ BAD_FLAGS = [
     # its default: 32, a learned scorer's own, codebaby's 192 or a real Qwen3's 256
     ("sample.py", ["--window", "-2"], ["--window -2"]),
     ("sample.py", ["--window", "0"], ["--window 0"]),
+    ("sample.py", ["--plain", "--compile", "--policy", "kvpop"], ["--plain", "no graph", "drop --compile"]),
     ("sample.py", ["--policy", "kvpop", "--scorer", "/nonexistent/scorer"], ["--policy kvpop", "/nonexistent/scorer"]),
     ("sample.py", ["--policy", "kvpop-mlp"], ["--policy kvpop-mlp needs --scorer"]),
     (

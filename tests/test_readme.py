@@ -1,6 +1,7 @@
 """Every command the README shows runs (smaller where it must) and prints what the definitions give; the README's
 "Add a scorer" code works."""
 
+import ast
 import os
 import random
 import re
@@ -169,7 +170,9 @@ README_QWEN = {
         "--window",
         "1",
     ],
-    "python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25": [
+    "python train.py --model Qwen/Qwen3-0.6B --data texts/ --seq_len 2048 --window 256 --budget 0.25 --device cuda": [
+        "--device",
+        "cpu",
         "--seq_len",
         "64",
         "--window",
@@ -252,10 +255,14 @@ def test_readme_command_runs(cmd, tmp_path, baby):
     tables against _ref_quality (bench.py quality with the task/target flags: every row; the plain
     one: full's row and relative = accuracy / full's), train.py's final table against _ref_quality
     with the run's target and scorer, sample.py's cache line against the budget."""
-    if "{tmp}/m" in " ".join(README_SMALL[cmd]):
+    _run_and_check(cmd, README_SMALL[cmd], tmp_path, baby)
+
+
+def _run_and_check(cmd, extra, tmp_path, baby):
+    if "{tmp}/m" in " ".join(extra):
         hf_checkpoint(tmp_path / "m", layers=2)
-    r = _run_readme(cmd, README_SMALL[cmd], tmp_path)
-    argv = cmd.split() + [x.format(tmp=tmp_path) for x in README_SMALL[cmd]]
+    r = _run_readme(cmd, extra, tmp_path)
+    argv = cmd.split() + [x.format(tmp=tmp_path) for x in extra]
     flag = lambda k, d: argv[len(argv) - 1 - argv[::-1].index(f"--{k}") + 1] if f"--{k}" in argv else d
     if cmd.startswith(("python train.py", "python pretrain.py")):  # a scorer or a model was written
         assert "saved" in r.stdout
@@ -297,6 +304,43 @@ def test_readme_command_runs(cmd, tmp_path, baby):
             r"policy kvpop-window",
             r.stdout,
         )
+
+
+# the scripts' docstring commands that the README lacks -> the flags appended to run them here
+DOC_SMALL = {
+    "python train.py --plain": ["--max_iters", "2", "--final_seqs", "2", "--eval_seqs", "2", "--out_dir", "{tmp}/p"],
+    "python sample.py --budget 0.25 --plain": ["--num_samples", "1"],
+}
+
+
+def _docstring_commands(script):  # the command lines of a script's opening docstring
+    doc = ast.get_docstring(ast.parse(open(os.path.join(HERE, script), encoding="utf-8").read()))
+    return [line for line in doc.splitlines() if line.startswith(("python ", "torchrun "))]
+
+
+def test_every_docstring_command_is_known():
+    """train.py's and sample.py's opening commands, each one line: a README command (run above, or not run for
+    the reason given) or one of DOC_SMALL (run below); a command wrapped onto two lines is neither."""
+    cmds = _docstring_commands("train.py") + _docstring_commands("sample.py")
+    known = {**README_SMALL, **README_QWEN, **README_NOT_RUN, **DOC_SMALL}
+    assert len(cmds) >= 8 and [c for c in cmds if c not in known] == []
+    assert [c for c in DOC_SMALL if c not in cmds] == []
+
+
+@pytest.mark.parametrize("cmd", list(DOC_SMALL))
+def test_docstring_command_runs(cmd, tmp_path, baby):
+    """Each DOC_SMALL command, smaller, checked as the README's are (train.py --plain's final table against
+    _ref_quality, sample.py --plain's cache line against the budget)."""
+    _run_and_check(cmd, DOC_SMALL[cmd], tmp_path, baby)
+
+
+def test_readme_line_counts_are_the_files():
+    """The README's file map gives each file's lines: each is the file's count."""
+    text = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    block = text.split("## The code")[1].split("```")[1]
+    rows = re.findall(r"^(\S+\.py) +(\d+) ", block, re.M)
+    lines = lambda name: len(open(os.path.join(HERE, name), encoding="utf-8").read().splitlines())
+    assert len(rows) >= 10 and {f: int(n) for f, n in rows} == {f: lines(f) for f, _ in rows}
 
 
 def test_readme_real_qwen3_commands_on_a_local_cache(tmp_path):
