@@ -54,9 +54,11 @@ def scoreboard(words, start, far):
 
 
 @torch.no_grad()
-def continue_prompts(model, prompt, policy, budget, sinks, window, tokens, temperature, seed):
-    """Every prompt (N, P) continued for `tokens` tokens, the rows of one batch through an evicting cache, sampled as
-    sample.py samples (seeded, at temperature, no top-k, no nucleus, no stop) -> (N, tokens) ids."""
+def write(model, prompt, policy, budget, sinks, window, tokens, sampling, seed, stop=()):
+    """Every prompt (N, P) continued for at most `tokens` tokens, the rows of one batch through an evicting cache
+    whose budget is a share of P + tokens, sampled as sample.py samples: seeded, sampling = (temperature, top_k,
+    top_p), each row until it writes a stop id -> (N, n) ids, n <= tokens (fewer when every row stopped). What
+    bench.py generate writes with, both ways: --task's prompts in one batch, --data's one at a time."""
     total = prompt.shape[1] + tokens
     dtype = next(model.parameters()).dtype
     charge = kvpop.state_charge(policy, dtype)
@@ -64,14 +66,23 @@ def continue_prompts(model, prompt, policy, budget, sinks, window, tokens, tempe
     slots = kvpop.entries(size, charge, total)
     cache = KVCache(model, len(prompt), slots, policy, sinks, window)
     torch.manual_seed(seed)
-    steps = generate(model, prompt, tokens, temperature, cache=cache)
-    # (N, tokens)
+    steps = generate(model, prompt, tokens, *sampling, stop, cache=cache)
+    # (N, n)
     return torch.stack(list(steps), 1)
+
+
+# bench.py generate's runs (target, policy, budget): full, each other policy at each budget, then each scorer
+# (learned: [(target, Scorer)]) at each budget
+def policy_runs(policies, budgets, learned):
+    heuristics = [p for p in policies if p != "full"]
+    runs = [("-", "full", 1)]
+    runs += [("-", p, b) for p in heuristics for b in budgets]
+    return runs + [(r, s, b) for r, s in learned for b in budgets]
 
 
 def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperature, seed):
     """Each (target, policy, budget) of runs (target "-": full and the heuristics), full's first, continues the same
-    prompts (N, P) (continue_prompts) -> rows (answers, accuracy, far accuracy, retained = accuracy / full's with its
+    prompts (N, P) (write) -> rows (answers, accuracy, far accuracy, retained = accuracy / full's with its
     paired bootstrap interval, the longest run of one word, distinct words a sample), samples {(target, policy,
     budget): (prompt, ids)}: two scorers of one kind, trained for two targets, keep a row each."""
     rows, samples = [], {}
@@ -79,12 +90,12 @@ def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperat
     word = {i: w for w, i in task_ids(tok)[0].items()}
     words = lambda ids: [word.get(i) for i in ids]
     P = prompt.shape[1]
-    sampling = (sinks, window, tokens, temperature, seed)
+    sampling = (sinks, window, tokens, (temperature, 0, 1.0), seed)
     # fractions to 4 decimals
     fraction = lambda v: isinstance(v, float | torch.Tensor)
     rounded = lambda v: round(float(v), 4) if fraction(v) else v
     for target, p, b in runs:
-        out = continue_prompts(model, prompt, p, b, *sampling)
+        out = write(model, prompt, p, b, *sampling)
         name = p if isinstance(p, str) else p.kind
         samples[target, name, b] = prompt, out
         # each prompt's scoreboard
