@@ -160,20 +160,14 @@ def trained_target(folder):
     return saved.get("trained", {}).get("target", kvpop.TARGETS[0])
 
 
-def baby_setup(opts, need, policies, spare=0):
-    """bench.py quality, generate: names and numbers checked (a budget of T - spare tokens), then the model -> net, tok,
-    budgets, tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}, code's held-out files."""
+def check_names(opts, need, policies):
+    """bench.py quality, generate: the names and numbers of their flags checked -> budgets, tasks, targets."""
     task_names = opts.task.split(",")
     targets = opts.target.split(",")
     # code: its own model (codebaby/) and length, so alone
     code = task_names == ["code"]
     why = "code runs alone (its own model, codebaby/)"
     need(code or "code" not in task_names, f"--task {opts.task}: {why}")
-    opts.model = opts.model or ("codebaby" if code else "baby")
-    if code and "window" not in opts.given:
-        opts.window = corpus.CODE_WINDOW
-    if code and "T" not in opts.given:
-        opts.T = corpus.CODE_LENGTH
     # every name known, or exit naming the first that is not
     for flag, what, names, known in [
         ("policies", "policy", policies, kvpop.POLICIES),
@@ -190,29 +184,53 @@ def baby_setup(opts, need, policies, spare=0):
     need(0 <= opts.p_cue < 1, f"--p_cue {opts.p_cue}: use a rate in [0, 1)")
     parse = lambda b: flags.parse_value(opts.prog, "budgets", b, float)
     budgets = [parse(b) for b in opts.budgets.split(",")]
+    return budgets, task_names, targets
+
+
+def find_scorers(opts, need, config, pairs, device="cpu"):
+    """The scorer folders of each (task, target) of pairs, loaded on device (their fast forms unless --plain) and
+    checked against the model's config and --window -> folders {(task, target): [folder]}, scorers {folder:
+    Scorer}. Raises ValueError or OSError on a folder that is no scorer or does not fit."""
+    find = lambda t, r: scorer_folders(opts.scorer, opts.model, t, r, opts.window)
+    folders = {(t, r): find(t, r) for t, r in pairs}
+    # a named scorer runs once, under its own target: that target must be asked for
+    named = []
+    if opts.scorer != "shipped":
+        named = [d for d in opts.scorer.split(",") if d]
+    targets = {r for _, r in pairs}
+    for d in named:
+        # a folder that is no scorer: its own line
+        kvpop.load_scorer(d)
+        trained = trained_target(d)
+        why = f"was trained for target {trained}: add it to --target"
+        need(trained in targets, f"--scorer {d} {why}")
+    load = lambda d: kvpop.load_scorer(d).to(device)
+    scorers = {d: load(d) for ds in folders.values() for d in ds}
+    # their fast forms, unless --plain: kvpop.py's definitions
+    if not opts.plain:
+        scorers = {d: fast.speed_up(s) for d, s in scorers.items()}
+    # a scorer for another model or window raises
+    for s in scorers.values():
+        s.check(config, opts.window)
+    return folders, scorers
+
+
+def baby_setup(opts, need, policies, spare=0):
+    """bench.py quality, generate: names and numbers checked (a budget of T - spare tokens), then the model -> net, tok,
+    budgets, tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}, code's held-out files."""
+    code = opts.task == "code"
+    opts.model = opts.model or ("codebaby" if code else "baby")
+    if code and "window" not in opts.given:
+        opts.window = corpus.CODE_WINDOW
+    if code and "T" not in opts.given:
+        opts.T = corpus.CODE_LENGTH
+    budgets, task_names, targets = check_names(opts, need, policies)
     try:
         folder = checkpoint.checkpoint_dir(opts.model)
         config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
         pairs = [(t, r) for t in task_names for r in targets]
-        find = lambda t, r: scorer_folders(opts.scorer, opts.model, t, r, opts.window)
-        folders = {(t, r): find(t, r) for t, r in pairs}
-        # a named scorer runs once, under its own target: that target must be asked for
-        named = []
-        if opts.scorer != "shipped":
-            named = [d for d in opts.scorer.split(",") if d]
-        for d in named:
-            # a folder that is no scorer: its own line
-            kvpop.load_scorer(d)
-            trained = trained_target(d)
-            why = f"was trained for target {trained}: add it to --target"
-            need(trained in targets, f"--scorer {d} {why}")
-        scorers = {d: kvpop.load_scorer(d) for ds in folders.values() for d in ds}
-        # their fast forms, unless --plain: kvpop.py's definitions
-        if not opts.plain:
-            scorers = {d: fast.speed_up(s) for d, s in scorers.items()}
-        # a scorer for another model or window, or a budget that leaves no room, raises
-        for s in scorers.values():
-            s.check(config, opts.window)
+        folders, scorers = find_scorers(opts, need, config, pairs)
+        # a budget that leaves no room raises
         length = opts.T - spare
         for s in [None, *scorers.values()]:
             charge = kvpop.state_charge(s, torch.float32)
