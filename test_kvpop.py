@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-import bench
+from tools import timing
 import kernels
 import kvpop
 import qwen3
@@ -604,7 +604,7 @@ def test_scorer_parallel_memory_is_linear():
     # M = 2D: each full-length projection is one x more
     s, T = fast.speed_up(kvpop.SCORERS["kvpop"](c, window=256, d_mem=128)), 4096
     k, v = torch.randn(1, 2, T, 64), torch.randn(1, 2, T, 64)
-    with torch.no_grad(), bench.Meter() as meter:
+    with torch.no_grad(), timing.Meter() as meter:
         s(0, k, v, torch.arange(T))
     # 2 x the features (4 MiB each) + 1 MiB, whatever T is
     assert meter.peak <= 2 * (2 * k.numel() * 4) + 2**20

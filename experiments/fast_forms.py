@@ -10,7 +10,7 @@ import types
 
 import torch
 
-import bench
+from tools import speed, timing
 import fast
 import kvpop
 import qwen3
@@ -26,14 +26,14 @@ compile = False  # each step one compiled graph (inductor on a CPU)
 flags.configure(globals())
 
 torch.set_num_threads(torch.get_num_threads())
-count, hidden, intermediate, query_heads, tied = bench.SHAPES[shape]
+count, hidden, intermediate, query_heads, tied = speed.SHAPES[shape]
 config = qwen3.Qwen3Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers)
 config.num_attention_heads, config.tie_word_embeddings = query_heads, tied
 config.max_position_embeddings = 131072
 opts = types.SimpleNamespace(sinks=4, window=256)
 dtype = torch.float32
 torch.manual_seed(0)
-net = bench.shape_model(config, "cpu", dtype).requires_grad_(False)
+net = speed.shape_model(config, "cpu", dtype).requires_grad_(False)
 step = torch.compile(net, fullgraph=True, dynamic=False) if compile else net
 # each run: streaming, then every kind by its fast form and by its definition
 runs = {"streaming": "streaming"}
@@ -43,15 +43,15 @@ for kind, cls in kvpop.SCORERS.items():
     runs[f"{kind} definition"] = scorer
 caches = {}
 for name, policy in runs.items():
-    cache = bench.empty_cache(net, policy, budget, context, context + steps + 1, opts, dtype)
-    bench.fill(cache, context)
+    cache = speed.empty_cache(net, policy, budget, context, context + steps + 1, opts, dtype)
+    speed.fill(cache, context)
     caches[name] = cache, []
 token = torch.tensor([[13]])
 for _ in range(steps + 1):
     for cache, seconds in caches.values():
-        seconds.append(bench.clock(lambda: step(token, cache=cache), "cpu"))
+        seconds.append(timing.clock(lambda: step(token, cache=cache), "cpu"))
 median = {name: sorted(seconds[1:])[steps // 2] for name, (cache, seconds) in caches.items()}
 print(f"Qwen3-{shape} shape, {layers} layers, context {context}, budget {budget}, compile {compile}\n")
-print(bench.table("decoding,tokens/s,of streaming"))
+print(timing.table("decoding,tokens/s,of streaming"))
 for name, seconds in median.items():
     print(f"| {name} | {1 / seconds:.2f} | {median['streaming'] / seconds:.3f} |")

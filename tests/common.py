@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import bench
+from tools import speed
 import kvpop
 from experiments import shifted  # noqa: F401 (registers kvpop-shifted, whose scorers ship)
 import qwen3
@@ -166,7 +167,7 @@ def exits(monkeypatch, script, *args):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch, "set_num_threads", went_on)
     # bench.py speed's first heavy step
-    monkeypatch.setattr(bench, "shape_model", lambda *a: went_on(0))
+    monkeypatch.setattr(speed, "shape_model", lambda *a: went_on(0))
     out = io.StringIO()
     with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
         if script.startswith("bench.py"):

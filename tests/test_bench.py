@@ -18,7 +18,7 @@ import kvpop
 import qwen3
 import tasks
 from support import baby_tasks, checkpoint
-from tools import bench_runs
+from tools import bench_runs, speed, timing
 
 from tests.common import HERE, MODEL_DIR, baby, hf_checkpoint, _ref_marks, run
 
@@ -206,7 +206,7 @@ def test_bench_speed_counts_the_calls_a_step_makes(tmp_path, monkeypatch, capsys
     from torch.fx.experimental.proxy_tensor import make_fx
 
     a, b = torch.randn(4, 4), torch.randn(4, 4)
-    with bench.Meter() as meter:
+    with timing.Meter() as meter:
         c = a @ b
         c.add_(1)
         c.to(torch.float64).softmax(-1)
@@ -223,8 +223,8 @@ def test_bench_speed_counts_the_calls_a_step_makes(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(torch, "promote_types", lambda *x: promoted.append(x) or real(*x))
     opts = types.SimpleNamespace(sinks=4, window=16)
     for r in rows:
-        cache = bench.empty_cache(net, r["policy"], r["budget"], 64, 66, opts, torch.float32)
-        bench.fill(cache, 64)
+        cache = speed.empty_cache(net, r["policy"], r["budget"], 64, 66, opts, torch.float32)
+        speed.fill(cache, 64)
         promoted.clear()
         graph = make_fx(lambda x: net(x, cache=cache), tracing_mode="real")(torch.tensor([[13]])).graph
         traced = sum(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes) + len(promoted)

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-import bench
+from tools import speed, timing
 import kernels
 import kvpop
 import qwen3
@@ -190,9 +190,9 @@ def test_decoding_step_copies_no_cache(small_model, policy, dtype):
     peaks, D, H = [], net.config.head_dim, net.config.num_key_value_heads
     for n in (1024, 4096):
         cache = KVCache(net, 1, n, pol, 4, 8)
-        bench.fill(cache, n - 1 if policy == "full" else 4 * n)
+        speed.fill(cache, n - 1 if policy == "full" else 4 * n)
         bufs = [x.data_ptr() for x in (cache.k, cache.v, cache.pos, cache.pi)]
-        with torch.no_grad(), bench.Meter() as meter:
+        with torch.no_grad(), timing.Meter() as meter:
             for _ in range(2):
                 net(torch.tensor([[5]]), cache=cache)
         assert bufs == [x.data_ptr() for x in (cache.k, cache.v, cache.pos, cache.pi)]

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-import bench
+from tools import timing
 import kernels
 from support import gpus
 
@@ -243,7 +243,7 @@ def test_kernels_dispatch():
 
 def _k_peak_bytes(fn):
     # counts live tensor storages (CPU has no max_memory_allocated)
-    with bench.Meter() as meter:
+    with timing.Meter() as meter:
         fn()
     return meter.peak
 

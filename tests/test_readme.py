@@ -2,6 +2,7 @@
 "Add a scorer" code works."""
 
 import ast
+import json
 import os
 import random
 import re
@@ -190,6 +191,15 @@ README_QWEN = {
         "--max_new_tokens",
         "4",
     ],
+    "python bench.py generate --model Qwen/Qwen3-0.6B --data test.jsonl --chat --think --max_new_tokens 8192"
+    " --policies full,streaming --budgets 0.25,0.125 --out answers.jsonl": [
+        "--max_new_tokens",
+        "4",
+        "--window",
+        "4",
+        "--budgets",
+        "24,16",
+    ],
 }
 README_NOT_RUN = {  # the commands no test runs, and why
     "python bench.py generate --task recall,cue --json gen.json": "15 minutes; test_generate_counts_are_a_recount runs"
@@ -209,7 +219,15 @@ README_NOT_RUN = {  # the commands no test runs, and why
     "pip install -r requirements.txt": "CI runs it (.ci/run)",
     "python -m pytest -q": "this is the test run",
     "python -m pytest -q -k cuda && python bench.py kernels --lengths 4096,16384 && "
-    "python bench.py speed --prefill 16384 --train 4096 --compile && python sample.py --device cuda --budget 0.25 --compile": "needs a GPU",
+    "python bench.py speed --prefill 16384 --train 4096 --compile && python sample.py --device cuda --budget 0.25 --compile"
+    " && python bench.py generate --data baby/recall.jsonl --grade prefix --max_new_tokens 1 --device cuda": "needs a GPU",
+    "python -m tools.generate recall.jsonl 64": "writes recall.jsonl in the repository; test_generate.py writes the"
+    " same problems by its function (recall_problems)",
+    "python bench.py generate --data recall.jsonl --grade prefix --max_new_tokens 1 --policies full,streaming --budgets"
+    " 128,64 --scorer baby/scorers/recall-helpful/kvpop-window": "a minute; test_baby_recall_problems_graded_by_prefix"
+    "_agree_with_the_scoreboard runs it on 8 problems",
+    "python bench.py generate --task recall --prompts 64 --policies full,streaming --budgets 128,64 --scorer"
+    " baby/scorers/recall-helpful/kvpop-window": "a minute; test_generate_counts_are_a_recount runs --task small",
 }
 
 
@@ -344,12 +362,14 @@ def test_readme_line_counts_are_the_files():
 
 
 def test_readme_real_qwen3_commands_on_a_local_cache(tmp_path):
-    """The README's three commands for a real Qwen3 (sample, train a scorer on text files, sample
-    with it), offline: a random Qwen3 with the real 151,936-token vocabulary saved by transformers
+    """The README's four commands for a real Qwen3 (sample, train a scorer on text files, sample
+    with it, answer a problem set), offline: a random Qwen3 with the real 151,936-token vocabulary saved by transformers
     in a local Hugging Face cache under Qwen/Qwen3-0.6B, its tokenizer.json the real one."""
     snap = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B" / "snapshots" / "0123abc"
     hf_checkpoint(snap, layers=2, vocab=151936)
-    shutil.copy(os.path.join(HF_DIR, "tokenizer.json"), snap / "tokenizer.json")
+    # the real tokenizer and chat template
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(HF_DIR, name), snap / name)
     (snap.parent.parent / "refs").mkdir()
     (snap.parent.parent / "refs" / "main").write_text("0123abc")
     (tmp_path / "texts").mkdir()
@@ -357,7 +377,11 @@ def test_readme_real_qwen3_commands_on_a_local_cache(tmp_path):
     for n in range(3):
         (tmp_path / "texts" / f"{n}.txt").write_text(text[n * 300 :] + text[: n * 300])
     (tmp_path / "long.txt").write_text(text[:600])
+    # a GSM8K-shaped problem set
+    problem = dict(question="Natalia sold 48 clips. How many?", answer="She sold 48.\n#### 48")
+    (tmp_path / "test.jsonl").write_text(json.dumps(problem) + "\n")
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT="http://127.0.0.1:9")
     out = [_run_readme(c, extra, tmp_path, tmp_path, env).stdout for c, extra in README_QWEN.items()]
     assert "tokens/s" in out[0] and "saved out/" in out[1]
     assert "policy kvpop-window (out)" in out[2] and (tmp_path / "out" / "scorer.json").exists()
+    assert "| - | streaming | 16 |" in out[3] and (tmp_path / "answers.jsonl").exists()

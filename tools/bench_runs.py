@@ -54,9 +54,11 @@ def scoreboard(words, start, far):
 
 
 @torch.no_grad()
-def continue_prompts(model, prompt, policy, budget, sinks, window, tokens, temperature, seed):
-    """Every prompt (N, P) continued for `tokens` tokens, the rows of one batch through an evicting cache, sampled as
-    sample.py samples (seeded, at temperature, no top-k, no nucleus, no stop) -> (N, tokens) ids."""
+def write(model, prompt, policy, budget, sinks, window, tokens, sampling, seed, stop=()):
+    """Every prompt (N, P) continued for at most `tokens` tokens, the rows of one batch through an evicting cache
+    whose budget is a share of P + tokens, sampled as sample.py samples: seeded, sampling = (temperature, top_k,
+    top_p), each row until it writes a stop id -> (N, n) ids, n <= tokens (fewer when every row stopped). What
+    bench.py generate writes with, both ways: --task's prompts in one batch, --data's one at a time."""
     total = prompt.shape[1] + tokens
     dtype = next(model.parameters()).dtype
     charge = kvpop.state_charge(policy, dtype)
@@ -64,14 +66,23 @@ def continue_prompts(model, prompt, policy, budget, sinks, window, tokens, tempe
     slots = kvpop.entries(size, charge, total)
     cache = KVCache(model, len(prompt), slots, policy, sinks, window)
     torch.manual_seed(seed)
-    steps = generate(model, prompt, tokens, temperature, cache=cache)
-    # (N, tokens)
+    steps = generate(model, prompt, tokens, *sampling, stop, cache=cache)
+    # (N, n)
     return torch.stack(list(steps), 1)
+
+
+# bench.py generate's runs (target, policy, budget): full, each other policy at each budget, then each scorer
+# (learned: [(target, Scorer)]) at each budget
+def policy_runs(policies, budgets, learned):
+    heuristics = [p for p in policies if p != "full"]
+    runs = [("-", "full", 1)]
+    runs += [("-", p, b) for p in heuristics for b in budgets]
+    return runs + [(r, s, b) for r, s in learned for b in budgets]
 
 
 def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperature, seed):
     """Each (target, policy, budget) of runs (target "-": full and the heuristics), full's first, continues the same
-    prompts (N, P) (continue_prompts) -> rows (answers, accuracy, far accuracy, retained = accuracy / full's with its
+    prompts (N, P) (write) -> rows (answers, accuracy, far accuracy, retained = accuracy / full's with its
     paired bootstrap interval, the longest run of one word, distinct words a sample), samples {(target, policy,
     budget): (prompt, ids)}: two scorers of one kind, trained for two targets, keep a row each."""
     rows, samples = [], {}
@@ -79,12 +90,12 @@ def generate_runs(model, tok, prompt, runs, far, sinks, window, tokens, temperat
     word = {i: w for w, i in task_ids(tok)[0].items()}
     words = lambda ids: [word.get(i) for i in ids]
     P = prompt.shape[1]
-    sampling = (sinks, window, tokens, temperature, seed)
+    sampling = (sinks, window, tokens, (temperature, 0, 1.0), seed)
     # fractions to 4 decimals
     fraction = lambda v: isinstance(v, float | torch.Tensor)
     rounded = lambda v: round(float(v), 4) if fraction(v) else v
     for target, p, b in runs:
-        out = continue_prompts(model, prompt, p, b, *sampling)
+        out = write(model, prompt, p, b, *sampling)
         name = p if isinstance(p, str) else p.kind
         samples[target, name, b] = prompt, out
         # each prompt's scoreboard
@@ -149,20 +160,14 @@ def trained_target(folder):
     return saved.get("trained", {}).get("target", kvpop.TARGETS[0])
 
 
-def baby_setup(opts, need, policies, spare=0):
-    """bench.py quality, generate: names and numbers checked (a budget of T - spare tokens), then the model -> net, tok,
-    budgets, tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}, code's held-out files."""
+def check_names(opts, need, policies):
+    """bench.py quality, generate: the names and numbers of their flags checked -> budgets, tasks, targets."""
     task_names = opts.task.split(",")
     targets = opts.target.split(",")
     # code: its own model (codebaby/) and length, so alone
     code = task_names == ["code"]
     why = "code runs alone (its own model, codebaby/)"
     need(code or "code" not in task_names, f"--task {opts.task}: {why}")
-    opts.model = opts.model or ("codebaby" if code else "baby")
-    if code and "window" not in opts.given:
-        opts.window = corpus.CODE_WINDOW
-    if code and "T" not in opts.given:
-        opts.T = corpus.CODE_LENGTH
     # every name known, or exit naming the first that is not
     for flag, what, names, known in [
         ("policies", "policy", policies, kvpop.POLICIES),
@@ -179,29 +184,53 @@ def baby_setup(opts, need, policies, spare=0):
     need(0 <= opts.p_cue < 1, f"--p_cue {opts.p_cue}: use a rate in [0, 1)")
     parse = lambda b: flags.parse_value(opts.prog, "budgets", b, float)
     budgets = [parse(b) for b in opts.budgets.split(",")]
+    return budgets, task_names, targets
+
+
+def find_scorers(opts, need, config, pairs, device="cpu"):
+    """The scorer folders of each (task, target) of pairs, loaded on device (their fast forms unless --plain) and
+    checked against the model's config and --window -> folders {(task, target): [folder]}, scorers {folder:
+    Scorer}. Raises ValueError or OSError on a folder that is no scorer or does not fit."""
+    find = lambda t, r: scorer_folders(opts.scorer, opts.model, t, r, opts.window)
+    folders = {(t, r): find(t, r) for t, r in pairs}
+    # a named scorer runs once, under its own target: that target must be asked for
+    named = []
+    if opts.scorer != "shipped":
+        named = [d for d in opts.scorer.split(",") if d]
+    targets = {r for _, r in pairs}
+    for d in named:
+        # a folder that is no scorer: its own line
+        kvpop.load_scorer(d)
+        trained = trained_target(d)
+        why = f"was trained for target {trained}: add it to --target"
+        need(trained in targets, f"--scorer {d} {why}")
+    load = lambda d: kvpop.load_scorer(d).to(device)
+    scorers = {d: load(d) for ds in folders.values() for d in ds}
+    # their fast forms, unless --plain: kvpop.py's definitions
+    if not opts.plain:
+        scorers = {d: fast.speed_up(s) for d, s in scorers.items()}
+    # a scorer for another model or window raises
+    for s in scorers.values():
+        s.check(config, opts.window)
+    return folders, scorers
+
+
+def baby_setup(opts, need, policies, spare=0):
+    """bench.py quality, generate: names and numbers checked (a budget of T - spare tokens), then the model -> net, tok,
+    budgets, tasks, targets, folders {(task, target): [folder]}, scorers {folder: Scorer}, code's held-out files."""
+    code = opts.task == "code"
+    opts.model = opts.model or ("codebaby" if code else "baby")
+    if code and "window" not in opts.given:
+        opts.window = corpus.CODE_WINDOW
+    if code and "T" not in opts.given:
+        opts.T = corpus.CODE_LENGTH
+    budgets, task_names, targets = check_names(opts, need, policies)
     try:
         folder = checkpoint.checkpoint_dir(opts.model)
         config = qwen3.Qwen3Config.from_json(os.path.join(folder, "config.json"))
         pairs = [(t, r) for t in task_names for r in targets]
-        find = lambda t, r: scorer_folders(opts.scorer, opts.model, t, r, opts.window)
-        folders = {(t, r): find(t, r) for t, r in pairs}
-        # a named scorer runs once, under its own target: that target must be asked for
-        named = []
-        if opts.scorer != "shipped":
-            named = [d for d in opts.scorer.split(",") if d]
-        for d in named:
-            # a folder that is no scorer: its own line
-            kvpop.load_scorer(d)
-            trained = trained_target(d)
-            why = f"was trained for target {trained}: add it to --target"
-            need(trained in targets, f"--scorer {d} {why}")
-        scorers = {d: kvpop.load_scorer(d) for ds in folders.values() for d in ds}
-        # their fast forms, unless --plain: kvpop.py's definitions
-        if not opts.plain:
-            scorers = {d: fast.speed_up(s) for d, s in scorers.items()}
-        # a scorer for another model or window, or a budget that leaves no room, raises
-        for s in scorers.values():
-            s.check(config, opts.window)
+        folders, scorers = find_scorers(opts, need, config, pairs)
+        # a budget that leaves no room raises
         length = opts.T - spare
         for s in [None, *scorers.values()]:
             charge = kvpop.state_charge(s, torch.float32)
