@@ -402,8 +402,8 @@ class Seen(Exception):
 def dense_targets(model, idx, window, target=kvpop.TARGETS[0], received=False):
     """kvpop.dense_targets by one dense pass a layer (dense_layer): the output, the max and mean
     targets and a[t] from the same scores; helpful's target after the logits, as kvpop's. The
-    Triton kernels' device: kvpop.dense_targets."""
-    if gpus.runs(idx):
+    Triton kernels' device, or kernels.PLAIN (--plain): kvpop.dense_targets."""
+    if gpus.runs(idx) or kernels.PLAIN:
         return kvpop.dense_targets(model, idx, window, target, received)
     reduce = kvpop.REDUCE[target] if target != "helpful" else None
     seen, targets = [], []
