@@ -248,6 +248,13 @@ def test_code_commands_run_on_a_tiny_corpus(tmp_path, monkeypatch, capsys):
     assert row["top1_ci"] == pytest.approx(top1_ci, abs=1e-5)
     kl = ref[:, 0].mean().item()
     assert row["kl"] == pytest.approx(kl, abs=1e-5)
+    # the paired column: each row's per-file KL less streaming's at its budget; streaming's own is 0
+    assert row["kl_paired"] == 0 and rows[0]["kl_paired"] == pytest.approx(-kl, abs=1e-5)  # full's: 0 - streaming's
+    oracle = next(r for r in rows if r["policy"] == "oracle" and r["budget"] == 0.25)
+    lp = tasks.evaluate(net, files, "oracle", 0.25, 4, 8, online=False, target="max").log_softmax(-1)
+    diff = torch.tensor(_ref_file_metrics(full, lp, lp, files, 32))[:, 0] - ref[:, 0]
+    assert oracle["kl_paired"] == pytest.approx(diff.mean().item(), abs=1e-5)
+    assert oracle["kl_paired_ci"] == pytest.approx(1.96 * diff.std().item() / math.sqrt(2), abs=1e-5)
     ppl_ratio = nll.mean().exp().item()
     assert row["ppl_ratio"] == pytest.approx(ppl_ratio, abs=1e-5)
 

@@ -57,8 +57,8 @@ def interval(x):
 
 def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target=kvpop.TARGETS[0], ref=None):
     """Every (policy, budget) on held-out files idx (files, T), teacher-forced through evaluate -> rows of each
-    file_metrics' mean over files and 95% half-width (_ci), and the perplexity ratio exp(log_ppl) with its interval
-    (ppl_lo, ppl_hi). Key tokens at a budget are streaming's there; `full` first, a row a budget (its key top-1 is
+    file_metrics' mean over files and 95% half-width (_ci), the perplexity ratio exp(log_ppl) with its interval
+    (ppl_lo, ppl_hi), and KL's paired per-file difference from streaming's (kl_paired, its _ci). Key tokens at a budget are streaming's there; `full` first, a row a budget (its key top-1 is
     the bar). ref: the dense model full's rows and the key tokens are of (a fine-tune's model before; default net)."""
     ref = ref or net
     T = idx.shape[1]
@@ -101,6 +101,11 @@ def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target=kvpop
         row["ppl_ratio"] = num(math.exp(log_ppl))
         row["ppl_lo"] = num(math.exp(log_ppl - half))
         row["ppl_hi"] = num(math.exp(log_ppl + half))
+        # KL's paired per-file difference from streaming's at the same budget (None without streaming)
+        base = per.get(("streaming", b))
+        diff = torch.cat([m["kl"] for m in parts]) - torch.cat([m["kl"] for m in base]) if base else None
+        mean, half = interval(diff) if base else (math.nan, math.nan)
+        row["kl_paired"], row["kl_paired_ci"] = num(mean), num(half)
         rows.append(row)
     return rows
 
@@ -115,14 +120,15 @@ def cell(row, name, form):
 
 # a markdown table of code_runs' rows, each mean with its 95% half-width ("-": no key token)
 def code_table(rows):
-    names = "target|policy|budget|KL|top-1|key share|key top-1"
-    names += "|key loss rise|perplexity ratio"
+    names = "target|policy|budget|KL|KL - streaming's (paired)|top-1"
+    names += "|key share|key top-1|key loss rise|perplexity ratio"
     columns = names.split("|")
     header = "| " + " | ".join(columns) + " |"
     lines = [header, "|---" * len(columns) + "|"]
     for row in rows:
         cells = [row.get("target", "-"), row["policy"], f"{row['budget']:g}"]
-        cells += [cell(row, "kl", ".4f"), cell(row, "top1", ".1%")]
+        cells += [cell(row, "kl", ".4f"), cell(row, "kl_paired", "+.4f")]
+        cells += [cell(row, "top1", ".1%")]
         cells += [cell(row, "key_share", ".2%"), cell(row, "key_top1", ".1%")]
         ends = f"({row['ppl_lo']:.3f}-{row['ppl_hi']:.3f})"
         cells += [cell(row, "key_loss", ".2f"), f"{row['ppl_ratio']:.3f} {ends}"]
