@@ -505,10 +505,10 @@ def test_mlp_scorer_equals_its_definition(small_model):
 
 
 def _check_scorer_against(small_model, s, ref, T, seed, tol, cache=True):
-    """A scorer's parallel form (one chunk, several, chunks shorter than the window) and the scores the evicting
-    cache gives each token as it leaves the window, against ref(s, i, k, v, a) -> (B, H, T), a (B, H, T) the
-    attention each token received (None unless the scorer reads it); every parameter moved from its start (biases
-    start at 0) by 0.1 randn first."""
+    """A scorer's parallel form (one chunk, several, chunks shorter than the window) and the scores
+    the evicting cache gives each token as it leaves the window, against ref(s, i, k, v, a) ->
+    (B, H, T), a (B, H, T) the attention each token received (None unless the scorer reads it);
+    every parameter moved from its start (biases start at 0) by 0.1 randn first."""
     w = s.window
     with torch.no_grad():
         for p in s.parameters():
@@ -522,7 +522,7 @@ def _check_scorer_against(small_model, s, ref, T, seed, tol, cache=True):
 
     with torch.no_grad():
         small_model(idx, attn=attn)
-    # each layer's (k, v) and, for a scorer that reads it, a[t] from its definition (_ref_window_received)
+    # each layer's (k, v); for a scorer that reads it, a[t] by its definition (_ref_window_received)
     a = [_ref_window_received(q, k, w) if s.received else None for q, k, _ in qkv]
     kv = [(k, v) for _, k, v in qkv]
     for i, (k, v) in enumerate(kv):
@@ -581,7 +581,7 @@ def _ref_window_scores(s, i, k, v, received=None):
     return r
 
 
-# reads over the whole window; over its first 4 tokens; the read-out also reading log a[t] (--received)
+# reads over the whole window; over its first 4 tokens; the read-out reading log a[t] too
 @pytest.mark.parametrize("w, ahead, received", [(6, 32, False), (9, 4, False), (6, 32, True)])
 def test_window_scorer_equals_its_definition(small_model, w, ahead, received, monkeypatch):
     """kvpop-window's parallel form (one chunk, several, chunks shorter than the window) and the

@@ -1,8 +1,9 @@
-"""Records the shipped scorers' pins, which tests/test_scorer_pins.py checks: for every scorer folder under
-baby/scorers and codebaby/scorers, its priorities on a fixed short sequence and, for a code scorer, the held-out KL
-of two files at 0.125 as `bench.py quality --task code` computes it (in fp32, as it does; the priorities in fp64),
-each beside the sha256 of its scorer.safetensors. Re-run it when a scorer is retrained or a new one ships, and commit tests/scorer_pins.json with
-the scorer (written to a temporary name, then renamed):
+"""Records the shipped scorers' pins, which tests/test_scorer_pins.py checks: for every scorer
+folder under baby/scorers and codebaby/scorers, its priorities on a fixed short sequence (fp64)
+and, for a code scorer, the held-out KL of two files at 0.125 as `bench.py quality --task code`
+computes it (fp32, as it does), each beside the sha256 of its scorer.safetensors. Re-run it when
+a scorer is retrained or a new one ships, and commit tests/scorer_pins.json with the scorer
+(written to a temporary name, then renamed):
 
 python -m tests.pin_scorers
 """
@@ -26,7 +27,7 @@ PINS = os.path.join(HERE, "tests", "scorer_pins.json")
 # the fixed sequence: seeded random ids, long enough to fill a scorer's window and read past it
 SEED = 0
 LENGTH = dict(baby=64, codebaby=256)
-# the code KL: bench.py quality --task code's files (the installed torch's held-out source), length and sinks
+# the code KL: bench.py quality --task code's files (torch's held-out source), budget, sinks
 FILES, BUDGET, SINKS = 2, 0.125, 4
 
 
@@ -35,7 +36,7 @@ def shipped():  # every shipped scorer folder, relative to the repository, sorte
     return sorted(os.path.relpath(os.path.dirname(f), HERE) for f in found)
 
 
-def model_of(folder):  # the model a shipped scorer belongs to: the folder it ships in (baby, codebaby)
+def model_of(folder):  # the model a shipped scorer belongs to: the folder it ships in
     return folder.split(os.sep)[0]
 
 
@@ -50,14 +51,14 @@ def model(name, dtype=torch.float64):  # a shipped model, frozen
     return net.requires_grad_(False)
 
 
-def scorer(folder, dtype=torch.float64):  # a shipped scorer by its definition (kvpop.py, not fast.py)
+def scorer(folder, dtype=torch.float64):  # a shipped scorer, by its definition (not fast.py)
     return kvpop.load_scorer(os.path.join(HERE, folder)).to(dtype)
 
 
 @torch.no_grad()
 def priorities(folder):
-    """pi (L, H, T) the scorer gives the fixed sequence, every layer, from one dense pass of its model (with a[t],
-    for a scorer that reads it)."""
+    """pi (L, H, T) the scorer gives the fixed sequence, every layer, from one dense pass of its
+    model (with a[t], for a scorer that reads it)."""
     name, s = model_of(folder), scorer(folder)
     net = model(name)
     T = LENGTH[name]
@@ -90,8 +91,9 @@ def dense_logp():  # (2, 2048, V) full's log-probs of the held-out files, fp32
 
 @torch.no_grad()
 def code_kl(folder):
-    """KL(full || scorer) at BUDGET as bench.py quality --task code's kl (tools/measures.file_metrics), in fp32 (the
-    masked pass): per file the mean over the positions t >= S that predict a next token, then over the files."""
+    """KL(full || scorer) at BUDGET as bench.py quality --task code's kl (measures.file_metrics),
+    in fp32 (the masked pass): per file the mean over the positions t >= S that predict a next
+    token, then the mean over the files."""
     s, idx = scorer(folder, torch.float32), code_files()
     S = kvpop.budget_size(BUDGET, idx.shape[1], SINKS, s.window)[0]
     net, args = model("codebaby", torch.float32), (BUDGET, SINKS, s.window, False)

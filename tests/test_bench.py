@@ -91,10 +91,11 @@ def test_bench_quality_target_reaches_the_oracle(tmp_path, baby):
 
 
 def test_bench_quality_ref_judges_every_row_kind(tmp_path, baby):
-    """bench.py quality --model M --ref R (a fine-tune's rows) judges every kind of row against the dense model
-    before, R: full's and streaming's, and the oracle's and a scorer's (the README's fine-tune row is one of these),
-    each the row tasks.quality_runs gives for M against R, on bench's held-out sequences (the command line, run as
-    a user runs it). Judged against M itself, the oracle's and the scorer's KL differ: --ref is what they read."""
+    """bench.py quality --model M --ref R (a fine-tune's rows) judges every kind of row against the
+    dense model before, R: full's and streaming's, and the oracle's and a scorer's (the README's
+    fine-tune row is one of these), each the row tasks.quality_runs gives for M against R on
+    bench's held-out sequences (the command line, as a user runs it). Judged against M itself, the
+    oracle's and the scorer's KL differ: --ref is what they read."""
     import fast
 
     ref, tok = baby
@@ -106,8 +107,9 @@ def test_bench_quality_ref_judges_every_row_kind(tmp_path, baby):
     tuned.save_pretrained(str(tmp_path / "tuned"))
     folder = os.path.join("baby", "scorers", "recall-helpful", "kvpop-window")
     out = tmp_path / "q.json"
-    args = ["--model", str(tmp_path / "tuned"), "--ref", MODEL_DIR, "--policies", "full,streaming,oracle"]
-    args += ["--scorer", folder, "--target", "helpful", "--n", "2", "--budgets", "0.25", "--json", str(out)]
+    args = ["--model", str(tmp_path / "tuned"), "--ref", MODEL_DIR]
+    args += ["--policies", "full,streaming,oracle", "--scorer", folder, "--target", "helpful"]
+    args += ["--n", "2", "--budgets", "0.25", "--json", str(out)]
     r = run("bench.py", "quality", *args)
     assert r.returncode == 0, r.stderr
     got = {(row["target"], row["policy"]): row for row in json.loads(out.read_text())}

@@ -686,13 +686,14 @@ def test_student_measures_score_the_teacher_and_streaming_as_they_must():
 
 
 def test_student_measures_count_the_pools_exactly(monkeypatch):
-    """experiments/student.py's overlap and recent share on a hand-built teacher and student, one layer and head,
-    sinks 2, window 4, pool 4, T 20: at the last query (19) the eligible tokens are 2..15 and each pool is the 4 best
-    of them (README, Method: eviction times). The teacher ranks 15, 12, 11, 3 (then 9): its pool {3, 11, 12, 15}.
-    The student ranks 5, 3, 11, 15 (then 12, which 15 evicts at the last query): its pool {3, 5, 11, 15} holds 3 of
-    the teacher's; streaming's pool is the newest 4, {12, 13, 14, 15}, 2 of them. Each set one token larger or
-    smaller (a pool of 3 or 5, the eligible tokens one off, a token evicted at the last query counted) gives another
-    share."""
+    """experiments/student.py's overlap and recent share on a hand-built teacher and student, one
+    layer and head, sinks 2, window 4, pool 4, T 20: at the last query (19) the eligible tokens are
+    2..15 and each pool is the 4 best of them (README, Method: eviction times). The teacher ranks
+    15, 12, 11, 3 (then 9): its pool {3, 11, 12, 15}. The student ranks 5, 3, 11, 15 (then 12,
+    which 15 evicts at the last query): its pool {3, 5, 11, 15} holds 3 of the teacher's;
+    streaming's pool, the newest 4, {12, 13, 14, 15}, holds 2. Each set one token larger or smaller
+    (a pool of 3 or 5, the eligible tokens one off, a token evicted at the last query counted)
+    gives another share."""
     from experiments import student
 
     T, window, pool = 20, 4, 4

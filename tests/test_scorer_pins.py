@@ -1,8 +1,8 @@
-"""The shipped scorers pinned: every scorer folder under baby/scorers and codebaby/scorers gives, on a fixed short
-sequence, the priorities recorded in tests/scorer_pins.json, and a code scorer the held-out KL of two files at 0.125
-(as bench.py quality --task code computes it, in fp32), to 1e-6 (tests/pin_scorers.py computes both; the
-priorities in fp64). A change to the code a shipped scorer runs (its features, a[t], its reads, its read-out) fails
-here even where every form of it still agrees with the others.
+"""The shipped scorers pinned: every scorer folder under baby/scorers and codebaby/scorers gives,
+on a fixed short sequence, the priorities recorded in tests/scorer_pins.json (fp64), and a code
+scorer the held-out KL of two files at 0.125 as bench.py quality --task code computes it (fp32),
+to 1e-6 (tests/pin_scorers.py computes both). A change to the code a shipped scorer runs (its
+features, a[t], its reads, its read-out) fails here even where all its forms still agree.
 
 When a scorer is retrained or a new one ships, its pins are re-recorded, and committed with it:
 
@@ -39,7 +39,8 @@ def test_every_shipped_scorer_is_pinned():
 def pinned(folder):  # the folder's pins, once its tensors are the ones pinned
     assert folder in PINS, f"{folder} is not pinned: {AGAIN}"
     pin = PINS[folder]
-    assert pin_scorers.digest(folder) == pin["digest"], f"{folder}/scorer.safetensors changed: {AGAIN}"
+    changed = f"{folder}/scorer.safetensors changed: {AGAIN}"
+    assert pin_scorers.digest(folder) == pin["digest"], changed
     return pin
 
 
