@@ -180,4 +180,11 @@ def test_out_of_another_run_is_refused(tmp_path, monkeypatch):
     message = exits(monkeypatch, "bench.py generate", "--data", data, "--out", str(out))
     one_line_error(message, "holds the answers of another run")
     assert out.read_text() == json.dumps({"run": {"model": "other"}}) + "\n"
+    # the same settings, other problems in the file
+    opts = bench.settings("generate", ["--data", data])[0]
+    opts.model = "baby"
+    out.write_text(json.dumps({"run": generate.settings_of(opts)}) + "\n")
+    _jsonl(tmp_path / "p.jsonl", [dict(prompt="b", answer="2")])
+    message = exits(monkeypatch, "bench.py generate", "--data", data, "--out", str(out))
+    one_line_error(message, "holds the answers of another run")
     one_line_error(exits(monkeypatch, "bench.py generate", "--chat"), "--chat: applies to --data")

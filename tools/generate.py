@@ -268,11 +268,14 @@ def answer_all(net, tok, problems, runs, opts, done):
         out.close()
 
 
-# what decides an answer's text: --out's first line, a resumed run's must be the same
+# what decides an answer's text, the problems' bytes too: --out's first line, a resumed run's the same
 def settings_of(opts):
     keys = "model data question answer grade chat think temperature top_k top_p"
     keys += " max_new_tokens seed sinks window dtype plain"
-    return {k: getattr(opts, k) for k in keys.split()}
+    run = {k: getattr(opts, k) for k in keys.split()}
+    with open(opts.data, "rb") as f:
+        run["data_sha256"] = hashlib.sha256(f.read()).hexdigest()
+    return run
 
 
 # ------------------------------------------------------------------ the table
