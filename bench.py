@@ -213,12 +213,11 @@ def cmd_generate(argv):
     need("oracle" not in policies, f"--policies oracle: {why}")
     msg = f"--temperature {opts.temperature:g}: use 0 (greedy) or more"
     need(opts.temperature >= 0, msg)
-    # each way's own flags
-    mode = "--data" if opts.data else "--task"
-    own = generate.TASK_FLAGS if opts.data else generate.DATA_FLAGS
-    other = sorted(opts.given & set(own.split()))
-    why = f"applies without {mode}" if opts.data else "applies to --data"
-    need(not other, f"--{(other or [''])[0]}: {why}")
+    # each way's own flags: the other way's are refused
+    others = generate.TASK_FLAGS if opts.data else generate.DATA_FLAGS
+    given = sorted(opts.given & set(others.split()))
+    why = "applies without --data" if opts.data else "applies to --data"
+    need(not given, f"--{(given or [''])[0]}: {why}")
     if opts.data:
         return generate.run(opts, need, policies)
     need(opts.prompts >= 1, f"--prompts {opts.prompts}: use 1 or more")

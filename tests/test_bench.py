@@ -357,3 +357,16 @@ def test_bench_runs_a_named_scorer_once_under_its_own_target(tmp_path):
     assert learned == [("helpful", "kvpop-window"), ("max", "kvpop-window")]
     r = subprocess.run([sys.executable, "bench.py", "quality", "--target", "helpful", "--scorer", maxed], capture_output=True, text=True, cwd=HERE)
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].endswith("was trained for target max: add it to --target")
+
+
+def test_bench_and_its_tools_import_no_other_script():
+    """bench.py and tools/ stand on the core's modules, not on another script: no train, sample or pretrain import
+    (bench.py speed once imported train.py, running its flags and presets)."""
+    import ast
+    import glob
+
+    for path in [os.path.join(HERE, "bench.py"), *glob.glob(os.path.join(HERE, "tools", "*.py"))]:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not names & {"train", "sample", "pretrain"}, path

@@ -1,7 +1,7 @@
-"""bench.py generate --data (tools/generate.py): the grading rule on a table of cases; the baby answering its own
-recall problems, graded by prefix, against the recall scoreboard's verdict on the same answers, through the one
-writer --task uses; a random Qwen3 with the real vocabulary and chat template, thinking, killed and resumed to the
-same table; bad input in one line, nothing written."""
+"""bench.py generate --data (tools/generate.py): the grading rule on a table of cases; the baby
+answering its own recall problems, graded by prefix, against the recall scoreboard's verdict on the
+same answers, through the one writer --task uses; a random Qwen3 with the real vocabulary and chat
+template, thinking, killed and resumed to the same table; bad input in one line, nothing written."""
 
 import functools
 import json
@@ -47,8 +47,8 @@ def test_grading_cases(text, answer, extracted, right):
 
 
 def test_grading_thinking_and_prefix():
-    """Under --think the answer is what follows </think> (a number inside the thinking does not count; no
-    </think>: no answer); --grade prefix: the text's start, leading spaces stripped."""
+    """Under --think the answer is what follows </think> (a number inside the thinking does not
+    count; no </think>: no answer); --grade prefix: the text's start, leading spaces stripped."""
     assert generate.extract("<think>maybe 4</think>\\boxed{5}", "math", True, "5") == ("5", True)
     assert generate.extract("<think>so 5 ... still thinking", "math", True, "5") == ("", False)
     assert generate.extract(" apple key name", "prefix", False, "apple") == ("apple", True)
@@ -61,10 +61,11 @@ def _jsonl(path, rows):
 
 
 def test_baby_recall_problems_graded_by_prefix_agree_with_the_scoreboard(tmp_path, monkeypatch, capsys):
-    """The baby's recall problems (tools/generate.recall_problems: --task recall's held-out sequences, each cut
-    after its last query key) answered by --data, --grade prefix: each answer is right exactly when the recall
-    scoreboard (_ref_marks, from its definition) marks the word after the prompt's last key a hit, under full,
-    streaming and the delayed scorer; both ways of bench.py generate write through bench_runs.write."""
+    """The baby's recall problems (tools/generate.recall_problems: --task recall's held-out
+    sequences, each cut after its last query key) answered by --data, --grade prefix: each answer is
+    right exactly when the recall scoreboard (_ref_marks, from its definition) marks the word after
+    the prompt's last key a hit, under full, streaming and the delayed scorer; both ways of bench.py
+    generate write through bench_runs.write."""
     tok = Tokenizer.from_pretrained(MODEL_DIR)
     problems = generate.recall_problems(tok, 8, 256, 48)
     data = _jsonl(tmp_path / "recall.jsonl", problems)
@@ -99,8 +100,8 @@ def test_baby_recall_problems_graded_by_prefix_agree_with_the_scoreboard(tmp_pat
 
 @pytest.fixture(scope="module")
 def chat_qwen(tmp_path_factory):
-    """A random Qwen3 with the real 151,936-token vocabulary, its tokenizer.json and tokenizer_config.json (with the
-    chat template) the real ones."""
+    """A random Qwen3 with the real 151,936-token vocabulary, its tokenizer.json and
+    tokenizer_config.json (with the chat template) the real ones."""
     folder = tmp_path_factory.mktemp("qwen")
     hf_checkpoint(folder, layers=2, vocab=151936)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -113,10 +114,10 @@ def _table(stdout):  # the markdown table a run printed
 
 
 def test_random_qwen3_thinks_and_a_killed_run_resumes_to_the_same_table(chat_qwen, tmp_path, monkeypatch, capsys):
-    """--chat --think on a GSM8K- and an AIME-shaped line, two evicting policies at two budgets, 2 samples: every
-    answer lands in --out with its fields (no answer closes its thinking: accuracy 0, retained '-'); cut --out after
-    7 answers and mid-line (a kill), the run started again writes only the rest and prints the same table, its --out
-    the same answers."""
+    """--chat --think on a GSM8K- and an AIME-shaped line, two evicting policies at two budgets, 2
+    samples: every answer lands in --out with its fields (no answer closes its thinking: accuracy 0,
+    retained '-'); cut --out after 7 answers and mid-line (a kill), the run started again writes
+    only the rest and prints the same table, its --out the same answers."""
     rows = [
         dict(question="Natalia sold 48 clips in April and half as many in May. How many in all?", answer="#### 72"),
         dict(problem="Find x if 2x = 10.", answer="5"),
@@ -171,11 +172,19 @@ def test_bad_input_is_one_line_and_writes_nothing(lines, extra, words, tmp_path,
 
 
 def test_out_of_another_run_is_refused(tmp_path, monkeypatch):
-    """--out holding another run's answers (other settings): one line, the file untouched; --chat without --data."""
+    """--out holding another run's answers (other settings): one line, the file untouched; --chat
+    without --data."""
     data = _jsonl(tmp_path / "p.jsonl", [dict(prompt="a", answer="1")])
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps({"run": {"model": "other"}}) + "\n")
     message = exits(monkeypatch, "bench.py generate", "--data", data, "--out", str(out))
     one_line_error(message, "holds the answers of another run")
     assert out.read_text() == json.dumps({"run": {"model": "other"}}) + "\n"
+    # the same settings, other problems in the file
+    opts = bench.settings("generate", ["--data", data])[0]
+    opts.model = "baby"
+    out.write_text(json.dumps({"run": generate.settings_of(opts)}) + "\n")
+    _jsonl(tmp_path / "p.jsonl", [dict(prompt="b", answer="2")])
+    message = exits(monkeypatch, "bench.py generate", "--data", data, "--out", str(out))
+    one_line_error(message, "holds the answers of another run")
     one_line_error(exits(monkeypatch, "bench.py generate", "--chat"), "--chat: applies to --data")

@@ -1,15 +1,18 @@
-"""bench.py generate --data: every policy answers the problems of a JSONL file through the evicting cache (one
-problem at a time, bench_runs.write), each answer graded as it ends and appended to --out; then the table of
-accuracy kept against full's. The baby's recall problems: `python -m tools.generate baby/recall.jsonl`.
+"""bench.py generate --data: every policy answers the problems of a JSONL file through the evicting
+cache (one problem at a time, bench_runs.write), each answer graded as it ends and appended to
+--out; then the table of accuracy kept against full's. The baby's recall problems:
 
-Grading, --grade math: a reference answer that is a worked solution is what follows its last `####`, else its
-last \\boxed{...}. A written answer (under --think: the text after </think>, none without it) is its last
-\\boxed{...} (nested braces), else its last number, else its text. Two answers that both read as numbers are
-compared as numbers: thousands commas, a sign, decimals, a fraction a/b or \\frac{a}{b}, a leading `$` or
-`x =`, a trailing unit of letters or `%`. Others are compared as text after normalising: lower case, no
-spaces, `$`, \\left, \\right, thin spaces or a final period, \\text{...} and \\mathrm{...} read as their
-content, \\dfrac and \\tfrac as \\frac. Where math-verify is installed, its verdict can also make them equal.
---grade prefix: right when the text, its leading spaces stripped, starts with the answer."""
+python -m tools.generate baby/recall.jsonl 32
+
+Grading, --grade math: a reference answer that is a worked solution is what follows its last `####`,
+else its last \\boxed{...}. A written answer (under --think: the text after </think>, none without
+it) is its last \\boxed{...} (nested braces), else its last number, else its text. Two answers that
+both read as numbers are compared as numbers: thousands commas, a sign, decimals, a fraction a/b or
+\\frac{a}{b}, a leading `$` or `x =`, a trailing unit of letters or `%`. Others are compared as text
+after normalising: lower case, no spaces, `$`, \\left, \\right, thin spaces or a final period,
+\\text{...} and \\mathrm{...} read as their content, \\dfrac and \\tfrac as \\frac. Where
+math-verify is installed, its verdict can also make them equal. --grade prefix: right when the text,
+its leading spaces stripped, starts with the answer."""
 
 import hashlib
 import importlib.util
@@ -44,7 +47,8 @@ NUMBER = rf"[-+]?(?:{INTEGER}(?:\.\d+)?|\.\d+)(?:/{INTEGER})?"
 
 
 def last_boxed(text):
-    """The content of the last \\boxed{...} in text, nested braces kept; None if it has none (or unclosed)."""
+    """The content of the last \\boxed{...} in text, nested braces kept; None if it has none (or
+    unclosed)."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -64,8 +68,8 @@ def plain(s):
 
 
 def to_number(s):
-    """s as a number (Fraction), or None when it is not one: a sign, commas, decimals, a fraction, a leading
-    `$` or `x =`, a trailing unit of letters or %."""
+    """s as a number (Fraction), or None when it is not one: a sign, commas, decimals, a fraction, a
+    leading `$` or `x =`, a trailing unit of letters or %."""
     s = plain(s).replace("$", "").replace("\\!", "").strip()
     s = re.sub(r"^[A-Za-z]\s*=\s*", "", s)
     m = re.fullmatch(rf"({NUMBER})\s*[A-Za-z%. ]*", s)
@@ -76,7 +80,8 @@ def to_number(s):
     return Fraction(whole) / below if below else None
 
 
-# text compared after normalising: lower case; no spaces, $, \left, \right, thin spaces, final period
+# text compared after normalising: lower case; no spaces, $, \left, \right,
+# thin spaces, final period
 def normal(s):
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
     s = re.sub(r"\\(?:text|mathrm)\{([^{}]*)\}", r"\1", s)
@@ -106,7 +111,8 @@ def same(answer, reference):
 
 
 def reference(answer):
-    """A reference answer: what follows a worked solution's last `####`, else its last \\boxed{}, else itself."""
+    """A reference answer: what follows a worked solution's last `####`, else its last \\boxed{},
+    else itself."""
     if "####" in answer:
         return answer.rsplit("####", 1)[1].strip()
     boxed = last_boxed(answer)
@@ -114,8 +120,9 @@ def reference(answer):
 
 
 def extract(text, grade, think, answer):
-    """A written text's answer -> (extracted, right): under think, the text after </think> (none: no answer);
-    math: its last \\boxed{}, else its last number, else the text; prefix: its start, as long as the answer."""
+    """A written text's answer -> (extracted, right): under think, the text after </think> (none: no
+    answer); math: its last \\boxed{}, else its last number, else the text; prefix: its start, as
+    long as the answer."""
     if think:
         _, closed, text = text.rpartition("</think>")
         if not closed:
@@ -131,8 +138,8 @@ def extract(text, grade, think, answer):
 
 # ------------------------------------------------------------------ problems
 def read_problems(path, question="", answer="answer"):
-    """The JSONL file's problems -> [(question, reference answer)]; a line that is no JSON object with both
-    fields, or a file with none, raises ValueError naming the line."""
+    """The JSONL file's problems -> [(question, reference answer)]; a line that is no JSON object
+    with both fields, or a file with none, raises ValueError naming the line."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -161,9 +168,10 @@ def read_problems(path, question="", answer="answer"):
 
 
 def recall_problems(tok, n, T, tokens, seed=0):
-    """The baby's recall problems: bench.py generate --task recall's held-out sequences (n of T tokens, seed), each
-    cut after its last query key before position T - tokens (inside --task's prompt), bos dropped ->
-    [{"prompt": its words as text, "answer": the key's value}] (a sequence with no query there: none)."""
+    """The baby's recall problems: bench.py generate --task recall's held-out sequences (n of T
+    tokens, seed), each cut after its last query key before position T - tokens (inside --task's
+    prompt), bos dropped -> [{"prompt": its words as text, "answer": the key's value}] (a sequence
+    with no query there: none)."""
     idx = baby_tasks.held_out_batch(tok, "recall", n, T, seed)[0]
     word = {i: w for w, i in baby_tasks.task_ids(tok)[0].items()}
     problems = []
@@ -201,9 +209,9 @@ def seed_of(seed, problem, sample):
 
 # ------------------------------------------------------------------ --out
 def answered(path, run):
-    """The answers --out holds {(problem, target, policy, budget, sample): record}, its first line the run's
-    settings; a last line a kill cut off is dropped (the file rewritten without it). A file of another run's
-    answers, or with a line that is no JSON, raises ValueError naming it."""
+    """The answers --out holds {(problem, target, policy, budget, sample): record}, its first line
+    the run's settings; a last line a kill cut off is dropped (the file rewritten without it). A
+    file of another run's answers, or with a line that is no JSON, raises ValueError naming it."""
     if not path or not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
@@ -227,8 +235,9 @@ def answered(path, run):
 
 
 def answer_all(net, tok, problems, runs, opts, done):
-    """Each problem (the bar), each run (target, policy, budget) and sample not done yet: its answer written through
-    the run's cache, seeded by (problem, sample), graded, kept in done and appended to --out as it ends."""
+    """Each problem (the bar), each run (target, policy, budget) and sample not done yet: its answer
+    written through the run's cache, seeded by (problem, sample), graded, kept in done and appended
+    to --out as it ends."""
     dev = next(net.parameters()).device
     sampling = (opts.temperature, opts.top_k, opts.top_p)
     out = open(opts.out, "a", encoding="utf-8") if opts.out else None
@@ -243,7 +252,8 @@ def answer_all(net, tok, problems, runs, opts, done):
                     continue
                 seed = seed_of(opts.seed, i, s)
                 cache = (opts.sinks, opts.window, opts.max_new_tokens)
-                ids = bench_runs.write(net, prompt, p, b, *cache, sampling, seed, tok.stop)[0].tolist()
+                drawn = (*cache, sampling, seed, tok.stop)
+                ids = bench_runs.write(net, prompt, p, b, *drawn)[0].tolist()
                 said = [t for t in ids if t not in tok.stop]
                 text = tok.decode(said)
                 got, right = extract(text, opts.grade, opts.think, answer)
@@ -258,17 +268,22 @@ def answer_all(net, tok, problems, runs, opts, done):
         out.close()
 
 
-# what decides an answer's text: --out's first line, a resumed run's must be the same
+# what decides an answer's text, the problems' bytes too: --out's first line, a resumed run's the same
 def settings_of(opts):
-    keys = "model data question answer grade chat think temperature top_k top_p max_new_tokens seed sinks window"
-    return {k: getattr(opts, k) for k in (keys + " dtype plain").split()}
+    keys = "model data question answer grade chat think temperature top_k top_p"
+    keys += " max_new_tokens seed sinks window dtype plain"
+    run = {k: getattr(opts, k) for k in keys.split()}
+    with open(opts.data, "rb") as f:
+        run["data_sha256"] = hashlib.sha256(f.read()).hexdigest()
+    return run
 
 
 # ------------------------------------------------------------------ the table
 def table_rows(runs, done, problems, samples, kv, seed):
-    """A row per run (target, policy, budget) over the problems (a count) and samples of each: accuracy (pass@1: each problem's share of right answers,
-    averaged), retained = accuracy / full's with a paired bootstrap interval over problems, the answers' mean
-    length in tokens, how many hit --max_new_tokens, the cache's MiB (kv {(policy, budget): MiB})."""
+    """A row per run (target, policy, budget) over the problems (a count) and samples of each:
+    accuracy (pass@1: each problem's share of right answers, averaged), retained = accuracy / full's
+    with a paired bootstrap interval over problems, the answers' mean length in tokens, how many hit
+    --max_new_tokens, the cache's MiB (kv {(policy, budget): MiB})."""
     rows = []
     for target, p, b in runs:
         name = p if isinstance(p, str) else p.kind
@@ -313,8 +328,9 @@ def data_table(rows):
 
 # ------------------------------------------------------------------ the run
 def data_setup(opts, need, policies):
-    """--data's flags checked, its problems read, the model and scorers loaded, every budget checked against every
-    problem -> net, tok, problems, their prompts' lengths, runs [(target, policy, budget)], bytes a token."""
+    """--data's flags checked, its problems read, the model and scorers loaded, every budget checked
+    against every problem -> net, tok, problems, their prompts' lengths, runs [(target, policy,
+    budget)], bytes a token."""
     qwen = opts.model not in ("", "baby", "codebaby")
     opts.model = opts.model or "baby"
     # a Qwen3: its advice for sampling (thinking or not), the paper's window
@@ -361,7 +377,8 @@ def data_setup(opts, need, policies):
 
 
 def check_lengths(opts, need, config, lengths, budgets, scorers, dt):
-    """Every prompt with --max_new_tokens within the model's positions, every budget leaving a pool on each."""
+    """Every prompt with --max_new_tokens within the model's positions, every budget leaving a pool
+    on each."""
     most = config.max_position_embeddings
     longest = max(range(len(lengths)), key=lambda i: lengths[i])
     total = lengths[longest] + opts.max_new_tokens
@@ -378,25 +395,28 @@ def check_lengths(opts, need, config, lengths, budgets, scorers, dt):
 
 
 def run(opts, need, policies):
-    """bench.py generate --data: every run answers every problem (answer_all), then the table -> its rows."""
+    """bench.py generate --data: every run answers every problem (answer_all), then the table -> its
+    rows."""
     t0 = time.time()
     setup = data_setup(opts, need, policies)
     net, tok, problems, lengths, runs, per_token, done = setup
     resumed = len(done)
     answer_all(net, tok, problems, runs, opts, done)
-    # the cache's MiB at each budget: its S entries (the budget's share of prompt + max_new_tokens, a scorer's
-    # state inside) of a token's keys and values in every layer, the mean over problems
+    # the cache's MiB at each budget: its S entries (the budget's share of prompt + max_new_tokens,
+    # a scorer's state inside) of a token's keys and values in every layer, the mean over problems
     totals = [P + opts.max_new_tokens for P in lengths]
     kv, dt = {}, next(net.parameters()).dtype
     for _, p, b in runs:
         charge = kvpop.state_charge(p, dt)
-        size = lambda T: T if p == "full" else kvpop.budget_size(b, T, opts.sinks, opts.window, charge)[0]
+        kept = lambda T: kvpop.budget_size(b, T, opts.sinks, opts.window, charge)[0]
+        size = lambda T: T if p == "full" else kept(T)
         name = p if isinstance(p, str) else p.kind
         kv[name, b] = sum(size(T) for T in totals) * per_token / len(totals) / 2**20
     rows = table_rows(runs, done, len(problems), opts.samples, kv, opts.seed)
     sampling = f"temperature {opts.temperature:g}, top-k {opts.top_k}, top-p {opts.top_p:g}"
     what = f"{len(problems)} problems of {opts.data}, {opts.samples} answer(s) each"
-    print(f"{opts.model}: {what} of at most {opts.max_new_tokens} tokens, {sampling}; grade {opts.grade}", end="")
+    most = f"of at most {opts.max_new_tokens} tokens"
+    print(f"{opts.model}: {what} {most}, {sampling}; grade {opts.grade}", end="")
     print(f"; sinks {opts.sinks}, window {opts.window}\n")
     print(data_table(rows))
     written = len(done) - resumed
@@ -406,8 +426,8 @@ def run(opts, need, policies):
     return rows
 
 
-# python -m tools.generate FILE [N]: the baby's recall problems of N held-out sequences (256) written to FILE, of
-# bench.py generate --task recall's default length (T 512, 112 tokens written)
+# python -m tools.generate FILE [N]: the baby's recall problems of N held-out sequences (256)
+# written to FILE, of bench.py generate --task recall's default length (T 512, 112 written)
 if __name__ == "__main__":
     path, n = sys.argv[1], int((sys.argv[2:] or [256])[0])
     tok = tokenizer.Tokenizer.from_pretrained("baby")

@@ -58,8 +58,9 @@ def interval(x):
 def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target=kvpop.TARGETS[0], ref=None):
     """Every (policy, budget) on held-out files idx (files, T), teacher-forced through evaluate -> rows of each
     file_metrics' mean over files and 95% half-width (_ci), the perplexity ratio exp(log_ppl) with its interval
-    (ppl_lo, ppl_hi), and KL's paired per-file difference from streaming's (kl_paired, its _ci). Key tokens at a budget are streaming's there; `full` first, a row a budget (its key top-1 is
-    the bar). ref: the dense model full's rows and the key tokens are of (a fine-tune's model before; default net)."""
+    (ppl_lo, ppl_hi), and KL's paired per-file difference from streaming's (kl_paired, its _ci). Key tokens at a
+    budget are streaming's there; `full` first, a row a budget (its key top-1 is the bar). ref: the dense model
+    full's rows, the key tokens and streaming's paired KL are of (a fine-tune's model before; default net)."""
     ref = ref or net
     T = idx.shape[1]
     size = lambda budget: kvpop.budget_size(budget, T, sinks, window)[0]
@@ -67,6 +68,7 @@ def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target=kvpop
     runs = [("full", b) for b in budgets]
     runs += [(p, b) for p in others for b in budgets]
     per = {run: [] for run in runs}
+    streamed = {b: [] for b in budgets}  # streaming's per-file KL (on ref) at each budget
     # a chunk of files: full's log-probs, each budget's key tokens, then every run on it
     for start in range(0, len(idx), chunk):
         files = idx[start : start + chunk]
@@ -76,11 +78,13 @@ def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target=kvpop
             return evaluate(*args).float().log_softmax(-1)
 
         full = logp(ref, "full", 1)
-        # each budget's key tokens: those streaming there misses
+        # each budget's key tokens: those streaming there misses; its KL, the paired baseline
         key = {}
         for budget in budgets:
             local = logp(ref, "streaming", budget)
             key[budget] = key_tokens(full, local, files, size(budget))
+            found = file_metrics(full, local, files, size(budget), key[budget])
+            streamed[budget].append(found["kl"])
         for policy, budget in runs:
             online = policy_name(policy) in kvpop.DYNAMIC
             got = full
@@ -101,11 +105,9 @@ def code_runs(net, idx, policies, budgets, sinks, window, chunk=16, target=kvpop
         row["ppl_ratio"] = num(math.exp(log_ppl))
         row["ppl_lo"] = num(math.exp(log_ppl - half))
         row["ppl_hi"] = num(math.exp(log_ppl + half))
-        # KL's paired per-file difference from streaming's at the same budget (None without streaming)
-        base = per.get(("streaming", b))
-        diff = torch.cat([m["kl"] for m in parts]) - torch.cat([m["kl"] for m in base]) if base else None
-        mean, half = interval(diff) if base else (math.nan, math.nan)
-        row["kl_paired"], row["kl_paired_ci"] = num(mean), num(half)
+        # KL's paired per-file difference from streaming's at the same budget
+        diff = torch.cat([m["kl"] for m in parts]) - torch.cat(streamed[b])
+        row["kl_paired"], row["kl_paired_ci"] = map(num, interval(diff))
         rows.append(row)
     return rows
 

@@ -1,5 +1,6 @@
-"""bench.py speed and kernels' runs: a random Qwen3 of a shape, a cache filled as if it had read C tokens, the
-decoding, prefill and training-step rows; each kernels.py op timed against its naive version, or compiled per GPU."""
+"""bench.py speed and kernels' runs: a random Qwen3 of a shape, a cache filled as if it had read C
+tokens, the decoding, prefill and training-step rows; each kernels.py op timed against its naive
+version, or compiled per GPU."""
 
 import os
 
@@ -39,8 +40,8 @@ def compile_targets(opts, need):
 
 
 def kernel_rows(dev, D, group, lengths):
-    """Each kernels.py op at each length T, ours against its naive plain_ version (and SDPA on a GPU): a row printed
-    as it comes, best ms of 3 after a warm-up and peak MiB."""
+    """Each kernels.py op at each length T, ours against its naive plain_ version (and SDPA on a
+    GPU): a row printed as it comes, best ms of 3 after a warm-up and peak MiB."""
     sinks, window = 4, 256
     dt = torch.float32 if dev == "cpu" else torch.bfloat16
 
@@ -134,8 +135,9 @@ def empty_cache(net, policy, b, T, full, opts, dt):
 
 
 def fill(cache, C):
-    """Make the cache look as if it had read C tokens (sinks, a pool spread over the past, the window), with synthetic
-    keys and values: a step costs the same whatever they hold. Returns the entries held."""
+    """Make the cache look as if it had read C tokens (sinks, a pool spread over the past, the
+    window), with synthetic keys and values: a step costs the same whatever they hold. Returns the
+    entries held."""
     sinks, window = cache.sinks, cache.window
     pos = torch.arange(C)
     if C > cache.slots:
@@ -156,9 +158,10 @@ def fill(cache, C):
 
 
 def time_steps(net, step, scorers, opts, dt, W, C, budgets, policies):
-    """Full's cache, then each policy's at each budget, filled as at context C, each stepped opts.steps + 1 times in
-    turn (the first round warms up), beside a model-sized matrix-vector product -> ({(policy, budget): (cache,
-    entries held, step seconds)}, the product's GB/s: the limit)."""
+    """Full's cache, then each policy's at each budget, filled as at context C, each stepped
+    opts.steps + 1 times in turn (the first round warms up), beside a model-sized matrix-vector
+    product -> ({(policy, budget): (cache, entries held, step seconds)}, the product's GB/s: the
+    limit)."""
     dev, E = opts.device, net.config.hidden_size
     # a model-sized matrix
     height = W // (E * dt.itemsize)
@@ -201,8 +204,9 @@ def decode_cells(r, sec, limit):
 
 
 def speed_decode(net, scorers, opts, dt, W, contexts, budgets, policies):
-    """The decoding rows: tokens/s of full, then each policy at each budget, beside the bytes a step reads (W of
-    weights) and a model-sized matrix-vector product (the limit); a context's rows stepped in turn: the same minutes."""
+    """The decoding rows: tokens/s of full, then each policy at each budget, beside the bytes a step
+    reads (W of weights) and a model-sized matrix-vector product (the limit); a context's rows
+    stepped in turn: the same minutes."""
     c, dev = net.config, opts.device
     rows = []
     mode = "reduce-overhead" if dev.startswith("cuda") else None
@@ -254,7 +258,8 @@ def speed_decode(net, scorers, opts, dt, W, contexts, budgets, policies):
 
 
 def speed_prefill(net, scorers, opts, dt, b, policies):
-    """Prefill rows: seconds and peak memory of a prompt into an empty cache, full, then each static policy at b."""
+    """Prefill rows: seconds and peak memory of a prompt into an empty cache, full, then each static
+    policy at b."""
     T, dev = opts.prefill, opts.device
     rows = []
     mib = lambda x: round(x / 2**20, 1)
@@ -286,8 +291,8 @@ def speed_prefill(net, scorers, opts, dt, b, policies):
 
 
 def speed_train(net, scorers, opts, dt, b, policies):
-    """One training step of the first learned policy at budget b, timed part by part: the loss train.py's
-    scorer_loss takes in one process (kvpop.boundary_loss, backward, layer by layer)."""
+    """One training step of the first learned policy at budget b, timed part by part: the loss
+    train.py's scorer_loss takes in one process (kvpop.boundary_loss, backward, layer by layer)."""
     learned = (p for p in policies if p in kvpop.SCORERS)
     kind = next(learned, "kvpop-window")
     T, dev = opts.train, opts.device
@@ -349,8 +354,8 @@ def speed_train(net, scorers, opts, dt, b, policies):
 
 
 def speed_rows(net, scorers, opts, dt, contexts, budgets, policies):
-    """bench.py speed's rows: its title, then the decoding rows at each context, the prefill and the training step
-    rows at the first budget (each when asked for)."""
+    """bench.py speed's rows: its title, then the decoding rows at each context, the prefill and the
+    training step rows at the first budget (each when asked for)."""
     c, dev = net.config, opts.device
     # frozen: the timed passes build no graph
     net.requires_grad_(False)

@@ -1,5 +1,5 @@
-"""Timing and memory of a run, for bench.py kernels and speed: wall seconds (a GPU waited on), the peak bytes its
-tensors hold, the torch ops it dispatches; and a markdown table's header."""
+"""Timing and memory of a run, for bench.py kernels and speed: wall seconds (a GPU waited on), the
+peak bytes its tensors hold, the torch ops it dispatches; and a markdown table's header."""
 
 import time
 import weakref
@@ -15,9 +15,10 @@ def storages(xs):
 
 
 class Meter(TorchDispatchMode):
-    """The ops dispatched while active: how many (calls), and the peak of the bytes held by the storages they create
-    (peak, on a CPU; a storage leaves the count when freed). A compiled graph runs under it untraced: its calls are the
-    ops the graph leaves to torch (inductor's C++ and Triton kernels dispatch none)."""
+    """The ops dispatched while active: how many (calls), and the peak of the bytes held by the
+    storages they create (peak, on a CPU; a storage leaves the count when freed). A compiled graph
+    runs under it untraced: its calls are the ops the graph leaves to torch (inductor's C++ and
+    Triton kernels dispatch none)."""
 
     def __init__(self):
         super().__init__()
