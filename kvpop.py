@@ -202,6 +202,8 @@ class Scorer(Module):
     span = 1  # the tokens t .. t + span - 1 its decoding reads as t leaves the window
     chunk = 128  # the parallel forms' tokens a chunk: O(chunk (d_m + chunk)) memory
 
+    # the paper's sizes (a real Qwen3); train.py's defaults are the baby's: window 32, d_mem 16,
+    # d_hidden 64
     def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002,
                  arrival=False, received=False):
         super().__init__()
