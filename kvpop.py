@@ -287,7 +287,8 @@ class Scorer(Module):
                 alone = torch.stack([r[..., 0] for r in each], -1)
                 if not torch.allclose(alone, whole, rtol=1e-4, atol=1e-5):
                     past = f"{self.kind}: r[t] reads past t + span - 1 (span {self.span})"
-                    raise ValueError(f"{past}: its decoding would differ from its masked pass; {fix}")
+                    differ = "its decoding would differ from its masked pass"
+                    raise ValueError(f"{past}: {differ}; {fix}")
 
     # x (B, H, T, 2D) in the scorer's dtype (fp64 beside an fp64 model): [k; v], RMS-normalised
     def features(self, k, v):
