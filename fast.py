@@ -190,8 +190,9 @@ class FoldedMemory(kvpop.Decoder):
     """kvpop's decoding, its plain recurrence (kvpop.MemoryScorer.recurrent) a token a step: every layer and head's
     memory [C; n] (M + 1, M) and its log-scale, charged to the budget, take each token once it is cached, the RMS of
     x = [k; v] folded into the update's weights; and, eagerly, the reads of the next c = min(w, 32) leaving tokens
-    prepared together (the weights read once for c); kvpop.MemoryDecoder is the definition's decoding. Each token is
-    written under its own key: a kind whose `written_under` differs needs its own `write` (experiments/shifted.py)."""
+    prepared together (the weights read once for c); kvpop.MemoryDecoder is the definition's decoding.
+    Each token is written under its own key: a kind whose `written_under` differs needs its own
+    `write` (experiments/shifted.py)."""
 
     def __init__(self, scorer, cache):
         super().__init__(scorer, cache)
@@ -201,7 +202,7 @@ class FoldedMemory(kvpop.Decoder):
         own = type(scorer).written_under is kvpop.MemoryScorer.written_under
         if not own and type(self).write is FoldedMemory.write:
             why = "writes each token under its own key, not its written_under"
-            fix = "give it a form with its own `write` (experiments/shifted.py), or none in fast.FAST"
+            fix = "give it a form with its own `write` (experiments/shifted.py)"
             raise ValueError(f"fast.FoldedMemory {why} ({scorer.kind}): {fix}")
         grid = cache.pos.shape[:3]  # (L, B, H)
         size = scorer.d_mem

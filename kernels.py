@@ -249,11 +249,11 @@ def _future_torch(q, k, lse, window, eps, scale, reduce):
 
 # ------------------------------------------------------------------------------- attention received
 def window_received(q, k, window):
-    """plain_window_received's a[t] (B, Hkv, T) fp32: the most attention token t receives from a query
-    of its window, d = t .. t + w - 1, each query's softmax taken over its own window (d - w, d] alone
-    (so no eviction changes it), the max over the group's query heads. A delayed scorer reads it as t leaves the
-    window (README, Method: scorers); the cache keeps the running max (cache.py). 128 queries a
-    time: memory O(B Hq 128 (128 + w))."""
+    """plain_window_received's a[t] (B, Hkv, T) fp32: the most attention token t receives from a
+    query of its window, d = t .. t + w - 1, each query's softmax taken over its own window (d - w,
+    d] alone (so no eviction changes it), the max over the group's query heads. A delayed scorer
+    reads it as t leaves the window (README, Method: scorers); the cache keeps the running max
+    (cache.py). 128 queries a time: memory O(B Hq 128 (128 + w))."""
     _check_qk(q, k)
     if PLAIN:
         return plain_window_received(q, k, window)

@@ -202,6 +202,8 @@ class Scorer(Module):
     span = 1  # the tokens t .. t + span - 1 its decoding reads as t leaves the window
     chunk = 128  # the parallel forms' tokens a chunk: O(chunk (d_m + chunk)) memory
 
+    # the paper's sizes (a real Qwen3); train.py's defaults are the baby's: window 32, d_mem 16,
+    # d_hidden 64
     def __init__(self, config, window=256, d_mem=128, d_hidden=128, gamma=0.002,
                  arrival=False, received=False):
         super().__init__()
@@ -285,7 +287,8 @@ class Scorer(Module):
                 alone = torch.stack([r[..., 0] for r in each], -1)
                 if not torch.allclose(alone, whole, rtol=1e-4, atol=1e-5):
                     past = f"{self.kind}: r[t] reads past t + span - 1 (span {self.span})"
-                    raise ValueError(f"{past}: its decoding would differ from its masked pass; {fix}")
+                    differ = "its decoding would differ from its masked pass"
+                    raise ValueError(f"{past}: {differ}; {fix}")
 
     # x (B, H, T, 2D) in the scorer's dtype (fp64 beside an fp64 model): [k; v], RMS-normalised
     def features(self, k, v):

@@ -11,10 +11,10 @@ from cache import KVCache, resolve
 @torch.no_grad()
 def evaluate(model, idx, policy, budget, sinks=4, window=256, online=True,
              target=kvpop.TARGETS[0]):
-    """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True, token
-    by token through the evicting KVCache; online=False, one pass with the eviction-time mask (static
-    and learned policies; a dynamic one is refused). The two agree. target: the oracle's, one of
-    TARGETS."""
+    """Teacher-forced logits (B, T, vocab) of idx (B, T) under a per-head budget: online=True,
+    token by token through the evicting KVCache; online=False, one pass with the eviction-time mask
+    (static and learned policies; a dynamic one is refused). The two agree. target: the oracle's,
+    one of TARGETS."""
     B, T = idx.shape
     if isinstance(policy, kvpop.Scorer):
         policy.check(model.config, window)
