@@ -5,7 +5,8 @@ python -m experiments.levers train --lever reach --max_iters 200 --out_dir lv/re
 python -m experiments.levers eval --scorers lv/base,lv/reach --n 16
 
 Levers: reach (kvpop-window's reads see the whole window, w - 1 tokens, not 32); pairwise (the boundary loss plus a
-pairwise loss at every eviction: the teacher's evicted token below each token its pool keeps); value (the max target
+pairwise loss at every eviction: the teacher's evicted token below each token its pool keeps); margin (each boundary
+term weighed by how clear the teacher's decision is); value (the max target
 weighs each read by the norm of what it adds to the output, ||W_o,g v[t]||, KVzap's idea); none (the default recipe).
 Larger read-outs, windows and more data are train.py's own flags (--d_hidden, --window, --max_iters). `eval` prints
 KL and key top-1 (tools/measures.py's) per budget for streaming, the max oracle, the value oracle and each scorer,
@@ -70,6 +71,30 @@ def with_pairwise(boundary_loss):
     return loss
 
 
+# --------------------------------------------------------- margin: the clear decisions weigh most
+def margin_boundary_loss(pi, teacher, qs, budgets, layers=1, allsum=None):
+    """kvpop.boundary_loss with each (query, head) term weighed by how clear the teacher's decision is, |pi*[t_new] -
+    pi*[t_bnd]| (LambdaRank's idea: a swap of near-ties costs nothing, of a large read and a small one much),
+    normalised to mean 1 over each pool's keeps and drops."""
+    loss, hits = 0.0, 0.0
+    share = layers * len(budgets)
+    for budget, q in zip(budgets, qs):
+        e = kernels.eviction_times(teacher, *budget)
+        keep, t_bnd = kernels.boundary(teacher, e, q, budget)
+        t_new = (q - budget.window).expand(*pi.shape[:2], -1)
+        margin = pi.gather(-1, t_new) - pi.gather(-1, t_bnd)  # (B, H, Q)
+        clear = (teacher.gather(-1, t_new) - teacher.gather(-1, t_bnd)).abs().nan_to_num(0.0, 0.0, 0.0)
+        y = 2 * keep.float() - 1
+        weight = torch.zeros_like(clear)
+        for side in (keep, ~keep):  # each side's weights sum to 1/2, as kvpop's omega's
+            weight += side * clear / (2 * (side * clear).sum().clamp(min=1e-12))
+        loss = loss + (weight * torch.nn.functional.softplus(-y * margin)).sum() / share
+        counts = torch.stack([keep.sum(), (~keep).sum()]).clamp(min=1)
+        omega = torch.where(keep, 0.5 / counts[0], 0.5 / counts[1])
+        hits += (omega * ((margin > 0) == keep)).sum().item() / share
+    return loss, hits
+
+
 # -------------------------------------------------------------------------- value: what a read adds
 def output_norms(model, layer, v):
     """||W_o,g v[t]|| (B, Hq, T): the norm of what token t's value adds to the output of query head g per unit of
@@ -106,13 +131,15 @@ def value_oracle(model, idx, window):  # pi = the value-aware r*
     return lambda layer, k, v, pos: targets[layer][:, :, pos]
 
 
-LEVERS = dict(none={}, reach=dict(kind=ReachScorer.kind), pairwise={}, value={})
+LEVERS = dict(none={}, reach=dict(kind=ReachScorer.kind), pairwise={}, margin={}, value={})
 
 
 def train(lever, args):
     """train.py --task code with the lever applied, every other flag passed on."""
     if lever == "pairwise":
         kvpop.boundary_loss = with_pairwise(kvpop.boundary_loss)
+    if lever == "margin":
+        kvpop.boundary_loss = margin_boundary_loss
     if lever == "value":
         fast.dense_targets = value_targets
     kind = [f"--{k}={v}" for k, v in LEVERS[lever].items()]
