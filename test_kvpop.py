@@ -302,6 +302,8 @@ def test_window_received_is_its_definition(window):
     q, k = torch.randn(2, 4, 37, 8, generator=g) * 2, torch.randn(2, 2, 37, 8, generator=g)
     got = kernels.window_received(q, k, window)
     assert got.shape == (2, 2, 37) and (got.double() - _ref_window_received(q, k, window)).abs().max() <= 1e-6
+    plain = kernels.plain_window_received(q, k, window)  # --plain's form
+    assert plain.shape == (2, 2, 37) and (plain.double() - _ref_window_received(q, k, window)).abs().max() <= 1e-6
     if window == 1:  # a query's window is itself alone
         assert torch.equal(got, torch.ones_like(got))
 
