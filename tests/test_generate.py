@@ -48,11 +48,15 @@ def test_grading_cases(text, answer, extracted, right):
 
 def test_grading_thinking_and_prefix():
     """Under --think the answer is what follows </think> (a number inside the thinking does not
-    count; no </think>: no answer); --grade prefix: the text's start, leading spaces stripped."""
+    count; no </think>: no answer); --grade prefix: the text's start, leading spaces stripped; an empty
+    reference answer is never matched."""
     assert generate.extract("<think>maybe 4</think>\\boxed{5}", "math", True, "5") == ("5", True)
     assert generate.extract("<think>so 5 ... still thinking", "math", True, "5") == ("", False)
     assert generate.extract(" apple key name", "prefix", False, "apple") == ("apple", True)
     assert generate.extract(" pear apple", "prefix", False, "apple") == ("pear ", False)
+    # an empty answer is never right: no text starts with it, no empty text equals it
+    assert generate.extract(" pear", "prefix", False, "") == ("", False)
+    assert generate.extract("  ", "math", False, "") == ("", False)
 
 
 def _jsonl(path, rows):
