@@ -196,7 +196,7 @@ def test_out_of_another_run_is_refused(tmp_path, monkeypatch):
 
 def test_each_problem_and_sample_has_its_own_seed():
     """An answer's seed (generate.seed_of) is one for each (seed, problem, sample): --samples draws differ, a
-    problem's draws differ from another's, and the seed fits torch.manual_seed (under 2**63)."""
+    problem's draws differ from another's, and the seed is a non-negative signed 64-bit integer."""
     seeds = [generate.seed_of(seed, p, s) for seed in (0, 1) for p in range(3) for s in range(3)]
     assert len(set(seeds)) == len(seeds) and all(0 <= x < 2**63 for x in seeds)
     assert generate.seed_of(0, 1, 2) == generate.seed_of(0, 1, 2)
