@@ -308,6 +308,25 @@ def test_window_received_is_its_definition(window):
         assert torch.equal(got, torch.ones_like(got))
 
 
+def test_dense_pass_under_plain_is_kvpops(monkeypatch):
+    """kernels.PLAIN (train.py --plain): fast.dense_targets runs kvpop.dense_targets, the definition, never
+    fast.dense_layer; without it, dense_layer."""
+    c = qwen3.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )
+    torch.manual_seed(0)
+    net = qwen3.Qwen3(c).eval()
+    idx = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    layers = []
+    real = fast.dense_layer
+    monkeypatch.setattr(fast, "dense_layer", lambda *a: layers.append(1) or real(*a))
+    for plain in (True, False):
+        monkeypatch.setattr(kernels, "PLAIN", plain)
+        fast.dense_targets(net, idx, 4, "max")
+        assert (len(layers) == 0) is plain, plain
+
+
 @pytest.mark.parametrize("target", kvpop.TARGETS)
 def test_dense_pass_is_its_definition(target, monkeypatch):
     """fast.dense_targets (training's one dense pass a layer) against the definitions written from the README in
