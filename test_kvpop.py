@@ -302,8 +302,29 @@ def test_window_received_is_its_definition(window):
     q, k = torch.randn(2, 4, 37, 8, generator=g) * 2, torch.randn(2, 2, 37, 8, generator=g)
     got = kernels.window_received(q, k, window)
     assert got.shape == (2, 2, 37) and (got.double() - _ref_window_received(q, k, window)).abs().max() <= 1e-6
+    plain = kernels.plain_window_received(q, k, window)  # --plain's form
+    assert plain.shape == (2, 2, 37) and (plain.double() - _ref_window_received(q, k, window)).abs().max() <= 1e-6
     if window == 1:  # a query's window is itself alone
         assert torch.equal(got, torch.ones_like(got))
+
+
+def test_dense_pass_under_plain_is_kvpops(monkeypatch):
+    """kernels.PLAIN (train.py --plain): fast.dense_targets runs kvpop.dense_targets, the definition, never
+    fast.dense_layer; without it, dense_layer."""
+    c = qwen3.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )
+    torch.manual_seed(0)
+    net = qwen3.Qwen3(c).eval()
+    idx = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    layers = []
+    real = fast.dense_layer
+    monkeypatch.setattr(fast, "dense_layer", lambda *a: layers.append(1) or real(*a))
+    for plain in (True, False):
+        monkeypatch.setattr(kernels, "PLAIN", plain)
+        fast.dense_targets(net, idx, 4, "max")
+        assert (len(layers) == 0) is plain, plain
 
 
 @pytest.mark.parametrize("target", kvpop.TARGETS)

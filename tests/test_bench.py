@@ -370,3 +370,39 @@ def test_bench_and_its_tools_import_no_other_script():
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not names & {"train", "sample", "pretrain"}, path
+
+
+def test_generate_runs_in_their_documented_order():
+    """bench_runs.policy_runs: full once, then each other policy at each budget (a policy's budgets together), then
+    each scorer under its target at each budget."""
+    s = object()
+    got = bench_runs.policy_runs(["full", "streaming", "h2o"], [0.5, 0.25], [("max", s)])
+    others = [("-", p, b) for p in ("streaming", "h2o") for b in (0.5, 0.25)]
+    assert got == [("-", "full", 1), *others, ("max", s, 0.5), ("max", s, 0.25)]
+
+
+def test_meter_keeps_the_peak_after_a_free():
+    """timing.Meter's peak is the most bytes live at once: 8 MB held, freed, then 4 bytes: the peak stays >= 8 MB,
+    and a view adds nothing."""
+    with timing.Meter() as meter:
+        x = torch.zeros(2**21)  # 8 MiB of fp32
+        x.view(-1, 2)  # on x's storage
+        del x
+        torch.zeros(1)
+    assert 2**23 <= meter.peak < 2**23 + 1024 and meter.now <= 1024
+
+
+def test_write_budgets_a_share_of_prompt_and_answer(monkeypatch):
+    """bench_runs.write: the cache's budget is a share of P + tokens (a prompt of 20 and 12 to write at 0.5, no state:
+    16 entries), and it writes `tokens` ids a row when nothing stops it."""
+    made = []
+    real = bench_runs.KVCache
+    monkeypatch.setattr(bench_runs, "KVCache", lambda *args: made.append(args[2]) or real(*args))
+    c = qwen3.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+    )
+    net = qwen3.Qwen3(c).eval()
+    prompt = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(0))
+    out = bench_runs.write(net, prompt, "streaming", 0.5, 2, 4, 12, (0.0, 0, 1.0), 0)
+    assert made == [16] and out.shape == (2, 12)

@@ -378,3 +378,19 @@ def test_trained_scorer_online_equals_masked(baby, kind):
         on = tasks.evaluate(net, idx, s, budget, 4, 32, online=True)
         off = tasks.evaluate(net, idx, s, budget, 4, 32, online=False)
         assert (on - off).abs().max().item() <= 1e-4
+
+
+def test_plain_cache_takes_a_prompt_a_token_a_step(small_model, monkeypatch):
+    """Under kernels.PLAIN (--plain) a prompt written through the cache (sample.py, bench.py generate) comes in a token
+    a step, never by prefill; otherwise it is prefilled in one pass."""
+    idx = torch.randint(0, 384, (1, 30), generator=torch.Generator().manual_seed(2))
+    for plain in (True, False):
+        monkeypatch.setattr(kernels, "PLAIN", plain)
+        cache = KVCache(small_model, 1, 20, "knorm", 4, 8)
+        assert cache.whole(30) is not plain
+        passes, real = [], KVCache.prefill
+        monkeypatch.setattr(KVCache, "prefill", lambda self, *a: passes.append(1) or real(self, *a))
+        with torch.no_grad():
+            small_model(idx, cache=cache)
+        monkeypatch.undo()
+        assert (len(passes) == 0) is plain, plain  # else one prefill a layer

@@ -720,3 +720,34 @@ def test_student_measures_count_the_pools_exactly(monkeypatch):
     (row,) = student.measure(None, Hand(), idx, window, pool, "max")
     assert (row["layer"], row["head"]) == (0, 0)
     assert row["overlap"] == 3 / 4 and row["recent"] == 2 / 4
+
+
+def test_code_runs_paired_column_at_every_budget():
+    """tools/measures.code_runs' kl_paired on a tiny random model, 3 files, two budgets: a mean of per-file
+    differences is the difference of the means, so at each budget streaming's own is 0, full's is minus streaming's
+    KL there and random's is its KL less streaming's there (rows rounded to 5 decimals); code_table prints it signed in
+    its own column. Weights x6: attention far from uniform, so the budgets' KL differ."""
+    torch.manual_seed(0)
+    c = qwen3.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )
+    net = qwen3.Qwen3(c).eval()
+    with torch.no_grad():
+        for w in net.parameters():
+            w.mul_(6 if w.dim() == 2 else 1)
+    idx = torch.randint(0, 64, (3, 48), generator=torch.Generator().manual_seed(1))
+    budgets = [0.5, 0.25]
+    rows = measures.code_runs(net, idx, ["full", "streaming", "random"], budgets, 2, 4)
+    at = {(r["policy"], r["budget"]): r for r in rows}
+    for b in budgets:
+        kl = at["streaming", b]["kl"]
+        assert kl > 0 and at["streaming", b]["kl_paired"] == 0
+        assert at["full", b]["kl_paired"] == pytest.approx(-kl, abs=2e-5)
+        assert at["random", b]["kl_paired"] == pytest.approx(at["random", b]["kl"] - kl, abs=2e-5)
+    assert at["streaming", 0.25]["kl"] != at["streaming", 0.5]["kl"]  # the budgets differ
+    lines = measures.code_table(rows).splitlines()
+    column = lines[0].split(" | ").index("KL - streaming's (paired)")
+    row = at["random", 0.25]
+    cells = next(line for line in lines if "| random | 0.25 |" in line).split(" | ")
+    assert cells[column] == f"{row['kl_paired']:+.4f} ± {row['kl_paired_ci']:+.4f}"

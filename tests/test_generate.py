@@ -48,11 +48,15 @@ def test_grading_cases(text, answer, extracted, right):
 
 def test_grading_thinking_and_prefix():
     """Under --think the answer is what follows </think> (a number inside the thinking does not
-    count; no </think>: no answer); --grade prefix: the text's start, leading spaces stripped."""
+    count; no </think>: no answer); --grade prefix: the text's start, leading spaces stripped; an empty
+    reference answer is never matched."""
     assert generate.extract("<think>maybe 4</think>\\boxed{5}", "math", True, "5") == ("5", True)
     assert generate.extract("<think>so 5 ... still thinking", "math", True, "5") == ("", False)
     assert generate.extract(" apple key name", "prefix", False, "apple") == ("apple", True)
     assert generate.extract(" pear apple", "prefix", False, "apple") == ("pear ", False)
+    # an empty answer is never right: no text starts with it, no empty text equals it
+    assert generate.extract(" pear", "prefix", False, "") == ("", False)
+    assert generate.extract("  ", "math", False, "") == ("", False)
 
 
 def _jsonl(path, rows):
@@ -188,3 +192,32 @@ def test_out_of_another_run_is_refused(tmp_path, monkeypatch):
     message = exits(monkeypatch, "bench.py generate", "--data", data, "--out", str(out))
     one_line_error(message, "holds the answers of another run")
     one_line_error(exits(monkeypatch, "bench.py generate", "--chat"), "--chat: applies to --data")
+
+
+def test_each_problem_and_sample_has_its_own_seed():
+    """An answer's seed (generate.seed_of) is one for each (seed, problem, sample): --samples draws differ, a
+    problem's draws differ from another's, and the seed is a non-negative signed 64-bit integer."""
+    seeds = [generate.seed_of(seed, p, s) for seed in (0, 1) for p in range(3) for s in range(3)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= x < 2**63 for x in seeds)
+    assert generate.seed_of(0, 1, 2) == generate.seed_of(0, 1, 2)
+
+
+def test_read_problems_skips_blank_lines_and_check_lengths_reads_the_shortest(tmp_path):
+    """--data: a blank line between problems is skipped (not the end of the file); each budget must leave a pool on
+    the shortest problem with its answer (a budget is a share of it), not the longest alone."""
+    import types
+
+    rows = [dict(question="a", answer="1"), dict(prompt="b", answer="#### 2")]
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
+    assert generate.read_problems(str(path)) == [("a", "1"), ("b", "2")]
+
+    def need(ok, message):
+        if not ok:
+            raise ValueError(message)
+
+    opts = types.SimpleNamespace(max_new_tokens=4, sinks=4, window=8)
+    config = types.SimpleNamespace(max_position_embeddings=1024)
+    generate.check_lengths(opts, need, config, [400, 300], [0.25], [], torch.float32)
+    with pytest.raises(ValueError, match=r"--budgets 0.25 on the shortest problem \(20 tokens\)"):
+        generate.check_lengths(opts, need, config, [400, 16], [0.25], [], torch.float32)

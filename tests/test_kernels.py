@@ -144,7 +144,10 @@ def test_kernels_attention(_k_tile, device, G):
 
 
 @pytest.mark.usefixtures("_k_tile")
-def test_kernels_attention_bf16_and_scale():
+@pytest.mark.parametrize("plain", [False, True])
+def test_kernels_attention_bf16_and_scale(plain, monkeypatch):
+    """The tiled form and, under kernels.PLAIN (--plain), plain_attention, both at a given scale."""
+    monkeypatch.setattr(kernels, "PLAIN", plain)
     q, k, v = (x.bfloat16() for x in _k_qkv(2, 2, 45, 32, "cpu", 7))
     out, lse = kernels.attention(q, k, v, scale=0.3)
     ref, ref_lse = _k_dense_attention(q, k, v, None, 0, 0.3)  # fp64 of the same bf16 values

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import kernels
 import kvpop
 import qwen3
 from support import baby_tasks, checkpoint, tokenizer
@@ -289,7 +290,8 @@ def test_sample_plain_writes_the_same_text(policy):
 
 
 def test_plain_runs_the_definitions_alone(monkeypatch, tmp_path):
-    """--plain never puts a scorer on fast.py's forms (sample.py and bench.py quality); without it they do."""
+    """--plain never puts a scorer on fast.py's forms (sample.py and bench.py quality); without it they do; sample.py
+    sets kernels.PLAIN from --plain."""
     import runpy
 
     import bench
@@ -302,11 +304,14 @@ def test_plain_runs_the_definitions_alone(monkeypatch, tmp_path):
     monkeypatch.chdir(HERE)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     argv = ["sample.py", "--budget", "0.25", "--num_samples", "1", "--max_new_tokens", "4"]
+    monkeypatch.setattr(kernels, "PLAIN", False)  # restored after
     monkeypatch.setattr(sys, "argv", [*argv, "--plain"])
     runpy.run_path(os.path.join(HERE, "sample.py"), run_name="__main__")
+    assert kernels.PLAIN is True  # the cache by kvpop.evict, the kernels' plain forms
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(RuntimeError, match="fast form"):
         runpy.run_path(os.path.join(HERE, "sample.py"), run_name="__main__")
+    assert kernels.PLAIN is False
     quality = ["--n", "2", "--policies", "full", "--budgets", "0.25", "--json", str(tmp_path / "q.json")]
     bench.cmd_quality([*quality, "--plain"])
     with pytest.raises(RuntimeError, match="fast form"):

@@ -637,3 +637,37 @@ def test_code_presets_are_the_shipped_scorers(tmp_path):
     r = run("bench.py", "quality", "--task", "code", "--n", "2", "--policies", "full", "--budgets", "0.25", "--scorer", "")
     window, length = shipped["window"], shipped["trained"]["seq_len"]
     assert r.returncode == 0 and f"the first {length} tokens" in r.stdout and f"window {window}\n" in r.stdout
+
+
+def test_audit_plain_trains_the_definition(monkeypatch):
+    """train.py --plain: load() never puts the scorer on fast.py's forms (fast.speed_up), without it it does;
+    and the script sets kernels.PLAIN from --plain before it trains. Breaks: `plain or` dropped from load's choice;
+    kernels.PLAIN = plain written kernels.PLAIN = False."""
+    import fast
+    import kernels
+    import train
+
+    monkeypatch.chdir(HERE)
+    monkeypatch.setattr(kernels, "PLAIN", False)  # restored after
+    sped = []
+    monkeypatch.setattr(fast, "speed_up", lambda s: sped.append(s) or s)
+    monkeypatch.setattr(train, "plain", True)
+    assert train.load()[5] is not None and sped == []
+    monkeypatch.setattr(train, "plain", False)
+    assert train.load()[5] is sped[0]
+    # the script: stopped where it starts its processes, after setting kernels.PLAIN
+    import runpy
+
+    class Started(Exception):
+        pass
+
+    def start(device):
+        raise Started(kernels.PLAIN)
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr("support.processes.start", start)
+    for flag in (True, False):
+        monkeypatch.setattr(sys, "argv", ["train.py", *(["--plain"] if flag else [])])
+        with pytest.raises(Started) as e:
+            runpy.run_path(os.path.join(HERE, "train.py"), run_name="__main__")
+        assert e.value.args[0] is flag
