@@ -607,7 +607,7 @@ def test_audit_log_line_is_the_intervals_mean(monkeypatch, tmp_path, capsys):
     settings = dict(max_iters=6, log_interval=3, eval_interval=6, final_seqs=0, batch_size=1, seq_len=128, window=16)
     for name, value in (settings | dict(budget=0.375, out_dir=str(tmp_path))).items():
         monkeypatch.setattr(train, name, value)
-    monkeypatch.setattr(train.kvpop, "dense_targets", lambda *a: (None, None))
+    monkeypatch.setattr(train.fast, "dense_targets", lambda *a: (None, None))
     monkeypatch.setattr(train, "scorer_loss", lambda *a: next(steps))
     monkeypatch.setattr(train, "held_out", lambda *a: "")
     train.train()
