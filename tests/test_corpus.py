@@ -466,7 +466,7 @@ def test_bench_quality_ref_judges_against_the_model_before(tmp_path, monkeypatch
 
 def test_code_table_puts_each_metric_in_its_column():
     """code_table's columns, read back from a row whose every metric is a different number."""
-    names = ("kl", "top1", "key_share", "key_top1", "key_loss")
+    names = ("kl", "top1", "key_share", "key_top1", "key_loss", "kl_paired")
     row = dict(target="max", policy="p", budget=0.25)
     row.update(ppl_ratio=1.5, ppl_lo=1.25, ppl_hi=1.75)
     for j, name in enumerate(names):
@@ -481,6 +481,7 @@ def test_code_table_puts_each_metric_in_its_column():
     assert cells["key top-1"] == "40.0% ± 4.0%"
     assert cells["key loss rise"] == "0.50 ± 0.05"
     assert cells["perplexity ratio"] == "1.500 (1.250-1.750)"
+    assert cells["KL - streaming's (paired)"] == "+0.6000 ± 0.0600"
 
 
 def test_read_on_counts_each_policys_far_copies(capsys):

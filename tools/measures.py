@@ -117,7 +117,7 @@ def cell(row, name, form):
     half = row[f"{name}_ci"]
     if half is None:
         return "-"
-    return f"{row[name]:{form}} ± {half:{form}}"
+    return f"{row[name]:{form}} ± {half:{form.lstrip('+')}}"
 
 
 # a markdown table of code_runs' rows, each mean with its 95% half-width ("-": no key token)
