@@ -751,4 +751,4 @@ def test_code_runs_paired_column_at_every_budget():
     column = lines[0].split(" | ").index("KL - streaming's (paired)")
     row = at["random", 0.25]
     cells = next(line for line in lines if "| random | 0.25 |" in line).split(" | ")
-    assert cells[column] == f"{row['kl_paired']:+.4f} ± {row['kl_paired_ci']:+.4f}"
+    assert cells[column] == f"{row['kl_paired']:+.4f} ± {row['kl_paired_ci']:.4f}"
